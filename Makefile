@@ -1,0 +1,39 @@
+# fsdp-cpp: thin driver over CMake + Ninja. `make run` and `make test` do everything on a fresh
+# Debian 12 machine (missing packages are installed by scripts/setup.sh).
+BUILD   ?= build
+JOBS    ?= $(shell nproc)
+CTEST_J ?= 2
+
+.PHONY: all setup configure build run test sanitize format clean
+
+all: build
+
+setup:
+	@scripts/setup.sh
+
+$(BUILD)/build.ninja: | setup
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release
+
+configure: setup $(BUILD)/build.ninja
+
+build: configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+# The main job: the reference trainer on 2 local ranks, no arguments.
+run: build
+	$(BUILD)/bin/fsdp-train
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(CTEST_J) --timeout 600
+
+# The test suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/.
+sanitize: setup
+	cmake -S . -B build-asan -G Ninja -DFSDP_SANITIZE=ON
+	cmake --build build-asan -j $(JOBS)
+	cd build-asan && ASAN_OPTIONS=detect_leaks=0:new_delete_type_mismatch=0 ctest --output-on-failure -j $(CTEST_J) --timeout 1200
+
+format:
+	clang-format -i $$(git ls-files '*.cpp' '*.h')
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,108 @@
+// Communicator: the collectives fully_shard needs, asynchronous, over a c10d process group.
+//
+// Every operation validates its buffers on the calling rank before anything is issued, returns a
+// Work, and Work::wait() throws fsdp::CommError naming the operation, the byte count, the ranks and
+// the timeout when the collective does not finish in time. Collectives must be issued in the same
+// order on every rank of a communicator; use split() for an independent ordering lane.
+//
+// Thread-safety: a Communicator may be used from one thread at a time (autograd hooks run on the
+// thread that called backward on CPU). Work objects may be waited from any thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+class Store;
+class Work;
+}  // namespace c10d
+
+namespace fsdp {
+
+enum class ReduceOp {
+  kSum,  // element-wise sum over ranks
+  kAvg,  // sum, then divided by the world size
+};
+
+// Handle to an in-flight collective. wait() completes it (running any local post-processing such
+// as the sum of a reduce-scatter) and rethrows its failure. Waiting twice is a no-op.
+class Work {
+ public:
+  Work() = default;
+  struct Impl;
+  explicit Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  // Waits with the communicator's timeout.
+  void wait();
+  // Waits at most `timeout`; throws CommError when it expires.
+  void wait(std::chrono::milliseconds timeout);
+  bool is_completed() const;
+  bool defined() const { return impl_ != nullptr; }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+struct CommStats {
+  int64_t collectives = 0;
+  int64_t bytes_sent = 0;  // bytes this rank put on the wire, by the ring model of each op
+};
+
+class Communicator {
+ public:
+  // Wraps an existing c10d process group. `store` is kept for split(); `backend` is "gloo" or "nccl".
+  Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::Store> store,
+               std::string backend, std::chrono::milliseconds timeout, std::string name = "world",
+               std::string bind_host = "127.0.0.1");
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& name() const { return name_; }
+  const std::string& backend() const { return backend_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+
+  // REQUIRES: output contiguous, output.numel() == size() * input.numel(), same dtype.
+  // output[r * n : (r + 1) * n] receives rank r's input.
+  Work all_gather(const at::Tensor& output, const at::Tensor& input);
+  // REQUIRES: input contiguous, input.numel() == size() * output.numel(), same dtype.
+  // output = op over ranks of input[rank * n : (rank + 1) * n]. Low-precision data is summed in fp32.
+  Work reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
+  // In place, all ranks end with the reduction.
+  Work all_reduce(const at::Tensor& tensor, ReduceOp op);
+  // In place, from `root` to all.
+  Work broadcast(const at::Tensor& tensor, int root);
+  Work barrier();
+
+  // A new communicator over the same ranks whose collectives are ordered independently of this
+  // one. Collective itself: every rank must call split() with the same name in the same order.
+  std::shared_ptr<Communicator> split(const std::string& name);
+
+  const CommStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = CommStats{}; }
+
+ private:
+  Work make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::string op, int64_t bytes,
+                 std::function<void()> finish);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string backend_;
+  std::chrono::milliseconds timeout_;
+  std::string name_;
+  std::string bind_host_;
+  int rank_ = 0;
+  int size_ = 1;
+  int splits_ = 0;
+  CommStats stats_;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,162 @@
+// fully_shard: FSDP2 semantics for torch::nn modules.
+//
+// Usage (see README): declare each module to shard as fsdp::Sharded<Holder> in place of Holder,
+// call fully_shard bottom-up (blocks first, then the root), build the optimizer on the root
+// handle's parameters(), and train as usual. Each parameter is sharded on dim 0 across ranks
+// (torch.chunk rule); it is all-gathered before its module's forward and again before its backward;
+// its gradient is reduce-scattered (mean over ranks) once every participating gradient of its group
+// is final. See docs/design.md, [Note: the post-backward guarantee].
+//
+// Thread-safety: a sharded model is used by one thread at a time, like any torch::nn module.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <fsdp/communicator.h>
+#include <fsdp/error.h>
+#include <fsdp/options.h>
+
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace fsdp {
+
+namespace detail {
+class Group;
+// The forward interception, one object per call of a sharded module.
+class ForwardScope {
+ public:
+  ForwardScope(Group* group);  // pre-forward: unshard (or wait for the prefetch)
+  ~ForwardScope();             // restores state when forward throws
+  // post-forward: registers pre-backward hooks on the outputs, reshards if configured.
+  at::Tensor finish(at::Tensor out);
+  std::vector<at::Tensor> finish(std::vector<at::Tensor> outs);
+  // Inputs pass through an identity autograd function that marks this call's backward done.
+  at::Tensor input(const at::Tensor& x);
+
+ private:
+  Group* group_;
+  bool finished_ = false;
+};
+// Rethrows a LibTorch error raised by a resharded parameter as an fsdp::Error naming it.
+[[noreturn]] void rethrow_forward_error(Group* group);
+
+template <class T>
+decltype(auto) wrap_input(ForwardScope& s, T&& x) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    return s.input(x);
+  } else {
+    return std::forward<T>(x);
+  }
+}
+}  // namespace detail
+
+// A parameter's shard as the optimizer and checkpoints see it.
+struct ShardInfo {
+  std::string name;                  // original name, relative to the handle's module
+  std::vector<int64_t> global_shape;  // the full parameter's shape (a 0-d parameter is [] here)
+  at::Tensor shard;                  // this rank's rows [row_offset, row_offset + shard.size(0))
+  int64_t row_offset = 0;            // first global row held by this rank
+  int64_t rows_per_rank = 0;         // c = ceil(rows / world), the chunk size
+  bool requires_grad = true;
+};
+
+// Handle returned by fully_shard. Copies share state.
+class FSDPModule {
+ public:
+  FSDPModule() = default;
+  explicit FSDPModule(std::shared_ptr<detail::Group> g) : group_(std::move(g)) {}
+
+  // The local shards of every parameter managed at or below this module (for a root: the whole
+  // model), in registration order. Pass these to any torch::optim optimizer.
+  std::vector<at::Tensor> parameters() const;
+  // The same shards under the original (unsharded) parameter names.
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+  // Full description of each shard (global shape, offsets), for checkpoints.
+  std::vector<ShardInfo> shards() const;
+
+  // Gathers this module's own group of parameters (blocking), or frees it again.
+  void unshard();
+  void reshard();
+  // Off: backward keeps unsharded gradients locally (accumulation); on: the next backward reduces
+  // their sum. Applies to this module and every sharded module below it.
+  void set_requires_gradient_sync(bool sync);
+  void set_reshard_after_backward(bool reshard);
+  void set_reshard_after_forward(bool reshard);
+  // Prefetch overrides (see docs/performance.md): groups whose all-gather is issued when this
+  // module's forward (backward) starts.
+  void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
+  void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
+
+  const std::string& name() const;
+  Communicator& communicator() const;
+  detail::Group* group() const { return group_.get(); }
+  const std::shared_ptr<detail::Group>& shared_group() const { return group_; }
+  bool defined() const { return group_ != nullptr; }
+
+ private:
+  std::shared_ptr<detail::Group> group_;
+};
+
+// Declare a module to be sharded as Sharded<Holder> (e.g. Sharded<Block> for TORCH_MODULE(Block)):
+// calls go through operator(), which gathers the parameters before forward and arranges backward.
+template <class Holder>
+class Sharded : public Holder {
+ public:
+  using Holder::Holder;
+  Sharded(Holder h) : Holder(std::move(h)) {}  // NOLINT: implicit on purpose
+
+  template <class... Args>
+  decltype(auto) operator()(Args&&... args) {
+    if (!group_) return Holder::operator()(std::forward<Args>(args)...);
+    detail::ForwardScope scope(group_.get());
+    try {
+      return scope.finish(
+          Holder::operator()(detail::wrap_input(scope, std::forward<Args>(args))...));
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception&) {
+      detail::rethrow_forward_error(group_.get());
+    }
+  }
+
+  // Set by fully_shard.
+  void attach(std::shared_ptr<detail::Group> g) { group_ = std::move(g); }
+  const std::shared_ptr<detail::Group>& fsdp_group() const { return group_; }
+
+ private:
+  std::shared_ptr<detail::Group> group_;
+};
+
+namespace detail {
+FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
+                            std::shared_ptr<Communicator> comm, const ShardOptions& options,
+                            bool already_attached);
+}  // namespace detail
+
+// Shards `module`'s parameters that no sharded descendant manages. Apply bottom-up. The module must
+// be declared as fsdp::Sharded<...> so that its calls can be intercepted.
+template <class Holder>
+FSDPModule fully_shard(Sharded<Holder>& module, std::shared_ptr<Communicator> comm,
+                       const ShardOptions& options = {}) {
+  auto handle = detail::fully_shard_impl(module.ptr(), std::move(comm), options,
+                                         module.fsdp_group() != nullptr);
+  module.attach(handle.shared_group());
+  return handle;
+}
+
+template <class Holder>
+FSDPModule fully_shard(Holder&, std::shared_ptr<Communicator>, const ShardOptions& = {}) {
+  static_assert(sizeof(Holder) == 0,
+                "fsdp::fully_shard needs the module declared as fsdp::Sharded<T> (a one-word "
+                "change in the model) so that its forward can be intercepted");
+  return {};
+}
+
+}  // namespace fsdp

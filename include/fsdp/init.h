@@ -1,0 +1,42 @@
+// Rendezvous: turns launcher variables (torchrun, Open MPI, Slurm, fsdp-run) into a Communicator.
+// Thread-safety: call from one thread; the returned Communicator follows communicator.h.
+#pragma once
+
+#include <fsdp/communicator.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace fsdp {
+
+struct RendezvousInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string source = "none";  // "torchrun", "openmpi", "slurm" or "none" (single rank)
+};
+
+// Reads the rendezvous from an environment lookup (getenv by default). Throws fsdp::Error naming the
+// variable for non-numbers, rank >= world size, a missing MASTER_ADDR when world size > 1, ...
+RendezvousInfo parse_rendezvous_env(
+    const std::function<const char*(const char*)>& getenv_fn = nullptr);
+
+struct InitOptions {
+  // Collective and rendezvous timeout; FSDP_TIMEOUT_S overrides the default when not set here.
+  std::optional<std::chrono::milliseconds> timeout;
+  std::string backend = "auto";  // "gloo", "nccl" (LibTorch with CUDA only), or "auto"
+};
+
+// Connects this process to its peers: a TCPStore served by rank 0 at MASTER_ADDR:MASTER_PORT, then a
+// process group. A single rank when no launcher variables are set.
+std::shared_ptr<Communicator> init_process_group(const InitOptions& options = {});
+
+// The timeout in effect: options, else FSDP_TIMEOUT_S, else 300 s.
+std::chrono::milliseconds resolve_timeout(const std::optional<std::chrono::milliseconds>& t);
+
+}  // namespace fsdp

@@ -1,0 +1,19 @@
+// Options of fully_shard. Thread-safety: plain values.
+#pragma once
+
+#include <optional>
+
+namespace fsdp {
+
+struct ShardOptions {
+  // Free the gathered parameters after forward and gather them again before backward. Default:
+  // true for sharded submodules, false for the root (whose parameters are needed first in backward).
+  std::optional<bool> reshard_after_forward;
+  // Check the post-backward invariants (Final, Once, Agreed, Complete) at every backward on every
+  // rank; also switched on by FSDP_AUDIT=1. Costs one small all-gather per backward.
+  bool audit = false;
+  // How many groups' gathered parameters may be alive at once through prefetching (issue order).
+  int max_unsharded_groups = 2;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,223 @@
+#include <fsdp/communicator.h>
+#include <fsdp/error.h>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <mutex>
+
+#include "compat.h"
+
+namespace fsdp {
+
+// ---------------------------------------------------------------------------------------------
+// Work
+// ---------------------------------------------------------------------------------------------
+struct Work::Impl {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::function<void()> finish;  // local post-processing, run once on the waiting thread
+  std::string what;              // "all_gather of 4096 bytes on 'world' (rank 0 of 2)"
+  std::chrono::milliseconds timeout{0};
+  std::mutex mu;
+  bool done = false;
+};
+
+void Work::wait() {
+  if (impl_) wait(impl_->timeout);
+}
+
+void Work::wait(std::chrono::milliseconds timeout) {
+  if (!impl_) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->done) return;
+  for (auto& w : impl_->works) {
+    try {
+      w->wait(timeout);
+    } catch (const std::exception& e) {
+      std::string cause = e.what();
+      cause = cause.substr(0, cause.find('\n'));
+      impl_->done = true;  // the collective is lost; waiting again must not hang
+      throw CommError(detail::cat(
+          impl_->what, " did not complete within ", timeout.count() / 1000.0, " s: ", cause,
+          ". A peer rank may have died, hung, or issued a different collective; every rank must "
+          "issue the same collectives in the same order (raise the limit with FSDP_TIMEOUT_S)."));
+    }
+  }
+  impl_->done = true;
+  if (impl_->finish) impl_->finish();
+}
+
+bool Work::is_completed() const {
+  if (!impl_) return true;
+  for (auto& w : impl_->works)
+    if (!w->isCompleted()) return false;
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation: every check runs on the calling rank before anything is issued.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+void check_supported(const at::Tensor& t, const char* op, const char* arg) {
+  FSDP_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor");
+  switch (t.scalar_type()) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kInt:
+    case at::kLong:
+    case at::kByte:
+    case at::kChar:
+      break;
+    default:
+      throw Error(detail::cat(op, ": ", arg, " has dtype ", t.scalar_type(),
+                              "; supported are float, double, half, bfloat16 and 8/32/64-bit ints"));
+  }
+  FSDP_CHECK(t.is_contiguous(), op, ": ", arg, " must be contiguous (sizes ", t.sizes(),
+             ", strides ", t.strides(), "); pass .contiguous() or a flat buffer");
+}
+
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op) {
+  FSDP_CHECK(a.scalar_type() == b.scalar_type(), op, ": output dtype ", a.scalar_type(),
+             " does not match input dtype ", b.scalar_type(), "; both must have the same dtype");
+}
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+at::Tensor as_wire(const at::Tensor& t, const std::string& backend) {
+  auto w = compat::wire_dtype(t.scalar_type(), backend);
+  return w == t.scalar_type() ? t : t.view(w);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Communicator
+// ---------------------------------------------------------------------------------------------
+Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                           c10::intrusive_ptr<c10d::Store> store, std::string backend,
+                           std::chrono::milliseconds timeout, std::string name,
+                           std::string bind_host)
+    : pg_(std::move(pg)),
+      store_(std::move(store)),
+      backend_(std::move(backend)),
+      timeout_(timeout),
+      name_(std::move(name)),
+      bind_host_(std::move(bind_host)) {
+  rank_ = pg_->getRank();
+  size_ = pg_->getSize();
+}
+
+Communicator::~Communicator() = default;
+
+Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::string op,
+                             int64_t bytes, std::function<void()> finish) {
+  auto impl = std::make_shared<Work::Impl>();
+  impl->works = std::move(works);
+  impl->finish = std::move(finish);
+  impl->timeout = timeout_;
+  impl->what = detail::cat(op, " of ", bytes, " bytes on communicator '", name_, "' (rank ", rank_,
+                           " of ranks 0..", size_ - 1, ")");
+  stats_.collectives++;
+  return Work(std::move(impl));
+}
+
+Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
+  check_supported(output, "all_gather", "output");
+  check_supported(input, "all_gather", "input");
+  check_same_dtype(output, input, "all_gather");
+  FSDP_CHECK(output.numel() == size_ * input.numel(), "all_gather: output has ", output.numel(),
+             " elements but world size ", size_, " x input ", input.numel(), " = ",
+             size_ * input.numel(), " were expected; size the output as world_size * input.numel()");
+  if (size_ == 1) {
+    output.view({-1}).copy_(input.view({-1}));
+    return make_work({}, "all_gather", nbytes(output), nullptr);
+  }
+  auto out = as_wire(output.view({-1}), backend_);
+  auto in = as_wire(input.view({-1}), backend_);
+  stats_.bytes_sent += nbytes(input) * (size_ - 1);
+  return make_work({compat::all_gather_flat(*pg_, out, in)}, "all_gather", nbytes(output), nullptr);
+}
+
+Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+  check_supported(output, "reduce_scatter", "output");
+  check_supported(input, "reduce_scatter", "input");
+  check_same_dtype(output, input, "reduce_scatter");
+  FSDP_CHECK(input.numel() == size_ * output.numel(), "reduce_scatter: input has ", input.numel(),
+             " elements but world size ", size_, " x output ", output.numel(), " = ",
+             size_ * output.numel(),
+             " were expected; size the input as world_size * output.numel()");
+  const int64_t n = output.numel();
+  const int ws = size_;
+  auto finish_sum = [output, op, ws, n](const at::Tensor& blocks) {
+    // blocks: (ws, n), block r from rank r. Low precision accumulates in fp32.
+    auto b = blocks.view({ws, n});
+    bool low = b.scalar_type() == at::kHalf || b.scalar_type() == at::kBFloat16;
+    auto sum = low ? b.to(at::kFloat).sum(0) : b.sum(0);
+    if (op == ReduceOp::kAvg) sum.div_(ws);
+    output.view({-1}).copy_(sum);
+  };
+  if (ws == 1) {
+    finish_sum(input);
+    return make_work({}, "reduce_scatter", nbytes(input), nullptr);
+  }
+  auto received = at::empty_like(input.view({-1}));
+  auto work = compat::exchange_blocks(*pg_, as_wire(received, backend_),
+                                      as_wire(input.view({-1}), backend_));
+  stats_.bytes_sent += nbytes(output) * (ws - 1);
+  return make_work({work}, "reduce_scatter", nbytes(input),
+                   [finish_sum, received] { finish_sum(received); });
+}
+
+Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  check_supported(tensor, "all_reduce", "tensor");
+  const int ws = size_;
+  if (ws == 1) return make_work({}, "all_reduce", nbytes(tensor), nullptr);
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  if (compat::backend_reduces(tensor.scalar_type(), backend_)) {
+    std::vector<at::Tensor> ts{tensor};
+    stats_.bytes_sent += 2 * nbytes(tensor) * (ws - 1) / ws;
+    auto w = pg_->allreduce(ts, opts);
+    return make_work({w}, "all_reduce", nbytes(tensor), [tensor, op, ws] {
+      if (op == ReduceOp::kAvg) tensor.div_(ws);
+    });
+  }
+  // The backend cannot sum this dtype: sum an fp32 copy (accumulating in fp32), cast back at wait.
+  auto wide = tensor.to(at::kFloat);
+  std::vector<at::Tensor> ts{wide};
+  stats_.bytes_sent += 2 * nbytes(wide) * (ws - 1) / ws;
+  auto w = pg_->allreduce(ts, opts);
+  return make_work({w}, "all_reduce", nbytes(tensor), [tensor, wide, op, ws] {
+    if (op == ReduceOp::kAvg) wide.div_(ws);
+    tensor.copy_(wide);
+  });
+}
+
+Work Communicator::broadcast(const at::Tensor& tensor, int root) {
+  check_supported(tensor, "broadcast", "tensor");
+  FSDP_CHECK(root >= 0 && root < size_, "broadcast: root rank ", root, " is outside 0..",
+             size_ - 1);
+  if (size_ == 1) return make_work({}, "broadcast", nbytes(tensor), nullptr);
+  std::vector<at::Tensor> ts{as_wire(tensor, backend_)};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  if (rank_ == root) stats_.bytes_sent += nbytes(tensor);
+  return make_work({pg_->broadcast(ts, opts)}, "broadcast", nbytes(tensor), nullptr);
+}
+
+Work Communicator::barrier() {
+  if (size_ == 1) return make_work({}, "barrier", 0, nullptr);
+  return make_work({pg_->barrier()}, "barrier", 0, nullptr);
+}
+
+std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
+  std::string prefix = detail::cat(name_, "/", name, "#", splits_++);
+  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
+  auto pg = compat::make_process_group(store, rank_, size_, timeout_, backend_, bind_host_);
+  return std::make_shared<Communicator>(pg, store_, backend_, timeout_, prefix, bind_host_);
+}
+
+}  // namespace fsdp

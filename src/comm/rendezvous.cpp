@@ -1,0 +1,131 @@
+#include <fsdp/error.h>
+#include <fsdp/init.h>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cerrno>
+#include <cstdlib>
+
+#include "compat.h"
+
+namespace fsdp {
+namespace {
+
+int parse_int(const char* name, const char* value, int lo, int hi) {
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(value, &end, 10);
+  FSDP_CHECK(end != value && *end == '\0' && errno == 0, "environment variable ", name, "='", value,
+             "' is not an integer; set it to a number in ", lo, "..", hi);
+  FSDP_CHECK(v >= lo && v <= hi, "environment variable ", name, "=", v, " is out of range ", lo,
+             "..", hi);
+  return static_cast<int>(v);
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+}  // namespace
+
+RendezvousInfo parse_rendezvous_env(const std::function<const char*(const char*)>& getenv_fn) {
+  auto env = [&](const char* k) -> const char* {
+    const char* v = getenv_fn ? getenv_fn(k) : std::getenv(k);
+    return (v && *v) ? v : nullptr;
+  };
+  struct Source {
+    const char* name;
+    const char* rank;
+    const char* size;
+    const char* local;
+  };
+  const Source sources[] = {
+      {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"},
+      {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
+      {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
+  };
+  RendezvousInfo info;
+  for (const auto& s : sources) {
+    if (!env(s.rank) && !env(s.size)) continue;
+    FSDP_CHECK(env(s.rank) && env(s.size), s.name, " launch detected but ",
+               env(s.rank) ? s.size : s.rank, " is not set; set both ", s.rank, " and ", s.size);
+    info.source = s.name;
+    info.world_size = parse_int(s.size, env(s.size), 1, 1 << 20);
+    info.rank = parse_int(s.rank, env(s.rank), 0, 1 << 20);
+    FSDP_CHECK(info.rank < info.world_size, s.rank, "=", info.rank, " must be less than ", s.size,
+               "=", info.world_size);
+    info.local_rank = env(s.local) ? parse_int(s.local, env(s.local), 0, 1 << 20) : 0;
+    break;
+  }
+  if (const char* a = env("MASTER_ADDR")) {
+    info.master_addr = a;
+  } else {
+    FSDP_CHECK(info.world_size == 1, "world size ", info.world_size, " (from ", info.source,
+               ") needs MASTER_ADDR: set it to the address of rank 0's host (127.0.0.1 for one "
+               "machine)");
+  }
+  if (const char* p = env("MASTER_PORT")) info.master_port = parse_int("MASTER_PORT", p, 1, 65535);
+  return info;
+}
+
+std::chrono::milliseconds resolve_timeout(const std::optional<std::chrono::milliseconds>& t) {
+  if (t) {
+    FSDP_CHECK(t->count() > 0, "timeout must be positive, got ", t->count(), " ms");
+    return *t;
+  }
+  if (const char* s = std::getenv("FSDP_TIMEOUT_S"); s && *s) {
+    char* end = nullptr;
+    double v = std::strtod(s, &end);
+    FSDP_CHECK(end != s && *end == '\0' && v > 0, "FSDP_TIMEOUT_S='", s,
+               "' is not a positive number of seconds");
+    return std::chrono::milliseconds(static_cast<int64_t>(v * 1000));
+  }
+  return std::chrono::seconds(300);
+}
+
+std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
+  const RendezvousInfo info = parse_rendezvous_env();
+  const auto timeout = resolve_timeout(options.timeout);
+  const std::string backend = compat::resolve_backend(options.backend);
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string bind_host = "127.0.0.1";
+  if (info.world_size == 1) {
+    store = c10::make_intrusive<c10d::HashStore>();
+  } else {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(info.master_port);
+    o.isServer = info.rank == 0;
+    o.numWorkers = info.world_size;
+    o.waitWorkers = true;
+    o.timeout = timeout;
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(info.master_addr, o);
+    } catch (const std::exception& e) {
+      std::string cause = e.what();
+      throw CommError(detail::cat(
+          "rendezvous failed for rank ", info.rank, " of ", info.world_size, " at ",
+          info.master_addr, ":", info.master_port, " within ", timeout.count() / 1000.0,
+          " s: ", cause.substr(0, cause.find('\n')),
+          ". Check that every rank was started with the same MASTER_ADDR/MASTER_PORT and that "
+          "rank 0 is reachable (raise the limit with FSDP_TIMEOUT_S)."));
+    }
+    if (!is_loopback(info.master_addr)) bind_host.clear();  // the default interface
+  }
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp", store);
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  try {
+    pg = compat::make_process_group(prefixed, info.rank, info.world_size, timeout, backend,
+                                    bind_host);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string cause = e.what();
+    throw CommError(detail::cat("connecting rank ", info.rank, " of ", info.world_size,
+                                " to its peers failed: ", cause.substr(0, cause.find('\n'))));
+  }
+  return std::make_shared<Communicator>(pg, prefixed, backend, timeout, "world", bind_host);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,80 @@
+#include "compat.h"
+
+#include <ATen/native/Resize.h>
+#include <c10/core/CPUAllocator.h>
+#include <fsdp/error.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/version.h>
+
+namespace fsdp::compat {
+
+void free_storage(const at::Tensor& t) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  if (impl->nbytes() == 0) return;
+  // resize_bytes_cpu swaps in a fresh (empty) DataPtr: the old bytes are released immediately,
+  // and every view sharing this StorageImpl (autograd's saved tensors) sees the swap.
+  at::native::resize_bytes_cpu(impl, 0);
+}
+
+void alloc_storage(const at::Tensor& t) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  const size_t want = static_cast<size_t>(t.storage_offset() + t.numel()) * t.element_size();
+  if (impl->nbytes() == want) return;
+  at::native::resize_bytes_cpu(impl, want);
+}
+
+bool storage_allocated(const at::Tensor& t) {
+  return t.storage().unsafeGetStorageImpl()->nbytes() > 0 || t.numel() == 0;
+}
+
+at::ScalarType wire_dtype(at::ScalarType t, const std::string& backend) {
+  if (backend == "gloo" && t == at::kBFloat16) return at::kHalf;
+  return t;
+}
+
+bool backend_reduces(at::ScalarType t, const std::string& backend) {
+  if (backend == "gloo") return t != at::kBFloat16 && t != at::kHalf;
+  return true;
+}
+
+c10::intrusive_ptr<c10d::Work> all_gather_flat(c10d::ProcessGroup& pg, const at::Tensor& output,
+                                               const at::Tensor& input) {
+  // 1.13 Gloo has no _allgather_base: gather into per-rank views of the flat output.
+  std::vector<std::vector<at::Tensor>> outs{output.chunk(pg.getSize(), 0)};
+  std::vector<at::Tensor> ins{input};
+  return pg.allgather(outs, ins);
+}
+
+c10::intrusive_ptr<c10d::Work> exchange_blocks(c10d::ProcessGroup& pg, const at::Tensor& received,
+                                               const at::Tensor& input) {
+  at::Tensor out = received, in = input;
+  std::vector<int64_t> equal_splits;  // empty: equal blocks
+  return pg.alltoall_base(out, in, equal_splits, equal_splits);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                          int rank, int size,
+                                                          std::chrono::milliseconds timeout,
+                                                          const std::string& backend,
+                                                          const std::string& bind_host) {
+  FSDP_CHECK(backend == "gloo", "backend '", backend,
+             "' is not available in this LibTorch build (CPU only); use backend \"gloo\"");
+  auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+  if (bind_host.empty()) {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  } else {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(bind_host));
+  }
+  // Two worker threads: an all-gather and a reduce-scatter can be in flight together.
+  opts->threads = 2;
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+}
+
+std::string resolve_backend(const std::string& requested) {
+  if (requested == "auto") return "gloo";
+  FSDP_CHECK(requested == "gloo" || requested == "nccl", "unknown backend '", requested,
+             "': expected \"gloo\", \"nccl\" or \"auto\"");
+  return requested;
+}
+
+}  // namespace fsdp::compat

@@ -1,0 +1,46 @@
+// The one place where LibTorch 1.13 and 2.x, Gloo and NCCL differ. Everything else in fsdp-cpp calls
+// these functions and never tests TORCH_VERSION or the backend itself.
+//
+// 1.13 Gloo lacks reduce-scatter, _allgather_base, AVG and bf16 (verified; see docs/design.md).
+// Thread-safety: stateless functions.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace fsdp::compat {
+
+// Storage of a full-shaped parameter: release and re-create the bytes, keeping the TensorImpl,
+// its sizes, version counter and autograd metadata.
+void free_storage(const at::Tensor& t);
+void alloc_storage(const at::Tensor& t);
+bool storage_allocated(const at::Tensor& t);
+
+// The dtype a tensor travels as on `backend` (bf16 is bit-cast to fp16 on Gloo).
+at::ScalarType wire_dtype(at::ScalarType t, const std::string& backend);
+// Whether the backend reduces `t` itself (else the caller sums in fp32 locally).
+bool backend_reduces(at::ScalarType t, const std::string& backend);
+
+// output (size * n) receives every rank's input (n); both contiguous, same dtype.
+c10::intrusive_ptr<c10d::Work> all_gather_flat(c10d::ProcessGroup& pg, const at::Tensor& output,
+                                               const at::Tensor& input);
+// Exchanges blocks so that `received` (size * n) holds block `rank` of every rank's `input`.
+// The caller sums `received.view({size, n})` over dim 0: a reduce-scatter that puts (N-1)/N of the
+// buffer on the wire, like a ring.
+c10::intrusive_ptr<c10d::Work> exchange_blocks(c10d::ProcessGroup& pg, const at::Tensor& received,
+                                               const at::Tensor& input);
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                          int rank, int size,
+                                                          std::chrono::milliseconds timeout,
+                                                          const std::string& backend,
+                                                          const std::string& bind_host);
+// "gloo" or, where LibTorch has CUDA and a GPU is present, "nccl" for backend "auto".
+std::string resolve_backend(const std::string& requested);
+
+}  // namespace fsdp::compat

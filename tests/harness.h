@@ -1,0 +1,69 @@
+// Multi-rank test harness: runs a test body on N ranks as N real processes talking c10d over
+// loopback.
+//
+// Why processes, not threads: a rank must own its autograd engine state, its OpenMP pool and its
+// process-wide LibTorch settings, exactly as a user's rank does; a hang or crash must fail only the
+// test. The parent re-executes the test binary (fork+exec: forking a process that already ran
+// multi-threaded OpenMP work hangs the child) with --gtest_filter naming the current test and the
+// torchrun variables set; in the child, run_ranks() runs the body for that rank. The parent waits
+// with a per-test timeout, kills every rank when one fails or the time is up, and reports each
+// rank's exit status and output.
+//
+// Thread-safety: call from the gtest main thread.
+#pragma once
+
+#include <fsdp/communicator.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+namespace fsdp::testing {
+
+struct Rank {
+  int rank = 0;
+  int size = 1;
+  // The rank's communicator over loopback; created on first use (rendezvous is collective).
+  std::shared_ptr<Communicator> world();
+  std::shared_ptr<Communicator> world_;
+};
+
+struct RunOptions {
+  std::chrono::seconds timeout{120};          // the whole multi-rank run
+  double collective_timeout_s = 60;           // FSDP_TIMEOUT_S inside the ranks
+  std::map<std::string, std::string> env;     // extra environment for the ranks
+  bool expect_failure = false;                // a rank is expected to exit non-zero
+};
+
+struct RunResult {
+  std::vector<int> exit_codes;     // per rank: exit status, or 128 + signal
+  std::vector<std::string> output; // per rank: stdout + stderr
+  bool timed_out = false;
+};
+
+// In the parent: spawns `world_size` ranks running this test and fails the test (gtest) unless
+// all exit 0 (or, with expect_failure, returns the result for the caller to assert on).
+// In a rank: runs body(rank) and returns; gtest assertions inside the body fail the rank.
+RunResult run_ranks(int world_size, const std::function<void(Rank&)>& body,
+                    const RunOptions& options = {});
+
+// True inside a rank process spawned by run_ranks.
+bool in_rank_process();
+
+// Runs `prog args...` to completion with a timeout; returns exit code (128+sig when killed) and
+// the combined output.
+struct ProcResult {
+  int exit_code = -1;
+  std::string output;
+  bool timed_out = false;
+  double seconds = 0;
+};
+ProcResult run_process(const std::vector<std::string>& argv, std::chrono::seconds timeout,
+                       const std::map<std::string, std::string>& env = {});
+
+// The directory holding the built programs (build/bin).
+std::string bin_dir();
+
+}  // namespace fsdp::testing
