@@ -1,1 +1,158 @@
-// placeholder
+#include "comm_bench.h"
+
+#include <ATen/ATen.h>
+#include <fsdp/communicator.h>
+#include <fsdp/error.h>
+#include <fsdp/init.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+namespace fsdp::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Buffers of one (op, size) case, allocated and first touched once, reused by every iteration.
+struct Case {
+  std::string op;
+  int64_t shard = 0;  // elements per rank: all-gather input, reduce-scatter output
+  at::Tensor in, out;
+};
+
+int64_t case_bytes(const Case& c, int ws) {
+  return c.op == "all_reduce" ? c.in.numel() * 4 : c.shard * ws * 4;
+}
+
+double busbw_factor(const std::string& op, int ws) {
+  if (ws == 1) return 1.0;  // nothing moves; report algorithm bandwidth
+  return op == "all_reduce" ? 2.0 * (ws - 1) / ws : static_cast<double>(ws - 1) / ws;
+}
+
+// Inputs whose results are exact in fp32, so the check is equality:
+//   all_gather:     in_r[i] = r * 1000 + i % 997        -> out = concat over r
+//   reduce_scatter: in_r[j] = r + j % 251               -> out[i] = sum_r r + N * ((rank n + i) %
+//   251) all_reduce:     in_r[j] = r + j % 251 (in place)    -> sum_r r + N * (j % 251)
+at::Tensor pattern(int64_t n, int64_t modulus, double base) {
+  return at::arange(n, at::kLong).remainder_(modulus).to(at::kFloat).add_(base);
+}
+
+Work issue(Communicator& comm, Case& c) {
+  if (c.op == "all_gather") return comm.all_gather(c.out, c.in);
+  if (c.op == "reduce_scatter") return comm.reduce_scatter(c.out, c.in, ReduceOp::kSum);
+  return comm.all_reduce(c.in, ReduceOp::kSum);
+}
+
+void check_once(Communicator& comm, Case& c) {
+  const int ws = comm.size(), r = comm.rank();
+  const double rank_sum = ws * (ws - 1) / 2.0;
+  at::Tensor expected, got;
+  if (c.op == "all_gather") {
+    c.in.copy_(pattern(c.shard, 997, r * 1000.0));
+    std::vector<at::Tensor> parts;
+    for (int q = 0; q < ws; ++q) parts.push_back(pattern(c.shard, 997, q * 1000.0));
+    expected = at::cat(parts);
+    got = c.out;
+  } else if (c.op == "reduce_scatter") {
+    c.in.copy_(pattern(c.in.numel(), 251, r));
+    expected =
+        pattern(c.in.numel(), 251, 0).narrow(0, r * c.shard, c.shard).mul_(ws).add_(rank_sum);
+    got = c.out;
+  } else {
+    c.in.copy_(pattern(c.in.numel(), 251, r));
+    expected = pattern(c.in.numel(), 251, 0).mul_(ws).add_(rank_sum);
+    got = c.in;
+  }
+  issue(comm, c).wait();
+  FSDP_CHECK(at::equal(got, expected), "comm bench: ", c.op, " of ", case_bytes(c, ws),
+             " bytes on ", ws, " ranks returned a wrong result on rank ", r,
+             "; run the comm tests (ctest -L comm) to narrow it down");
+  if (c.op == "all_reduce") c.in.zero_();  // timed all-reduces then keep summing zeros
+}
+
+double round4(double x) { return std::round(x * 1e4) / 1e4; }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
+}
+
+}  // namespace
+
+int run_comm_bench(const CommBenchOptions& options) {
+  FSDP_CHECK(options.min_bytes > 0 && options.max_bytes >= options.min_bytes && options.step > 1,
+             "comm bench: sizes ", options.min_bytes, "..", options.max_bytes, " step ",
+             options.step, " are invalid; need 0 < min <= max and step > 1");
+  for (const auto& op : options.ops)
+    FSDP_CHECK(op == "all_gather" || op == "reduce_scatter" || op == "all_reduce",
+               "comm bench: unknown op '", op,
+               "'; expected all_gather, reduce_scatter or all_reduce");
+  auto comm = init_process_group();
+  const int ws = comm->size(), rank = comm->rank();
+  if (rank == 0)
+    std::cerr << "fsdp-bench --comm: " << ws << " rank(s), backend " << comm->backend()
+              << ", fp32, sizes " << options.min_bytes << ".." << options.max_bytes << " bytes\n";
+
+  for (const auto& op : options.ops) {
+    for (int64_t bytes = options.min_bytes; bytes <= options.max_bytes; bytes *= options.step) {
+      Case c;
+      c.op = op;
+      c.shard = std::max<int64_t>(1, bytes / 4 / ws);  // whole buffer = ws shards of fp32
+      if (op == "all_gather") {
+        c.in = at::zeros({c.shard}, at::kFloat);
+        c.out = at::zeros({c.shard * ws}, at::kFloat);
+      } else if (op == "reduce_scatter") {
+        c.in = at::zeros({c.shard * ws}, at::kFloat);
+        c.out = at::zeros({c.shard}, at::kFloat);
+      } else {
+        c.in = at::zeros({c.shard * ws}, at::kFloat);
+      }
+      const int64_t actual = case_bytes(c, ws);
+      check_once(*comm, c);
+      const int iters = options.iters > 0
+                            ? options.iters
+                            : static_cast<int>(std::clamp<int64_t>((256ll << 20) / actual, 6, 50));
+      for (int i = 0; i < options.warmup; ++i) issue(*comm, c).wait();
+
+      // Per iteration: line the ranks up, then time issue..wait. The slowest rank sets the time.
+      auto times = at::empty({iters}, at::kDouble);
+      for (int i = 0; i < iters; ++i) {
+        comm->barrier().wait();
+        auto t0 = Clock::now();
+        issue(*comm, c).wait();
+        times[i] = std::chrono::duration<double>(Clock::now() - t0).count();
+      }
+      auto all = at::empty({ws * iters}, at::kDouble);
+      comm->all_gather(all, times).wait();
+      auto slowest = std::get<0>(all.view({ws, iters}).max(0));
+
+      if (rank == 0) {
+        const double f = busbw_factor(op, ws);
+        std::vector<double> bw;
+        for (int i = 0; i < iters; ++i) bw.push_back(actual / slowest[i].item<double>() / 1e9 * f);
+        const double med = median(bw);
+        nlohmann::ordered_json j;
+        j["op"] = op;
+        j["bytes"] = actual;
+        j["world"] = ws;
+        j["busbw_gbps_median"] = round4(med);
+        j["busbw_gbps_min"] = round4(*std::min_element(bw.begin(), bw.end()));
+        j["busbw_gbps_max"] = round4(*std::max_element(bw.begin(), bw.end()));
+        j["algbw_gbps_median"] = round4(med / f);
+        j["time_ms_median"] = round4(actual / (med / f) / 1e6);
+        j["iters"] = iters;
+        j["dtype"] = "float32";
+        j["checked"] = true;
+        std::cout << j.dump() << std::endl;
+      }
+    }
+  }
+  comm->barrier().wait();
+  return 0;
+}
+
+}  // namespace fsdp::bench

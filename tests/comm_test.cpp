@@ -1,0 +1,322 @@
+// Communicator tests on real ranks (processes over loopback Gloo): every collective x dtype x world
+// size 1-4 against a locally computed reference, overlap with compute, input validation, and the
+// timeout errors of a missing peer.
+#include <ATen/ATen.h>
+#include <fsdp/communicator.h>
+#include <fsdp/error.h>
+#include <fsdp/init.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "comm_data.h"
+#include "harness.h"
+
+namespace fsdp::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+const at::ScalarType kDtypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// A distinct seed per (case, dtype, rank) so every rank can rebuild every other rank's input.
+uint64_t seed_of(int op, at::ScalarType t, int rank, int64_t n) {
+  return 1000003ull * op + 10007ull * static_cast<int>(t) + 101ull * rank +
+         static_cast<uint64_t>(n);
+}
+
+// Exact reference of a SUM/AVG over ranks: sum in fp64 (exact for exact_sum_values), divide in the
+// dtype the implementation divides in (fp32 for low precision), round once to `t`.
+at::Tensor reduce_reference(const std::vector<at::Tensor>& contributions, ReduceOp op,
+                            at::ScalarType t) {
+  const bool low = t == at::kHalf || t == at::kBFloat16;
+  const auto acc = low ? at::kFloat : t;
+  auto sum = at::zeros_like(contributions[0], at::TensorOptions(acc));
+  for (const auto& c : contributions) sum.add_(c.to(acc));
+  if (op == ReduceOp::kAvg) sum.div_(static_cast<double>(contributions.size()));
+  return sum.to(t);
+}
+
+std::string describe(const char* op, at::ScalarType t, int64_t n, int ws) {
+  return detail::cat(op, " dtype=", t, " n=", n, " world=", ws);
+}
+
+void check_all_gather(Communicator& c, at::ScalarType t, int64_t n) {
+  const int ws = c.size();
+  std::vector<at::Tensor> parts;
+  for (int q = 0; q < ws; ++q) parts.push_back(random_bits(n, seed_of(1, t, q, n), t));
+  auto out = at::full({ws * n}, 0, at::TensorOptions(t));
+  auto work = c.all_gather(out, parts[c.rank()]);
+  work.wait();
+  EXPECT_TRUE(work.is_completed());
+  EXPECT_TRUE(bit_equal(out, at::cat(parts))) << describe("all_gather", t, n, ws);
+}
+
+void check_broadcast(Communicator& c, at::ScalarType t, int64_t n, int root) {
+  auto expected = random_bits(n, seed_of(2, t, root, n), t);
+  auto buf = c.rank() == root ? expected.clone() : at::zeros({n}, at::TensorOptions(t));
+  c.broadcast(buf, root).wait();
+  EXPECT_TRUE(bit_equal(buf, expected))
+      << describe("broadcast", t, n, c.size()) << " root=" << root;
+}
+
+void check_reduce_scatter(Communicator& c, at::ScalarType t, int64_t n, ReduceOp op) {
+  const int ws = c.size();
+  std::vector<at::Tensor> blocks;  // block `rank` of every rank's input
+  at::Tensor mine;
+  for (int q = 0; q < ws; ++q) {
+    auto in = exact_sum_values(ws * n, seed_of(3, t, q, n), t);
+    if (q == c.rank()) mine = in;
+    blocks.push_back(in.narrow(0, c.rank() * n, n));
+  }
+  auto out = at::empty({n}, at::TensorOptions(t));
+  c.reduce_scatter(out, mine, op).wait();
+  const char* name = op == ReduceOp::kSum ? "reduce_scatter SUM" : "reduce_scatter AVG";
+  EXPECT_TRUE(bit_equal(out, reduce_reference(blocks, op, t))) << describe(name, t, n, ws);
+  // The input is left untouched.
+  EXPECT_TRUE(bit_equal(mine, exact_sum_values(ws * n, seed_of(3, t, c.rank(), n), t)));
+}
+
+void check_all_reduce(Communicator& c, at::ScalarType t, int64_t n, ReduceOp op) {
+  const int ws = c.size();
+  std::vector<at::Tensor> all;
+  for (int q = 0; q < ws; ++q) all.push_back(exact_sum_values(n, seed_of(4, t, q, n), t));
+  auto buf = all[c.rank()].clone();
+  c.all_reduce(buf, op).wait();
+  const char* name = op == ReduceOp::kSum ? "all_reduce SUM" : "all_reduce AVG";
+  EXPECT_TRUE(bit_equal(buf, reduce_reference(all, op, t))) << describe(name, t, n, ws);
+}
+
+// One launch per world size; inside, every op x dtype x size.
+class CollectivesTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CollectivesTest, EveryOpAndDtypeMatchesReference) {
+  run_ranks(GetParam(), [](Rank& r) {
+    auto c = r.world();
+    ASSERT_EQ(c->size(), r.size);
+    ASSERT_EQ(c->rank(), r.rank);
+    for (at::ScalarType t : kDtypes) {
+      for (int64_t n : {int64_t{5}, int64_t{1031}}) {
+        check_all_gather(*c, t, n);
+        check_broadcast(*c, t, n, 0);
+        check_broadcast(*c, t, n, c->size() - 1);
+        check_reduce_scatter(*c, t, n, ReduceOp::kSum);
+        check_reduce_scatter(*c, t, n, ReduceOp::kAvg);
+        check_all_reduce(*c, t, n, ReduceOp::kSum);
+        check_all_reduce(*c, t, n, ReduceOp::kAvg);
+      }
+    }
+    // Barrier: the last rank arrives 300 ms late; nobody may leave before it arrived.
+    if (c->rank() == c->size() - 1) std::this_thread::sleep_for(300ms);
+    auto start = Clock::now();
+    auto b = c->barrier();
+    b.wait();
+    EXPECT_TRUE(b.is_completed());
+    if (c->size() > 1 && c->rank() != c->size() - 1) {
+      EXPECT_GE(seconds_since(start), 0.2);
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSize, CollectivesTest, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "ws" + std::to_string(info.param); });
+
+TEST(CommTest, CollectivesRunWhileComputeRuns) {
+  run_ranks(2, [](Rank& r) {
+    auto c = r.world();
+    const int64_t n = 4 << 20;  // 16 MiB per rank: far longer in flight than issuing takes
+    auto in = at::full({n}, static_cast<double>(c->rank() + 1), at::kFloat);
+    auto out = at::empty({2 * n}, at::kFloat);
+    auto rs_in = at::arange(2 * n, at::kFloat);
+    auto rs_out = at::empty({n}, at::kFloat);
+
+    auto ag = c->all_gather(out, in);
+    EXPECT_FALSE(ag.is_completed()) << "a 32 MiB all-gather completed while being issued";
+    auto rs = c->reduce_scatter(rs_out, rs_in, ReduceOp::kSum);  // a second one in flight
+
+    // Compute while both travel: (I * 2) @ x == 2 x.
+    auto x = at::randn({256, 256});
+    auto y = x;
+    for (int i = 0; i < 8; ++i) y = at::matmul(at::eye(256).mul(2), y).div(2);
+    EXPECT_TRUE(at::allclose(y, x));
+
+    // is_completed turns true without wait() once the transfer is done.
+    auto deadline = Clock::now() + 30s;
+    while (!ag.is_completed() && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
+    EXPECT_TRUE(ag.is_completed());
+    rs.wait();  // completes in any order relative to the all-gather
+    ag.wait();
+    ag.wait();  // a second wait is a no-op
+    EXPECT_TRUE(at::equal(out.narrow(0, 0, n), at::full({n}, 1.0, at::kFloat)));
+    EXPECT_TRUE(at::equal(out.narrow(0, n, n), at::full({n}, 2.0, at::kFloat)));
+    EXPECT_TRUE(at::equal(rs_out, at::arange(c->rank() * n, (c->rank() + 1) * n, at::kFloat) * 2));
+  });
+}
+
+// Validation runs on the calling rank before anything is issued: after each rejected call the two
+// ranks are still in step, which the closing all-gather proves.
+TEST(CommTest, BadInputThrowsBeforeIssuingNamingExpectedAndActual) {
+  run_ranks(2, [](Rank& r) {
+    auto c = r.world();
+    auto expect_error = [](const std::function<void()>& f, std::vector<std::string> parts) {
+      try {
+        f();
+        ADD_FAILURE() << "no error; expected one containing '" << parts[0] << "'";
+      } catch (const Error& e) {
+        for (const auto& p : parts)
+          EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
+              << "message lacks '" << p << "': " << e.what();
+      }
+    };
+    if (c->rank() == 1) {  // only rank 1 makes mistakes; rank 0 issues nothing meanwhile
+      auto f = at::zeros({10}, at::kFloat);
+      expect_error([&] { c->all_gather(at::zeros({19}, at::kFloat), f); },
+                   {"all_gather", "output has 19 elements", "2 x input 10 = 20"});
+      expect_error([&] { c->reduce_scatter(f, at::zeros({21}, at::kFloat), ReduceOp::kSum); },
+                   {"reduce_scatter", "input has 21 elements", "2 x output 10 = 20"});
+      expect_error([&] { c->all_gather(at::zeros({20}, at::kDouble), f); },
+                   {"all_gather", "output dtype Double", "input dtype Float"});
+      expect_error(
+          [&] {
+            c->reduce_scatter(at::zeros({10}, at::kBFloat16), at::zeros({20}), ReduceOp::kAvg);
+          },
+          {"reduce_scatter", "output dtype BFloat16", "input dtype Float"});
+      auto strided = at::zeros({4, 5}, at::kFloat).t();
+      expect_error([&] { c->all_reduce(strided, ReduceOp::kSum); },
+                   {"all_reduce", "must be contiguous", "sizes [5, 4]", "strides [1, 5]"});
+      expect_error([&] { c->all_gather(at::zeros({40}), strided); },
+                   {"all_gather", "input must be contiguous"});
+      expect_error([&] { c->broadcast(f, 2); }, {"broadcast", "root rank 2", "0..1"});
+      expect_error([&] { c->all_reduce(at::zeros({3}, at::kBool), ReduceOp::kSum); },
+                   {"all_reduce", "dtype Bool"});
+    }
+    auto out = at::empty({4}, at::kFloat);
+    c->all_gather(out, at::full({2}, static_cast<double>(c->rank()), at::kFloat)).wait();
+    EXPECT_TRUE(at::equal(out, at::tensor({0.f, 0.f, 1.f, 1.f})));
+  });
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+// Rank 1 joins but never issues the all-gather: rank 0's wait() must fail within the timeout with
+// a message naming the op, the bytes, the ranks and the timeout.
+TEST(CommTest, MissingPeerCollectiveTimesOutWithCommError) {
+  RunOptions opt;
+  opt.collective_timeout_s = 2;
+  run_ranks(
+      2,
+      [](Rank& r) {
+        auto c = r.world();
+        ASSERT_EQ(c->timeout(), 2000ms);
+        if (c->rank() == 1) {
+          std::this_thread::sleep_for(6s);  // alive, connected, silent
+          return;
+        }
+        auto out = at::empty({2048}, at::kFloat);
+        auto work = c->all_gather(out, at::ones({1024}, at::kFloat));
+        auto start = Clock::now();
+        try {
+          work.wait();
+          ADD_FAILURE() << "wait() returned although rank 1 never issued the all-gather";
+        } catch (const CommError& e) {
+          const std::string m = e.what();
+          EXPECT_TRUE(contains(m, "all_gather of 8192 bytes")) << m;
+          EXPECT_TRUE(contains(m, "rank 0 of ranks 0..1")) << m;
+          EXPECT_TRUE(contains(m, "within 2 s")) << m;
+          EXPECT_TRUE(contains(m, "FSDP_TIMEOUT_S")) << m;
+        }
+        EXPECT_LT(seconds_since(start), 5.0);
+        work.wait();  // a lost collective does not hang a second wait
+      },
+      opt);
+}
+
+// The explicit-timeout overload reports its own limit.
+TEST(CommTest, WaitWithExplicitTimeoutNamesIt) {
+  RunOptions opt;
+  opt.collective_timeout_s = 3;
+  run_ranks(
+      2,
+      [](Rank& r) {
+        auto c = r.world();
+        if (c->rank() == 1) {
+          std::this_thread::sleep_for(5s);
+          return;
+        }
+        auto buf = at::ones({100}, at::kDouble);
+        auto work = c->all_reduce(buf, ReduceOp::kSum);
+        auto start = Clock::now();
+        try {
+          work.wait(500ms);
+          ADD_FAILURE() << "wait(500ms) returned although rank 1 never issued the all-reduce";
+        } catch (const CommError& e) {
+          const std::string m = e.what();
+          EXPECT_TRUE(contains(m, "all_reduce of 800 bytes")) << m;
+          EXPECT_TRUE(contains(m, "within 0.5 s")) << m;
+        }
+        EXPECT_LT(seconds_since(start), 2.5);
+      },
+      opt);
+}
+
+// A rank that never joins the rendezvous: the rank that did gets the rendezvous timeout error.
+void expect_rendezvous_timeout(int joining_rank) {
+  RunOptions opt;
+  opt.collective_timeout_s = 2;
+  run_ranks(
+      2,
+      [joining_rank](Rank& r) {
+        if (r.rank != joining_rank) {
+          std::this_thread::sleep_for(4s);  // alive but never calls init_process_group
+          return;
+        }
+        auto start = Clock::now();
+        try {
+          r.world();
+          ADD_FAILURE() << "rendezvous succeeded without the other rank";
+        } catch (const CommError& e) {
+          const std::string m = e.what();
+          EXPECT_TRUE(contains(m, "rendezvous failed for rank " + std::to_string(joining_rank) +
+                                      " of 2 at 127.0.0.1:"))
+              << m;
+          EXPECT_TRUE(contains(m, "within 2 s")) << m;
+          EXPECT_TRUE(contains(m, "MASTER_ADDR/MASTER_PORT")) << m;
+        }
+        EXPECT_LT(seconds_since(start), 7.0);
+      },
+      opt);
+}
+
+TEST(CommTest, RendezvousTimesOutWhenAWorkerNeverJoins) { expect_rendezvous_timeout(0); }
+TEST(CommTest, RendezvousTimesOutWhenRankZeroNeverJoins) { expect_rendezvous_timeout(1); }
+
+TEST(CommTest, SplitOrdersIndependentlyAndMatchesWorld) {
+  run_ranks(3, [](Rank& r) {
+    auto c = r.world();
+    auto lane = c->split("prefetch");
+    EXPECT_EQ(lane->size(), 3);
+    EXPECT_EQ(lane->rank(), c->rank());
+    // Issue on the lane then on world: both complete, whatever the wait order.
+    auto a = at::full({6}, static_cast<double>(c->rank()), at::kFloat);
+    auto out = at::empty({18}, at::kFloat);
+    auto w1 = lane->all_gather(out, a);
+    auto s = at::ones({4}, at::kDouble);
+    auto w2 = c->all_reduce(s, ReduceOp::kSum);
+    w2.wait();
+    w1.wait();
+    EXPECT_TRUE(at::equal(s, at::full({4}, 3.0, at::kDouble)));
+    EXPECT_TRUE(at::equal(out, at::arange(3, at::kFloat).repeat_interleave(6)));
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
