@@ -24,6 +24,18 @@ int parse_int(const char* name, const char* value, int lo, int hi) {
   return static_cast<int>(v);
 }
 
+// The one rendezvous error: TCPStore in 1.13 does not throw when workers are missing (its wait for
+// them just ends), so a missing rank usually surfaces while the process group connects.
+std::string rendezvous_error(const RendezvousInfo& info, std::chrono::milliseconds timeout,
+                             const char* stage, const std::string& what) {
+  return detail::cat("rendezvous failed for rank ", info.rank, " of ", info.world_size, " at ",
+                     info.master_addr, ":", info.master_port, " within ", timeout.count() / 1000.0,
+                     " s (", stage, "): ", what.substr(0, what.find('\n')),
+                     ". Check that all ", info.world_size,
+                     " ranks were started with the same MASTER_ADDR/MASTER_PORT and that rank 0 is "
+                     "reachable (raise the limit with FSDP_TIMEOUT_S).");
+}
+
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
@@ -103,13 +115,7 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
     try {
       store = c10::make_intrusive<c10d::TCPStore>(info.master_addr, o);
     } catch (const std::exception& e) {
-      std::string cause = e.what();
-      throw CommError(detail::cat(
-          "rendezvous failed for rank ", info.rank, " of ", info.world_size, " at ",
-          info.master_addr, ":", info.master_port, " within ", timeout.count() / 1000.0,
-          " s: ", cause.substr(0, cause.find('\n')),
-          ". Check that every rank was started with the same MASTER_ADDR/MASTER_PORT and that "
-          "rank 0 is reachable (raise the limit with FSDP_TIMEOUT_S)."));
+      throw CommError(rendezvous_error(info, timeout, "connecting to the store", e.what()));
     }
     if (!is_loopback(info.master_addr)) bind_host.clear();  // the default interface
   }
@@ -121,9 +127,7 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    std::string cause = e.what();
-    throw CommError(detail::cat("connecting rank ", info.rank, " of ", info.world_size,
-                                " to its peers failed: ", cause.substr(0, cause.find('\n'))));
+    throw CommError(rendezvous_error(info, timeout, "connecting to its peers", e.what()));
   }
   return std::make_shared<Communicator>(pg, prefixed, backend, timeout, "world", bind_host);
 }
