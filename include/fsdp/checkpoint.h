@@ -11,12 +11,12 @@
 // the thread that trains); latest/consolidate are local and may run on any thread.
 #pragma once
 
+#include <fsdp/checkpoint_index.h>
 #include <fsdp/communicator.h>
 #include <fsdp/error.h>
 #include <fsdp/fully_shard.h>
 
 #include <cstdint>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,14 +26,6 @@ class Optimizer;
 }
 
 namespace fsdp::checkpoint {
-
-// Everything besides tensors that a resumed run needs.
-struct TrainState {
-  int64_t step = 0;           // optimizer steps taken
-  int64_t data_position = 0;  // opaque to the checkpoint: where the data loader resumes
-  std::string rng_state;      // raw bytes (e.g. a generator's state); stored hex in the index
-  nlohmann::json extra;       // any JSON the trainer wants back (config, metrics, ...)
-};
 
 // Collective: every rank writes DIR/step_<step>/rank<k>.safetensors (params + optimizer state of
 // its shards), rank 0 writes index.json last. Returns the checkpoint directory. `opt` may be null
@@ -58,39 +50,13 @@ TrainState load(const std::string& ckpt_dir, const FSDPModule& root, torch::opti
 void consolidate(const std::string& ckpt_dir, const std::string& out_file);
 
 // Each rank reads its rows of every parameter from a full safetensors file (e.g. consolidate()'s
-// output, or any file with the model's parameter names). Not collective: no communication.
+// output, or any file with the model's parameter names and dtypes). Collective over
+// root.communicator(): a failure on any rank is raised on every rank.
 void init_from(const std::string& file, const FSDPModule& root);
 
-// ---- lower-level pieces (tests, tools) ----
-
-// The index of one checkpoint, parsed and validated (untrusted bytes). Throws fsdp::Error naming
-// `source` and the offending entry.
-struct IndexEntry {
-  std::string name;                   // tensor name as stored, e.g. "h.0.w" or "h.0.w::exp_avg"
-  std::string dtype;                  // safetensors dtype string ("F32", ...)
-  std::vector<int64_t> global_shape;  // [] for a 0-d tensor
-  struct Piece {
-    int rank = 0;           // file rank<rank>.safetensors
-    int64_t row_begin = 0;  // global rows [row_begin, row_end) held by that file
-    int64_t row_end = 0;
-  };
-  std::vector<Piece> pieces;  // ordered by row_begin, covering [0, rows) without gaps
-};
-struct Index {
-  int format_version = 1;
-  int world_size = 1;
-  std::string sharding = "dim0-chunk";
-  TrainState state;
-  std::vector<std::string> files;    // per rank, file name relative to the checkpoint dir
-  std::vector<uint64_t> checksums;   // per rank, fnv1a64 of the whole file
-  std::vector<uint64_t> file_sizes;  // per rank, bytes
-  std::vector<IndexEntry> tensors;   // parameters and optimizer state
-};
-Index parse_index(const std::string& json_text, const std::string& source);
-std::string index_to_json(const Index& index);
-
-// Test hook: when the environment variable FSDP_CKPT_FAIL_AFTER_FILES=n is set, save() throws
-// fsdp::Error on every rank after n rank files were renamed into place (before the index).
+// Test hook simulating a crash between files: with FSDP_CKPT_FAIL_AFTER_FILES=n in the environment,
+// save() lets ranks 0..n-1 write their files, then throws fsdp::Error on every rank before the
+// index is written.
 inline constexpr const char* kFailAfterFilesEnv = "FSDP_CKPT_FAIL_AFTER_FILES";
 
 }  // namespace fsdp::checkpoint
