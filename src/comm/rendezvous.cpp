@@ -1,12 +1,12 @@
 #include <fsdp/error.h>
 #include <fsdp/init.h>
 
+#include <cerrno>
+#include <cstdlib>
+#include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
-#include <cerrno>
-#include <cstdlib>
 
 #include "compat.h"
 
@@ -24,16 +24,41 @@ int parse_int(const char* name, const char* value, int lo, int hi) {
   return static_cast<int>(v);
 }
 
-// The one rendezvous error: TCPStore in 1.13 does not throw when workers are missing (its wait for
-// them just ends), so a missing rank usually surfaces while the process group connects.
+// The one rendezvous error, whichever stage failed: the store connection, the check-in of all
+// ranks, or the process group's connections to its peers.
 std::string rendezvous_error(const RendezvousInfo& info, std::chrono::milliseconds timeout,
-                             const char* stage, const std::string& what) {
+                             const char* stage, std::string what) {
+  what = what.substr(0, what.find('\n'));
+  while (!what.empty() && (what.back() == '.' || what.back() == ' ')) what.pop_back();
   return detail::cat("rendezvous failed for rank ", info.rank, " of ", info.world_size, " at ",
                      info.master_addr, ":", info.master_port, " within ", timeout.count() / 1000.0,
-                     " s (", stage, "): ", what.substr(0, what.find('\n')),
-                     ". Check that all ", info.world_size,
+                     " s (", stage, "): ", what, ". Check that all ", info.world_size,
                      " ranks were started with the same MASTER_ADDR/MASTER_PORT and that rank 0 is "
                      "reachable (raise the limit with FSDP_TIMEOUT_S).");
+}
+
+// Every rank checks in on the store and waits until all have, so a missing rank is reported as
+// such on every rank that did join, after `timeout`, before any process group is built.
+void wait_for_all(c10d::Store& store, const RendezvousInfo& info,
+                  std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const std::string key = "fsdp/rendezvous/joined";
+  try {
+    int64_t joined = store.add(key, 1);
+    while (joined < info.world_size) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        throw CommError(rendezvous_error(
+            info, timeout, "waiting for the other ranks",
+            detail::cat("only ", joined, " of ", info.world_size, " ranks joined")));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      joined = store.add(key, 0);
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CommError(rendezvous_error(info, timeout, "waiting for the other ranks", e.what()));
+  }
 }
 
 bool is_loopback(const std::string& host) {
@@ -110,13 +135,14 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
     o.port = static_cast<uint16_t>(info.master_port);
     o.isServer = info.rank == 0;
     o.numWorkers = info.world_size;
-    o.waitWorkers = true;
+    o.waitWorkers = false;  // 1.13 stops waiting for missing workers silently; see wait_for_all
     o.timeout = timeout;
     try {
       store = c10::make_intrusive<c10d::TCPStore>(info.master_addr, o);
     } catch (const std::exception& e) {
       throw CommError(rendezvous_error(info, timeout, "connecting to the store", e.what()));
     }
+    wait_for_all(*store, info, timeout);
     if (!is_loopback(info.master_addr)) bind_host.clear();  // the default interface
   }
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp", store);
