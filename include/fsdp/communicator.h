@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -85,6 +86,8 @@ class Communicator {
   // A new communicator over the same ranks whose collectives are ordered independently of this
   // one. Collective itself: every rank must call split() with the same name in the same order.
   std::shared_ptr<Communicator> split(const std::string& name);
+  // The split named `name`, created on first use and shared afterwards (collective on first use).
+  std::shared_ptr<Communicator> lane(const std::string& name);
 
   const CommStats& stats() const { return stats_; }
   void reset_stats() { stats_ = CommStats{}; }
@@ -102,6 +105,7 @@ class Communicator {
   int rank_ = 0;
   int size_ = 1;
   int splits_ = 0;
+  std::map<std::string, std::shared_ptr<Communicator>> lanes_;
   CommStats stats_;
 };
 

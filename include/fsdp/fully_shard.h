@@ -94,6 +94,14 @@ class FSDPModule {
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
 
+  // Gathered-parameter memory of this module's root context (bytes and groups, now and peak).
+  struct MemoryStats {
+    int64_t unsharded_bytes = 0, peak_unsharded_bytes = 0;
+    int unsharded_groups = 0, peak_unsharded_groups = 0;
+  };
+  MemoryStats memory_stats() const;
+  void reset_memory_peaks();
+
   const std::string& name() const;
   Communicator& communicator() const;
   detail::Group* group() const { return group_.get(); }

@@ -131,6 +131,8 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
   FSDP_CHECK(output.numel() == size_ * input.numel(), "all_gather: output has ", output.numel(),
              " elements but world size ", size_, " x input ", input.numel(), " = ",
              size_ * input.numel(), " were expected; size the output as world_size * input.numel()");
+  // Nothing to move (Gloo divides by the element count): complete at once, on every rank alike.
+  if (output.numel() == 0) return make_work({}, "all_gather", 0, nullptr);
   if (size_ == 1) {
     output.view({-1}).copy_(input.view({-1}));
     return make_work({}, "all_gather", nbytes(output), nullptr);
@@ -159,6 +161,7 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
     if (op == ReduceOp::kAvg) sum.div_(ws);
     output.view({-1}).copy_(sum);
   };
+  if (input.numel() == 0) return make_work({}, "reduce_scatter", 0, nullptr);
   if (ws == 1) {
     finish_sum(input);
     return make_work({}, "reduce_scatter", nbytes(input), nullptr);
@@ -174,7 +177,7 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
 Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_supported(tensor, "all_reduce", "tensor");
   const int ws = size_;
-  if (ws == 1) return make_work({}, "all_reduce", nbytes(tensor), nullptr);
+  if (ws == 1 || tensor.numel() == 0) return make_work({}, "all_reduce", nbytes(tensor), nullptr);
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   if (compat::backend_reduces(tensor.scalar_type(), backend_)) {
@@ -200,7 +203,7 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
   check_supported(tensor, "broadcast", "tensor");
   FSDP_CHECK(root >= 0 && root < size_, "broadcast: root rank ", root, " is outside 0..",
              size_ - 1);
-  if (size_ == 1) return make_work({}, "broadcast", nbytes(tensor), nullptr);
+  if (size_ == 1 || tensor.numel() == 0) return make_work({}, "broadcast", nbytes(tensor), nullptr);
   std::vector<at::Tensor> ts{as_wire(tensor, backend_)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -218,6 +221,12 @@ std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
   auto pg = compat::make_process_group(store, rank_, size_, timeout_, backend_, bind_host_);
   return std::make_shared<Communicator>(pg, store_, backend_, timeout_, prefix, bind_host_);
+}
+
+std::shared_ptr<Communicator> Communicator::lane(const std::string& name) {
+  auto& slot = lanes_[name];
+  if (!slot) slot = split(name);
+  return slot;
 }
 
 }  // namespace fsdp

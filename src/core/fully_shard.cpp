@@ -1,1 +1,358 @@
-// placeholder
+// fully_shard: ownership checks, cross-rank agreement, group and context construction, and the
+// FSDPModule / ForwardScope front ends.
+#include <fsdp/fully_shard.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+
+#include "core/group.h"
+
+namespace fsdp {
+namespace detail {
+
+void install_grad_hooks(const std::shared_ptr<Group>& g);  // group.cpp
+
+namespace {
+
+// Which group manages a module or a parameter. Weak references keyed by identity: models and
+// ranks in one process do not interfere, and entries die with their groups.
+struct Registry {
+  std::mutex mu;
+  std::unordered_map<const torch::nn::Module*, std::weak_ptr<Group>> modules;
+  std::unordered_map<const c10::TensorImpl*, std::weak_ptr<Group>> params;
+
+  template <class K>
+  static std::shared_ptr<Group> find(std::unordered_map<const K*, std::weak_ptr<Group>>& m,
+                                     const K* k) {
+    auto it = m.find(k);
+    if (it == m.end()) return nullptr;
+    auto g = it->second.lock();
+    if (!g) m.erase(it);
+    return g;
+  }
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+std::string describe(const at::Tensor& t) {
+  return detail::cat(t.sizes(), " ", t.scalar_type(), t.requires_grad() ? "" : " (frozen)");
+}
+
+// Every rank must build the same model: compares (name, shape, dtype, requires_grad) of the
+// group's parameters with rank 0's and names the first difference on every rank.
+void check_same_on_all_ranks(Communicator& comm, const std::string& module,
+                             const std::vector<std::pair<std::string, at::Tensor>>& params) {
+  if (comm.size() == 1) return;
+  std::vector<int64_t> hashes;
+  for (const auto& [name, t] : params) {
+    size_t h = std::hash<std::string>{}(name + "|" + describe(t));
+    hashes.push_back(static_cast<int64_t>(h & 0x7fffffffffffffffULL));
+  }
+  auto mine = at::tensor(std::vector<int64_t>{static_cast<int64_t>(hashes.size())}, at::kLong);
+  auto counts = at::empty({comm.size()}, at::kLong);
+  comm.all_gather(counts, mine).wait();
+  const int64_t common = counts.min().item<int64_t>();
+  auto ours = at::tensor(hashes, at::kLong).narrow(0, 0, common).contiguous();
+  auto theirs = ours.clone();
+  comm.broadcast(theirs, 0).wait();
+  int64_t first = common;
+  for (int64_t i = 0; i < common; ++i)
+    if (ours[i].item<int64_t>() != theirs[i].item<int64_t>()) {
+      first = i;
+      break;
+    }
+  const bool counts_differ = counts.max().item<int64_t>() != common;
+  auto flag = at::tensor(std::vector<int64_t>{first}, at::kLong);
+  auto all = at::empty({comm.size()}, at::kLong);
+  comm.all_gather(all, flag).wait();
+  const int64_t global_first = all.min().item<int64_t>();
+  if (global_first == common && !counts_differ) return;
+  int bad_rank = 0;
+  for (int r = 0; r < comm.size(); ++r)
+    if (all[r].item<int64_t>() == global_first) bad_rank = r;
+  std::string mine_desc = global_first < static_cast<int64_t>(params.size())
+                              ? detail::cat("'", params[global_first].first, "' ",
+                                            describe(params[global_first].second))
+                              : "no such parameter";
+  throw Error(detail::cat(
+      "fully_shard(", module, "): the model differs across ranks at parameter #", global_first,
+      " (first seen on rank ", bad_rank, "); on this rank (", comm.rank(), ") it is ", mine_desc,
+      "; parameter counts per rank: ", counts.sizes()[0] ? detail::cat(counts) : "",
+      ". Every rank must construct the same model (same config, same parameter shapes) before "
+      "fully_shard."));
+}
+
+// The groups at or below `g`'s module, in the context's registration order.
+std::vector<Group*> groups_at_or_below(Group* g) {
+  std::set<const torch::nn::Module*> below{g->module()};
+  for (const auto& m : g->module()->modules(/*include_self=*/false)) below.insert(m.get());
+  std::vector<Group*> out;
+  for (Group* x : g->context().groups)
+    if (below.count(x->module())) out.push_back(x);
+  return out;
+}
+
+}  // namespace
+
+FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
+                            std::shared_ptr<Communicator> comm, const ShardOptions& options,
+                            bool already_attached) {
+  FSDP_CHECK(module != nullptr, "fully_shard: the module is empty (construct it first)");
+  FSDP_CHECK(comm != nullptr, "fully_shard: the communicator is null (call init_process_group)");
+  const std::string type = module->name();
+  auto& reg = registry();
+  std::unique_lock<std::mutex> lock(reg.mu);
+  FSDP_CHECK(!already_attached && !Registry::find(reg.modules, module.get()),
+             "fully_shard was applied twice to module '", type,
+             "': apply it once per module (blocks first, then the root)");
+
+  // Descendant modules by path; sharded descendants become this context's children.
+  std::map<const torch::nn::Module*, std::string> path_of;
+  for (const auto& item : module->named_modules("", /*include_self=*/false))
+    path_of.emplace(item.value().get(), item.key());
+
+  std::vector<std::pair<std::string, at::Tensor>> mine;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+    const auto* impl = item.value().unsafeGetTensorImpl();
+    if (auto owner = Registry::find(reg.params, impl)) {
+      auto p = path_of.find(owner->module());
+      if (p != path_of.end()) {
+        FSDP_CHECK(item.key().rfind(p->second + ".", 0) == 0, "parameter '", item.key(),
+                   "' of module '", type, "' is also a parameter of sharded submodule '",
+                   p->second, "' (", owner->type_name(),
+                   "): a parameter shared by two groups cannot be sharded. Fix: do not "
+                   "fully_shard '", p->second,
+                   "' separately, so that both uses fall in one group (shard their common parent)");
+        continue;
+      }
+      bool owner_is_ancestor = false;
+      for (const auto& m : owner->module()->modules(/*include_self=*/false))
+        if (m.get() == module.get()) owner_is_ancestor = true;
+      FSDP_CHECK(!owner_is_ancestor, "fully_shard(", type, ") was called after its parent (",
+                 owner->type_name(),
+                 ") was sharded: apply fully_shard bottom-up, children first, then the parent");
+      throw Error(detail::cat(
+          "parameter '", item.key(), "' of module '", type,
+          "' is already managed by fully_shard on module '", owner->name(), "' (",
+          owner->type_name(), "): a parameter shared by two groups cannot be sharded. Fix: shard "
+          "their common parent only, so that both uses fall in one group"));
+    }
+    if (!seen.insert(impl).second) continue;  // tied within this group: one parameter
+    mine.emplace_back(item.key(), item.value());
+  }
+  for (const auto& [name, t] : mine) {
+    FSDP_CHECK(t.device().is_cpu() || comm->backend() != "gloo", "parameter '", name,
+               "' is on ", t.device(), " but the communicator uses gloo (CPU)");
+    FSDP_CHECK(t.scalar_type() == mine.front().second.scalar_type(), "fully_shard(", type,
+               "): parameter '", name, "' has dtype ", t.scalar_type(), " but '",
+               mine.front().first, "' has ", mine.front().second.scalar_type(),
+               "; parameters of one group must share a dtype (cast the module first)");
+  }
+  lock.unlock();
+  check_same_on_all_ranks(*comm, type, mine);
+
+  // Children: groups registered on descendant modules, with everything their contexts hold.
+  auto context = std::make_shared<Context>(comm, options.audit);
+  std::vector<std::shared_ptr<Context>> absorbed;
+  lock.lock();
+  for (const auto& [m, path] : path_of) {
+    auto g = Registry::find(reg.modules, m);
+    if (!g) continue;
+    auto old = g->shared_context();
+    if (std::find(absorbed.begin(), absorbed.end(), old) == absorbed.end()) absorbed.push_back(old);
+  }
+  for (const auto& old : absorbed) {
+    if (old->audit().enabled) context->audit().enabled = true;
+    for (Group* g : std::vector<Group*>(old->groups)) {
+      auto p = path_of.find(g->module());
+      g->set_name(p->second);
+      g->set_prefix(p->second + ".");
+      g->set_context(context);
+      context->groups.push_back(g);
+    }
+  }
+  if (context->audit().enabled && !context->audit().lane) context->audit().lane = comm->lane("fsdp.audit");
+
+  std::vector<ParamState> params;
+  for (auto& [name, t] : mine) params.emplace_back(name, t, comm->rank(), comm->size());
+  auto group = std::make_shared<Group>(module.get(), type, std::move(params), comm, options);
+  group->set_name("root");
+  group->set_context(context);
+  context->groups.push_back(group.get());
+  install_grad_hooks(group);
+  reg.modules[module.get()] = group;
+  for (const auto& p : group->params()) reg.params[p.param().unsafeGetTensorImpl()] = group;
+  lock.unlock();
+
+  // Buffers are replicated: rank 0's values win. Sharded children broadcast their own already.
+  for (const auto& item : module->named_buffers(/*recurse=*/true)) {
+    bool in_child = false;
+    for (const auto& [m, path] : path_of)
+      if (Registry::find(reg.modules, m) && item.key().rfind(path + ".", 0) == 0) in_child = true;
+    if (in_child || !item.value().defined()) continue;
+    at::Tensor b = item.value();
+    at::Tensor wire = b.scalar_type() == at::kBool ? b.view(at::kByte) : b;
+    if (wire.is_contiguous()) {
+      comm->broadcast(wire, 0).wait();
+    } else {
+      auto tmp = wire.contiguous();
+      comm->broadcast(tmp, 0).wait();
+      at::NoGradGuard g;
+      wire.copy_(tmp);
+    }
+  }
+  context->log(group.get(), detail::cat("fully_shard: ", group->params().size(), " parameters, ",
+                                        group->flat_numel(), " padded elements per rank"));
+  return FSDPModule(group);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ForwardScope
+// ---------------------------------------------------------------------------------------------
+ForwardScope::ForwardScope(Group* group) : group_(group) { group_->pre_forward(); }
+ForwardScope::~ForwardScope() = default;
+
+at::Tensor ForwardScope::finish(at::Tensor out) {
+  group_->post_forward({out});
+  finished_ = true;
+  return out;
+}
+
+std::vector<at::Tensor> ForwardScope::finish(std::vector<at::Tensor> outs) {
+  group_->post_forward(outs);
+  finished_ = true;
+  return outs;
+}
+
+at::Tensor ForwardScope::input(const at::Tensor& x) { return group_->wrap_input(x); }
+
+void rethrow_forward_error(Group* group) {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    if (what.find("data is not allocated") == std::string::npos &&
+        what.find("storage") == std::string::npos)
+      throw;
+    std::string resharded;
+    for (Group* g : group->context().groups)
+      if (g->shard_state() == ShardState::kSharded)
+        resharded += (resharded.empty() ? "'" : ", '") + g->name() + "'";
+    throw Error(detail::cat(
+        "the forward of sharded module '", group->name(),
+        "' used a parameter whose storage is resharded (freed); resharded now: ", resharded,
+        ". Call sharded submodules through their fsdp::Sharded holder (block(x), not "
+        "block->forward(x)), and use a sharded module's parameters only inside its forward (or "
+        "call unshard() first). LibTorch said: ", what.substr(0, what.find('\n'))));
+  }
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// FSDPModule
+// ---------------------------------------------------------------------------------------------
+namespace {
+detail::Group& checked(const std::shared_ptr<detail::Group>& g) {
+  FSDP_CHECK(g != nullptr, "this FSDPModule handle is empty: use the one fully_shard returned");
+  return *g;
+}
+}  // namespace
+
+std::vector<ShardInfo> FSDPModule::shards() const {
+  auto& g = checked(group_);
+  std::unordered_map<const c10::TensorImpl*, const detail::ParamState*> by_impl;
+  for (detail::Group* x : detail::groups_at_or_below(&g))
+    for (const auto& p : x->params()) by_impl[p.param().unsafeGetTensorImpl()] = &p;
+  std::vector<ShardInfo> out;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : g.module()->named_parameters(/*recurse=*/true)) {
+    const auto* impl = item.value().unsafeGetTensorImpl();
+    auto it = by_impl.find(impl);
+    if (it == by_impl.end() || !seen.insert(impl).second) continue;
+    const auto& p = *it->second;
+    ShardInfo s;
+    s.name = item.key();
+    s.global_shape = p.param().sizes().vec();
+    s.shard = p.shard();
+    s.row_offset = p.row_offset();
+    s.rows_per_rank = p.chunk();
+    s.requires_grad = p.trainable();
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::vector<at::Tensor> FSDPModule::parameters() const {
+  std::vector<at::Tensor> out;
+  for (auto& s : shards()) out.push_back(s.shard);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FSDPModule::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& s : shards()) out.emplace_back(s.name, s.shard);
+  return out;
+}
+
+void FSDPModule::unshard() {
+  auto& g = checked(group_);
+  g.unshard();
+  g.wait_for_unshard();
+}
+
+void FSDPModule::reshard() { checked(group_).reshard(); }
+
+void FSDPModule::set_requires_gradient_sync(bool sync) {
+  for (auto* g : detail::groups_at_or_below(&checked(group_))) g->requires_gradient_sync = sync;
+}
+
+void FSDPModule::set_reshard_after_backward(bool reshard) {
+  for (auto* g : detail::groups_at_or_below(&checked(group_))) g->reshard_after_backward = reshard;
+}
+
+void FSDPModule::set_reshard_after_forward(bool reshard) {
+  checked(group_).set_reshard_after_forward(reshard);
+}
+
+void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
+  auto& g = checked(group_);
+  g.forward_prefetch.clear();
+  for (auto& m : modules) g.forward_prefetch.push_back(&checked(m.group_));
+  g.forward_prefetch_set = true;
+}
+
+void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {
+  auto& g = checked(group_);
+  g.backward_prefetch.clear();
+  for (auto& m : modules) g.backward_prefetch.push_back(&checked(m.group_));
+  g.backward_prefetch_set = true;
+}
+
+FSDPModule::MemoryStats FSDPModule::memory_stats() const {
+  auto& c = checked(group_).context();
+  MemoryStats s;
+  s.unsharded_bytes = c.unsharded_bytes();
+  s.peak_unsharded_bytes = c.peak_unsharded_bytes();
+  s.unsharded_groups = c.unsharded_groups();
+  s.peak_unsharded_groups = c.peak_unsharded_groups();
+  return s;
+}
+
+void FSDPModule::reset_memory_peaks() { checked(group_).context().reset_peaks(); }
+
+const std::string& FSDPModule::name() const { return checked(group_).name(); }
+
+Communicator& FSDPModule::communicator() const { return checked(group_).comm(); }
+
+}  // namespace fsdp

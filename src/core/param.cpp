@@ -1,1 +1,74 @@
-// placeholder
+#include "core/param.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "compat.h"
+
+namespace fsdp::detail {
+
+ParamState::ParamState(std::string name, at::Tensor param, int rank, int world)
+    : name_(std::move(name)), param_(std::move(param)), rank_(rank), world_(world) {
+  rows_ = param_.dim() == 0 ? 1 : param_.size(0);
+  row_numel_ = 1;
+  for (int64_t d = 1; d < param_.dim(); ++d) row_numel_ *= param_.size(d);
+  chunk_ = (rows_ + world_ - 1) / world_;
+  const int64_t mine = rows_of(rank_);
+  std::vector<int64_t> shape = param_.sizes().vec();
+  if (shape.empty()) shape = {1};
+  shape[0] = mine;
+  at::Tensor source = param_.detach().reshape({rows_, row_numel_});
+  shard_ = source.narrow(0, row_offset(), mine).reshape(shape).clone();
+  shard_.set_requires_grad(param_.requires_grad());
+  if (param_.requires_grad()) acc_ = torch::autograd::impl::grad_accumulator(param_);
+}
+
+int64_t ParamState::rows_of(int rank) const {
+  return std::max<int64_t>(0, std::min<int64_t>(chunk_, rows_ - rank * chunk_));
+}
+
+at::Tensor ParamState::flat_full() const { return param_.variable_data().view({-1}); }
+
+void ParamState::copy_in_shard(const at::Tensor& dst) const {
+  const int64_t n = shard_.numel();
+  if (n > 0) dst.narrow(0, 0, n).copy_(shard_.detach().reshape({-1}));
+  if (n < padded_numel()) dst.narrow(0, n, padded_numel() - n).zero_();
+}
+
+void ParamState::copy_out(const at::Tensor& gathered, int64_t offset) {
+  compat::alloc_storage(param_);
+  at::Tensor full = flat_full();
+  for (int r = 0; r < world_; ++r) {
+    const int64_t n = rows_of(r) * row_numel_;
+    if (n == 0) continue;
+    full.narrow(0, r * chunk_ * row_numel_, n).copy_(gathered[r].narrow(0, offset, n));
+  }
+}
+
+void ParamState::free_full() { compat::free_storage(param_); }
+
+bool ParamState::full_allocated() const { return compat::storage_allocated(param_); }
+
+void ParamState::pack_grad(const at::Tensor& send, int64_t offset) {
+  at::Tensor g = param_.grad();
+  if (!g.defined()) return;  // send is zero-initialised: no gradient contributes zeros
+  at::Tensor flat = g.reshape({-1});
+  for (int r = 0; r < world_; ++r) {
+    const int64_t n = rows_of(r) * row_numel_;
+    if (n == 0) continue;
+    send[r].narrow(0, offset, n).copy_(flat.narrow(0, r * chunk_ * row_numel_, n));
+  }
+  param_.mutable_grad() = at::Tensor();
+}
+
+void ParamState::add_shard_grad(const at::Tensor& reduced_flat, int64_t offset) {
+  at::Tensor g = reduced_flat.narrow(0, offset, shard_.numel()).view(shard_.sizes());
+  at::Tensor& slot = shard_.mutable_grad();
+  if (slot.defined()) {
+    slot.add_(g);
+  } else {
+    slot = g;
+  }
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,71 @@
+// ParamState: one sharded parameter (FSDP2's FSDPParam).
+//
+// The module keeps its full-shaped parameter Variable for its whole life; only its storage comes
+// and goes (compat::free_storage / alloc_storage), so autograd's saved tensors, the accumulator and
+// the version counter stay valid ([Note: parameter storage] in docs/design.md). The optimizer sees
+// `shard`, a separate tensor holding this rank's rows.
+//
+// Layout in a group's flat buffers: every rank contributes `padded_numel` = chunk * row_numel
+// elements per parameter, rows beyond the parameter's end are zero padding.
+// Thread-safety: owned by its Group; used on the backward/forward thread only.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+class ParamState {
+ public:
+  ParamState(std::string name, at::Tensor param, int rank, int world);
+
+  const std::string& name() const { return name_; }
+  const at::Tensor& param() const { return param_; }
+  const at::Tensor& shard() const { return shard_; }
+  bool trainable() const { return param_.requires_grad(); }
+
+  int64_t rows() const { return rows_; }            // dim-0 size (1 for a 0-d parameter)
+  int64_t row_numel() const { return row_numel_; }  // elements per row
+  int64_t chunk() const { return chunk_; }          // rows per rank, ceil(rows / world)
+  int64_t rows_of(int rank) const;                  // rows rank holds (0 for trailing ranks)
+  int64_t padded_numel() const { return chunk_ * row_numel_; }
+  int64_t row_offset() const { return std::min<int64_t>(rank_ * chunk_, rows_); }
+  int64_t full_bytes() const { return param_.numel() * static_cast<int64_t>(param_.element_size()); }
+
+  // Writes this rank's rows (then zeros) into `dst` (padded_numel elements).
+  void copy_in_shard(const at::Tensor& dst) const;
+  // Allocates the full storage and fills it from the gathered flat buffer `gathered` (world, S),
+  // taking columns [offset, offset + padded_numel) of each rank's row.
+  void copy_out(const at::Tensor& gathered, int64_t offset);
+  void free_full();
+  bool full_allocated() const;
+
+  // Packs the unsharded gradient (zeros when undefined) into `send` (world, S) at `offset`, and
+  // drops it from the parameter (it has been handed to the reduction).
+  void pack_grad(const at::Tensor& send, int64_t offset);
+  // Accumulates the reduced rows for this rank into shard().grad().
+  void add_shard_grad(const at::Tensor& reduced_flat, int64_t offset);
+
+  // The AccumulateGrad node of the full parameter (null when frozen). Held strongly: autograd
+  // keeps only a weak reference.
+  const std::shared_ptr<torch::autograd::Node>& accumulator() const { return acc_; }
+  void set_hook_key(uintptr_t k) { hook_key_ = k; }
+  uintptr_t hook_key() const { return hook_key_; }
+
+ private:
+  at::Tensor flat_full() const;  // the full parameter's storage as a 1-d tensor (no autograd)
+
+  std::string name_;
+  at::Tensor param_;
+  at::Tensor shard_;
+  int rank_, world_;
+  int64_t rows_, row_numel_, chunk_;
+  std::shared_ptr<torch::autograd::Node> acc_;
+  uintptr_t hook_key_ = 0;
+};
+
+}  // namespace fsdp::detail

@@ -1,0 +1,96 @@
+// Helpers for fully_shard tests: an unsharded reference (mean of per-rank full gradients, computed
+// in-process from every rank's seeded data) and comparisons against the shards.
+#pragma once
+
+#include <fsdp/fsdp.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+
+#include "harness.h"
+
+namespace fsdp::testing {
+
+using GradMap = std::map<std::string, torch::Tensor>;
+
+// Full gradients of `m` by original name (undefined when none).
+inline GradMap full_grads(torch::nn::Module& m) {
+  GradMap out;
+  for (auto& item : m.named_parameters())
+    if (item.value().grad().defined()) out[item.key()] = item.value().grad().clone();
+  return out;
+}
+
+// Mean over ranks of the full gradients produced by `step(model, k)` on a fresh model per rank.
+template <class Build, class Step>
+GradMap reference_mean_grads(int world, Build build, Step step) {
+  GradMap sum;
+  for (int k = 0; k < world; ++k) {
+    auto model = build();
+    step(model, k);
+    for (auto& [name, g] : full_grads(*model.ptr())) {
+      auto v = g.defined() ? g : torch::Tensor();
+      if (!v.defined()) continue;
+      sum[name] = sum.count(name) ? sum[name] + v : v.clone();
+    }
+  }
+  for (auto& [name, g] : sum) g.div_(world);
+  return sum;
+}
+
+// Every trainable shard's grad equals its rows of the reference (zeros where the reference has
+// none). Returns the number of parameters compared.
+inline int expect_shard_grads(const FSDPModule& root, const GradMap& ref, double rtol = 1e-5,
+                              double atol = 1e-6) {
+  int compared = 0;
+  for (const auto& s : root.shards()) {
+    if (!s.requires_grad) {
+      EXPECT_FALSE(s.shard.grad().defined()) << "frozen parameter " << s.name << " got a gradient";
+      continue;
+    }
+    SCOPED_TRACE("parameter " + s.name);
+    if (!s.shard.grad().defined()) {
+      ADD_FAILURE() << s.name << ": shard has no gradient";
+      continue;
+    }
+    torch::Tensor expect;
+    auto it = ref.find(s.name);
+    int64_t rows = s.global_shape.empty() ? 1 : s.global_shape[0];
+    if (it != ref.end()) {
+      expect = it->second.reshape({rows, -1}).narrow(0, s.row_offset, s.shard.numel() ? s.shard.size(0) : 0);
+    } else {
+      expect = torch::zeros_like(s.shard);
+    }
+    auto got = s.shard.grad().reshape(expect.sizes());
+    EXPECT_TRUE(torch::allclose(got, expect, rtol, atol))
+        << s.name << ": max abs diff " << (got - expect).abs().max().item<double>();
+    ++compared;
+  }
+  return compared;
+}
+
+// Every shard equals its rows of the full reference tensor.
+inline void expect_shards_equal(const FSDPModule& root, torch::nn::Module& reference,
+                                double rtol = 1e-5, double atol = 1e-7) {
+  std::map<std::string, torch::Tensor> ref;
+  for (auto& item : reference.named_parameters()) ref[item.key()] = item.value().detach();
+  for (const auto& s : root.shards()) {
+    auto r = ref.at(s.name);
+    int64_t rows = s.global_shape.empty() ? 1 : s.global_shape[0];
+    auto expect = r.reshape({rows, -1}).narrow(0, s.row_offset, s.shard.numel() ? s.shard.size(0) : 0);
+    auto got = s.shard.detach().reshape(expect.sizes());
+    EXPECT_TRUE(torch::allclose(got, expect, rtol, atol))
+        << s.name << ": max abs diff " << (got - expect).abs().max().item<double>();
+  }
+}
+
+inline ShardOptions audited(std::optional<bool> reshard_after_forward = std::nullopt) {
+  ShardOptions o;
+  o.audit = true;
+  o.reshard_after_forward = reshard_after_forward;
+  return o;
+}
+
+}  // namespace fsdp::testing
