@@ -13,6 +13,7 @@
 
 #include "train/config.h"
 #include "train/data.h"
+#include "train/generate.h"
 #include "train/metrics.h"
 #include "train/plot.h"
 #include "train/schedule.h"
@@ -284,6 +285,31 @@ TEST(Plot, SvgHasTheCurve) {
   std::ifstream in(path);
   EXPECT_TRUE(in.good());
   EXPECT_NE(loss_curve_svg({}).find("no finite losses"), std::string::npos);
+}
+
+TEST(Generate, DeterministicAndFollowsTheLogits) {
+  // A "model" that always puts all mass on the byte after the last one.
+  std::vector<size_t> context_sizes;
+  auto next = [&](const std::vector<int64_t>& ctx) {
+    context_sizes.push_back(ctx.size());
+    std::vector<float> logits(256, -1e4f);
+    logits[static_cast<size_t>((ctx.back() + 1) % 256)] = 0;
+    return logits;
+  };
+  SampleOptions o;
+  o.tokens = 5;
+  o.context = 3;
+  EXPECT_EQ(generate_text("ab", o, next), "cdefg");
+  EXPECT_EQ(context_sizes, (std::vector<size_t>{2, 3, 3, 3, 3}));
+  // Uniform logits: the same seed gives the same text, another seed another text.
+  auto uniform = [](const std::vector<int64_t>&) { return std::vector<float>(256, 0.f); };
+  o.tokens = 32;
+  o.seed = 1;
+  const auto a = generate_text("", o, uniform);
+  EXPECT_EQ(a, generate_text("", o, uniform));
+  o.seed = 2;
+  EXPECT_NE(a, generate_text("", o, uniform));
+  EXPECT_EQ(printable(std::string("a\x01\n\xff", 4)), "a?\n?");
 }
 
 }  // namespace

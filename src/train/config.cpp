@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -264,6 +265,13 @@ void TrainConfig::validate() const {
              "--no-shard runs one process without "
              "fsdp-cpp, but --nproc ",
              nproc, " was given; drop one of the two");
+  FSDP_CHECK(!no_shard || (save_every == 0 && resume.empty() && init_from.empty()),
+             "--no-shard runs plain LibTorch without fsdp-cpp, so it has no sharded checkpoints; "
+             "drop --save-every/--resume/--init-from, or use --nproc 1 for a one-rank sharded run");
+  FSDP_CHECK(resume.empty() || run_dir.empty() || run_dir == resume, "--resume '", resume,
+             "' and --run-dir '", run_dir,
+             "' differ; a resumed run continues in its own directory: "
+             "drop --run-dir");
   FSDP_CHECK(resume.empty() || init_from.empty(), "--resume '", resume, "' and --init-from '",
              init_from, "' both given; a resumed run already has its weights: drop --init-from");
 }
@@ -350,7 +358,8 @@ std::string default_data_path() {
   if (n > 0) {
     std::string p(exe, static_cast<size_t>(n));
     p = p.substr(0, p.find_last_of('/'));
-    const std::string candidate = p + "/../../data/corpus.txt";
+    const std::string candidate =
+        std::filesystem::path(p + "/../../data/corpus.txt").lexically_normal().string();
     if (std::ifstream(candidate).good()) return candidate;
   }
   return std::string(FSDP_SOURCE_DIR) + "/data/corpus.txt";
