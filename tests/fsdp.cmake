@@ -1,2 +1,3 @@
 # fully_shard: the post-backward guarantee, parity with unsharded training, errors and memory.
 fsdp_add_test(guarantee_test LABEL guarantee PCH torch SOURCES guarantee_test.cpp LIBS fsdp fsdp_models)
+fsdp_add_test(parity_test LABEL parity PCH torch SOURCES parity_test.cpp LIBS fsdp fsdp_models)

@@ -122,11 +122,12 @@ class Sharded : public Holder {
 
   template <class... Args>
   decltype(auto) operator()(Args&&... args) {
-    if (!group_) return Holder::operator()(std::forward<Args>(args)...);
+    // impl->forward directly: ModuleHolder::operator() cannot deduce overloaded forwards.
+    if (!group_) return this->get()->forward(std::forward<Args>(args)...);
     detail::ForwardScope scope(group_.get());
     try {
       return scope.finish(
-          Holder::operator()(detail::wrap_input(scope, std::forward<Args>(args))...));
+          this->get()->forward(detail::wrap_input(scope, std::forward<Args>(args))...));
     } catch (const Error&) {
       throw;
     } catch (const std::exception&) {

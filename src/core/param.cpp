@@ -67,7 +67,7 @@ void ParamState::add_shard_grad(const at::Tensor& reduced_flat, int64_t offset) 
   if (slot.defined()) {
     slot.add_(g);
   } else {
-    slot = g;
+    slot = g.clone();  // not a view: optimizers detach_() gradients in zero_grad
   }
 }
 
