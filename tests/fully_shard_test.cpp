@@ -1,0 +1,276 @@
+// fully_shard semantics beyond the guarantee: shard layout (uneven, empty, 0-d), names, buffers,
+// the unshard/reshard API, storage really freed, memory per rank, debug log, and every error path
+// by its message.
+#include <fsdp/models/mlp.h>
+
+#include "adversarial.h"
+#include "fsdp_test_util.h"
+
+namespace fsdp::testing {
+namespace {
+
+using adv::Plain;
+using adv::SLinear;
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+#define EXPECT_HAS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
+
+// A root with a 0-d parameter, a buffer, and a parameter with fewer rows than ranks.
+struct OddImpl : torch::nn::Module {
+  OddImpl() {
+    lin = register_module("lin", torch::nn::Linear(3, 5));
+    temperature = register_parameter("temperature", torch::tensor(1.5));
+    rows2 = register_parameter("rows2", torch::ones({2, 3}));
+    counter = register_buffer("counter", torch::full({4}, -1.0));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return lin(x).sum(1) * temperature + rows2.sum();
+  }
+  SLinear lin{nullptr};
+  torch::Tensor temperature, rows2, counter;
+};
+TORCH_MODULE(Odd);
+
+TEST(FullyShard, ShardLayoutNamesAndBuffers) {
+  run_ranks(3, [](Rank& r) {
+    torch::manual_seed(0);
+    fsdp::Sharded<Odd> m{Odd()};
+    if (r.rank == 0) m->counter.fill_(7);  // rank 0's buffers win
+    fully_shard(m->lin, r.world());
+    auto root = fully_shard(m, r.world());
+    EXPECT_TRUE(torch::equal(m->counter, torch::full({4}, 7.0)));
+    std::map<std::string, ShardInfo> by;
+    for (auto& s : root.shards()) by[s.name] = s;
+    ASSERT_EQ(by.size(), 4u);
+    // lin.weight (5, 3) over 3 ranks: chunk 2 -> rows 2, 2, 1.
+    EXPECT_EQ(by["lin.weight"].rows_per_rank, 2);
+    EXPECT_EQ(by["lin.weight"].shard.size(0), r.rank < 2 ? 2 : 1);
+    EXPECT_EQ(by["lin.weight"].row_offset, 2 * r.rank);
+    // rows2 (2, 3): chunk 1 -> rows 1, 1, 0 (an empty shard on rank 2).
+    EXPECT_EQ(by["rows2"].shard.size(0), r.rank < 2 ? 1 : 0);
+    // 0-d: one element on rank 0, none elsewhere; global shape [].
+    EXPECT_TRUE(by["temperature"].global_shape.empty());
+    EXPECT_EQ(by["temperature"].shard.numel(), r.rank == 0 ? 1 : 0);
+    // The module's own parameters keep their full shapes, with no storage while resharded.
+    EXPECT_EQ(m->lin->weight.sizes(), (std::vector<int64_t>{5, 3}));
+    EXPECT_EQ(m->lin->weight.storage().nbytes(), 0u);
+    // unshard() gathers this module's own group; values equal the original init.
+    torch::manual_seed(0);
+    Odd fresh;
+    root.unshard();
+    EXPECT_TRUE(torch::equal(m->rows2, fresh->rows2));
+    EXPECT_TRUE(torch::equal(m->temperature, fresh->temperature));
+    root.reshard();
+    EXPECT_EQ(m->rows2.storage().nbytes(), 0u);
+    // Gradients: 0-d and empty shards get their (possibly empty) slice of the mean gradient.
+    m(torch::ones({2, 3})).sum().backward();
+    for (auto& s : root.shards()) EXPECT_TRUE(s.shard.grad().defined()) << s.name;
+    if (r.rank == 0) EXPECT_NEAR(by["temperature"].shard.grad().item<double>(),
+                                 fresh(torch::ones({2, 3})).sum().item<double>() / 1.5 -
+                                     fresh->rows2.sum().item<double>() * 2 / 1.5,
+                                 1e-4);
+  });
+}
+
+TEST(FullyShard, FrozenParametersAreShardedAndGatheredNeverReduced) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
+    fsdp::Sharded<Plain> m{Plain()};
+    m->a->weight.set_requires_grad(false);
+    fully_shard(m->a, r.world(), audited());
+    fully_shard(m->b, r.world(), audited());
+    auto root = fully_shard(m, r.world(), audited());
+    m(torch::randn({4, 5})).sum().backward();
+    for (auto& s : root.shards()) {
+      if (s.name == "a.weight") {
+        EXPECT_FALSE(s.requires_grad);
+        EXPECT_FALSE(s.shard.grad().defined());
+      } else {
+        EXPECT_TRUE(s.shard.grad().defined()) << s.name;
+      }
+    }
+  });
+}
+
+// A module that uses a weight it does not own (tied to a sibling's).
+struct UsesImpl : torch::nn::Module {
+  explicit UsesImpl(torch::Tensor w) { weight = register_parameter("tied", w); }
+  torch::Tensor forward(const torch::Tensor& x) { return x.matmul(weight.t()); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(Uses);
+struct TwoSiblingsImpl : torch::nn::Module {
+  TwoSiblingsImpl() {
+    a = register_module("a", torch::nn::Linear(4, 4));
+    u = register_module("u", Uses(a->weight));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return u(a(x)); }
+  SLinear a{nullptr};
+  fsdp::Sharded<Uses> u{nullptr};
+};
+TORCH_MODULE(TwoSiblings);
+
+TEST(FullyShardErrors, ParameterSharedByTwoGroups) {
+  run_ranks(1, [](Rank& r) {
+    fsdp::Sharded<TwoSiblings> m{TwoSiblings()};
+    fully_shard(m->a, r.world());
+    auto msg = error_of([&] { fully_shard(m->u, r.world()); });
+    EXPECT_HAS(msg, "parameter 'tied' of module");
+    EXPECT_HAS(msg, "is already managed by fully_shard on module");
+    EXPECT_HAS(msg, "shared by two groups");
+    EXPECT_HAS(msg, "shard their common parent");
+    // Sharding the parent directly, with the tie inside one group, is fine.
+    fsdp::Sharded<TwoSiblings> ok{TwoSiblings()};
+    EXPECT_NO_THROW(fully_shard(ok, r.world()));
+  });
+}
+
+TEST(FullyShardErrors, AppliedTwice) {
+  run_ranks(1, [](Rank& r) {
+    fsdp::Sharded<Plain> m{Plain()};
+    fully_shard(m->a, r.world());
+    auto msg = error_of([&] { fully_shard(m->a, r.world()); });
+    EXPECT_HAS(msg, "fully_shard was applied twice to module 'torch::nn::LinearImpl'");
+  });
+}
+
+TEST(FullyShardErrors, ChildShardedAfterParent) {
+  run_ranks(1, [](Rank& r) {
+    fsdp::Sharded<Plain> m{Plain()};
+    fully_shard(m, r.world());
+    auto msg = error_of([&] { fully_shard(m->a, r.world()); });
+    EXPECT_HAS(msg, "was called after its parent");
+    EXPECT_HAS(msg, "bottom-up, children first");
+  });
+}
+
+TEST(FullyShardErrors, ShapesDifferAcrossRanks) {
+  run_ranks(2, [](Rank& r) {
+    fsdp::Sharded<torch::nn::Linear> m{torch::nn::Linear(4, r.rank == 0 ? 6 : 7)};
+    auto msg = error_of([&] { fully_shard(m, r.world()); });
+    EXPECT_HAS(msg, "the model differs across ranks at parameter #0");
+    EXPECT_HAS(msg, "'weight' [" + std::to_string(r.rank == 0 ? 6 : 7) + ", 4]");
+    EXPECT_HAS(msg, "Every rank must construct the same model");
+  });
+}
+
+struct BypassImpl : torch::nn::Module {
+  BypassImpl() { a = register_module("a", torch::nn::Linear(3, 3)); }
+  torch::Tensor forward(const torch::Tensor& x) { return a->forward(x); }  // skips Sharded
+  SLinear a{nullptr};
+};
+TORCH_MODULE(Bypass);
+
+TEST(FullyShardErrors, ParametersUsedOutsideTheirForward) {
+  run_ranks(1, [](Rank& r) {
+    fsdp::Sharded<Bypass> m{Bypass()};
+    fully_shard(m->a, r.world());
+    fully_shard(m, r.world());
+    auto msg = error_of([&] { m(torch::ones({1, 3})); });
+    EXPECT_HAS(msg, "used a parameter whose storage is resharded (freed); resharded now: 'a'");
+    EXPECT_HAS(msg, "not block->forward(x)");
+  });
+}
+
+TEST(FullyShardErrors, MixedDtypesInOneGroup) {
+  run_ranks(1, [](Rank& r) {
+    fsdp::Sharded<Plain> m{Plain()};
+    m->scale.set_data(m->scale.to(torch::kDouble));
+    auto msg = error_of([&] { fully_shard(m, r.world()); });
+    EXPECT_HAS(msg, "parameter 'tiny' has dtype Float but 'scale' has Double");
+    EXPECT_HAS(msg, "parameters of one group must share a dtype");
+  });
+}
+
+TEST(FullyShardErrors, EmptyHandle) {
+  FSDPModule h;
+  EXPECT_HAS(error_of([&] { h.parameters(); }), "this FSDPModule handle is empty");
+}
+
+// Per-rank bytes of shards, shard gradients and AdamW state are 1/N of the unsharded totals plus
+// padding; with reshard after forward a deep MLP holds at most two groups' gathered parameters,
+// and none once forward and backward are over.
+class Memory : public ::testing::TestWithParam<int> {};
+
+TEST_P(Memory, ShardsGradsOptimizerStateAreOneNthAndGatheredParamsAreFreed) {
+  const int world = GetParam();
+  run_ranks(world, [&](Rank& r) {
+    const int64_t width = 63, depth = 8;
+    torch::manual_seed(0);
+    fsdp::Sharded<fsdp::models::MLPStack> m{fsdp::models::MLPStack(width, depth)};
+    int64_t full = 0;
+    for (auto& p : m->parameters()) full += p.numel() * 4;
+    for (auto& l : m->layers) fully_shard(l, r.world());
+    auto root = fully_shard(m, r.world());
+    torch::optim::AdamW opt(root.parameters(), torch::optim::AdamWOptions(1e-3));
+    root.reset_memory_peaks();
+    auto x = torch::randn({16, width});
+    auto y = m(x);
+    // After forward: every layer resharded, storage really released.
+    for (auto& l : m->layers) EXPECT_EQ(l->weight.storage().nbytes(), 0u);
+    y.pow(2).mean().backward();
+    for (auto& l : m->layers) EXPECT_EQ(l->weight.storage().nbytes(), 0u);
+    opt.step();
+    const int64_t group_bytes = (width * width + width) * 4;
+    auto stats = root.memory_stats();
+    EXPECT_LE(stats.peak_unsharded_groups, 2);
+    EXPECT_LE(stats.peak_unsharded_bytes, 2 * group_bytes);
+    EXPECT_EQ(stats.unsharded_bytes, 0);
+
+    int64_t shard_bytes = 0, grad_bytes = 0, state_bytes = 0;
+    for (auto& p : root.parameters()) {
+      shard_bytes += p.numel() * 4;
+      grad_bytes += p.grad().numel() * 4;
+      auto& st = static_cast<torch::optim::AdamWParamState&>(
+          *opt.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+      state_bytes += (st.exp_avg().numel() + st.exp_avg_sq().numel()) * 4;
+    }
+    // Padding: at most one row per parameter per rank.
+    const int64_t slack = depth * 2 * width * 4;
+    EXPECT_NEAR(shard_bytes, full / world, slack);
+    EXPECT_NEAR(grad_bytes, full / world, slack);
+    EXPECT_NEAR(state_bytes, 2 * full / world, 2 * slack);
+    if (r.rank == 0)
+      std::cout << "memory world " << world << ": unsharded params " << full << " B, this rank "
+                << shard_bytes << " B shards + " << grad_bytes << " B grads + " << state_bytes
+                << " B AdamW state; peak gathered " << stats.peak_unsharded_bytes << " B in "
+                << stats.peak_unsharded_groups << " groups (one group " << group_bytes << " B)\n";
+  });
+}
+INSTANTIATE_TEST_SUITE_P(World, Memory, ::testing::Values(1, 2, 4));
+
+TEST(FullyShard, DebugLogsOneLinePerHookEvent) {
+  RunOptions o;
+  o.env["FSDP_DEBUG"] = "1";
+  auto res = run_ranks(
+      1,
+      [](Rank& r) {
+        fsdp::Sharded<Plain> m{Plain()};
+        fully_shard(m->a, r.world());
+        fully_shard(m, r.world());
+        m(torch::randn({2, 5})).sum().backward();
+      },
+      o);
+  if (!in_rank_process()) {
+    const auto& log = res.output.at(0);
+    EXPECT_HAS(log, "fsdp[rank 0] group 'a' pre_forward");
+    EXPECT_HAS(log, "group 'a' unshard: all-gather issued (SHARDED->GATHERING)");
+    EXPECT_HAS(log, "group 'a' backward begins: expects 2 gradients");
+    EXPECT_HAS(log, "group 'a' gradient final: 'weight'");
+    EXPECT_HAS(log, "group 'a' reduce-scatter issued");
+    EXPECT_HAS(log, "group 'root' backward complete");
+  }
+}
+
+}  // namespace
+}  // namespace fsdp::testing
