@@ -118,8 +118,8 @@ void agree(Communicator& comm, const std::string& error, const char* what) {
   auto flag = at::full({1}, error.empty() ? 0 : 1, at::kLong);
   comm.all_reduce(flag, ReduceOp::kSum).wait();
   if (flag.item<int64_t>() == 0) return;
+  auto all = all_gather_strings(comm, error);  // every rank takes part, failed or not
   if (!error.empty()) throw Error(error.rfind("fsdp: ", 0) == 0 ? error.substr(6) : error);
-  auto all = all_gather_strings(comm, error);
   for (size_t r = 0; r < all.size(); ++r) {
     if (!all[r].empty()) throw Error(cat("checkpoint ", what, " failed on rank ", r, ": ", all[r]));
   }

@@ -598,12 +598,19 @@ std::unique_ptr<File> File::open_impl(const std::string& path, const Checksums* 
     f->sums_ = *sums;
     f->verified_.assign(sums->blocks.size(), false);
   }
+  // The header is parsed before it is verified: the parser takes untrusted bytes anyway, and a
+  // parsed header lets a checksum error name the tensors of the damaged block.
   uint8_t first8[8] = {0};
-  if (f->size_ >= 8) f->read_bytes(0, first8, 8, "the header length");
+  if (f->size_ >= 8) pread_all(f->fd_, first8, 8, 0, path);
   uint64_t n = parse_header_length(first8, f->size_, path);
   std::vector<uint8_t> prefix(8 + n);
-  f->read_bytes(0, prefix.data(), prefix.size(), "the header");
+  pread_all(f->fd_, prefix.data(), prefix.size(), 0, path);
   f->header_ = parse_header(prefix.data(), prefix.size(), f->size_, path);
+  if (sums) {
+    for (uint64_t b = 0; b <= (f->header_.data_start - 1) / sums->block_bytes; ++b) {
+      f->verify_block(b, "the header");
+    }
+  }
   return f;
 }
 
@@ -625,9 +632,18 @@ void File::verify_block(uint64_t block, const std::string& what) {
   pread_all(fd_, buf.data(), len, start, path_);
   uint64_t got = xxh64(buf.data(), len);
   if (got != sums_->blocks[block]) {
+    std::vector<std::string> held;
+    for (const auto& t : header_.tensors) {
+      uint64_t b = header_.data_start + t.begin, e = header_.data_start + t.end;
+      if (b < start + len && e > start && t.bytes() > 0) held.push_back(shown(t.name));
+    }
+    std::string holds = start < header_.data_start ? "the header" : "";
+    for (size_t i = 0; i < held.size() && i < 8; ++i)
+      holds += (holds.empty() ? "" : ", ") + ("tensor " + held[i]);
+    if (held.size() > 8) holds += cat(" and ", held.size() - 8, " more tensors");
     fail(path_, cat("checksum mismatch in block ", block, " (bytes [", start, ", ", start + len,
-                    ")) while reading ", what, ": xxh64 ", to_hex64(got), ", the index says ",
-                    to_hex64(sums_->blocks[block]),
+                    "), holding ", holds, ") while reading ", what, ": xxh64 ", to_hex64(got),
+                    ", the index says ", to_hex64(sums_->blocks[block]),
                     "; the file is corrupt - restore it or use an older checkpoint"));
   }
   verified_[block] = true;

@@ -1,0 +1,406 @@
+// Sharded checkpoints through the multi-rank harness: round trips across world sizes with
+// bit-identical consolidated values (parameters and optimizer state), an interrupted save, hostile
+// checkpoints (checksum, truncation, missing tensors, dtype/shape mismatch), init_from, and the
+// independent Python reader on a consolidated file.
+#include <fsdp/checkpoint.h>
+#include <fsdp/fsdp.h>
+#include <fsdp/models/gpt.h>
+#include <fsdp/safetensors_torch.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "harness.h"
+
+namespace fsdp::testing {
+namespace {
+
+namespace fs = std::filesystem;
+namespace ck = fsdp::checkpoint;
+namespace st = fsdp::safetensors;
+using models::GPT;
+using models::GPTConfig;
+
+constexpr const char* kDirEnv = "FSDP_CKPT_TEST_DIR";
+
+GPTConfig tiny() {
+  GPTConfig c;
+  c.vocab_size = 32;
+  c.seq_len = 8;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 16;
+  return c;
+}
+
+enum class Opt { kAdamW, kAdam, kSGD };
+
+// A sharded GPT and its optimizer on this rank.
+struct Trainee {
+  explicit Trainee(Rank& r, GPTConfig cfg = tiny(), int seed = 0, Opt opt = Opt::kAdamW,
+                   at::ScalarType dtype = at::kFloat)
+      : model([&] {
+          torch::manual_seed(seed);
+          return fsdp::Sharded<GPT>(GPT(cfg));
+        }()) {
+    cfg_ = cfg;
+    if (dtype != at::kFloat) model->to(dtype);
+    root = models::shard_gpt(model, r.world());
+    if (opt == Opt::kAdamW) {
+      optim = std::make_unique<torch::optim::AdamW>(root.parameters(),
+                                                    torch::optim::AdamWOptions(1e-2));
+    } else if (opt == Opt::kAdam) {
+      optim = std::make_unique<torch::optim::Adam>(root.parameters(),
+                                                   torch::optim::AdamOptions(1e-2).amsgrad(true));
+    } else {
+      optim = std::make_unique<torch::optim::SGD>(root.parameters(),
+                                                  torch::optim::SGDOptions(1e-2).momentum(0.9));
+    }
+  }
+  void train(int rank, int steps) {
+    for (int i = 0; i < steps; ++i) {
+      torch::manual_seed(100 * rank + i);
+      auto x = torch::randint(0, cfg_.vocab_size, {2, cfg_.seq_len});
+      auto y = torch::randint(0, cfg_.vocab_size, {2, cfg_.seq_len});
+      auto loss = model(x, y);
+      loss.backward();
+      optim->step();
+      optim->zero_grad();
+    }
+  }
+  std::vector<torch::Tensor> snapshot() const {
+    std::vector<torch::Tensor> out;
+    for (auto& s : root.shards()) out.push_back(s.shard.detach().clone());
+    return out;
+  }
+  fsdp::Sharded<GPT> model;
+  FSDPModule root;
+  std::unique_ptr<torch::optim::Optimizer> optim;
+  GPTConfig cfg_;
+};
+
+std::string test_dir() {
+  if (const char* d = std::getenv(kDirEnv)) return d;
+  auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string name = std::string(info->test_suite_name()) + "_" + info->name();
+  for (char& c : name) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  fs::path d = fs::temp_directory_path() / ("fsdp_ckpt_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d.string();
+}
+
+RunOptions with_dir(const std::string& dir) {
+  RunOptions o;
+  o.env[kDirEnv] = dir;
+  o.timeout = std::chrono::seconds(90);
+  return o;
+}
+
+// Every tensor of a checkpoint (parameters and optimizer state), reassembled in full.
+std::map<std::string, torch::Tensor> full_tensors(const std::string& ckpt) {
+  auto idx = ck::parse_index(st::read_text(ckpt + "/index.json", 1 << 26), ckpt);
+  std::map<int, std::unique_ptr<st::File>> files;
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& e : idx.tensors) {
+    std::vector<torch::Tensor> parts;
+    for (const auto& p : e.pieces) {
+      auto& f = files[p.rank];
+      if (!f)
+        f = st::File::open_verified(ckpt + "/" + idx.files[p.rank].name, idx.files[p.rank].sums);
+      parts.push_back(st::read_tensor(*f, e.name));
+    }
+    out[e.name] = e.replicated ? parts[0] : torch::cat(parts).reshape(e.global_shape);
+  }
+  return out;
+}
+
+std::map<std::string, torch::Tensor> file_tensors(const std::string& path) {
+  auto f = st::File::open(path);
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& t : f->header().tensors) out[t.name] = st::read_tensor(*f, t.name);
+  return out;
+}
+
+void expect_bit_identical(const std::map<std::string, torch::Tensor>& a,
+                          const std::map<std::string, torch::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : a) {
+    ASSERT_TRUE(b.count(name)) << name;
+    const auto& u = b.at(name);
+    ASSERT_EQ(t.sizes(), u.sizes()) << name;
+    ASSERT_EQ(t.scalar_type(), u.scalar_type()) << name;
+    EXPECT_EQ(std::memcmp(t.data_ptr(), u.data_ptr(), t.numel() * t.element_size()), 0)
+        << name << " differs";
+  }
+}
+
+template <class F>
+void expect_error(F&& fn, std::initializer_list<std::string> parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one containing '" << *parts.begin() << "'";
+  } catch (const fsdp::Error& e) {
+    std::string msg = e.what();
+    for (const auto& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << msg << "\nmissing: " << p;
+  }
+}
+
+// ---- round trips ----
+struct Trip {
+  int from, to;
+  Opt opt;
+};
+
+class RoundTrip : public ::testing::TestWithParam<Trip> {};
+
+TEST_P(RoundTrip, ConsolidatedValuesAreBitIdentical) {
+  const Trip t = GetParam();
+  const std::string dir = test_dir();
+  auto opts = with_dir(dir);
+  // Save at `from` ranks after two steps.
+  run_ranks(
+      t.from,
+      [&](Rank& r) {
+        Trainee run(r, tiny(), 0, t.opt);
+        run.train(r.rank, 2);
+        ck::TrainState s;
+        s.step = 2;
+        s.data_position = 4096;
+        s.rng_state = std::string("\x01\x00\xfe", 3);
+        s.extra = {{"note", "trip"}};
+        auto ckpt = ck::save(dir + "/a", run.root, run.optim.get(), s, *r.world());
+        EXPECT_EQ(ckpt, dir + "/a/step_00000002");
+        if (r.rank == 0) ck::consolidate(ckpt, dir + "/full_a.safetensors");
+      },
+      opts);
+  // Load at `to` ranks into a differently initialised model, save again; init_from the full file.
+  run_ranks(
+      t.to,
+      [&](Rank& r) {
+        Trainee run(r, tiny(), 7, t.opt);
+        auto ckpt = ck::latest(dir + "/a");
+        ASSERT_TRUE(ckpt.has_value());
+        auto s = ck::load(*ckpt, run.root, run.optim.get(), *r.world());
+        EXPECT_EQ(s.step, 2);
+        EXPECT_EQ(s.data_position, 4096);
+        EXPECT_EQ(s.rng_state, std::string("\x01\x00\xfe", 3));
+        EXPECT_EQ(s.extra["note"], "trip");
+        ck::save(dir + "/b", run.root, run.optim.get(), s, *r.world());
+        if (r.rank == 0) ck::consolidate(dir + "/b/step_00000002", dir + "/full_b.safetensors");
+
+        Trainee fresh(r, tiny(), 9, t.opt);
+        ck::init_from(dir + "/full_a.safetensors", fresh.root);
+        auto a = run.snapshot(), b = fresh.snapshot();
+        for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
+        // Training continues from the loaded state on every rank.
+        run.train(r.rank, 1);
+      },
+      opts);
+  if (in_rank_process()) return;
+  expect_bit_identical(file_tensors(dir + "/full_a.safetensors"),
+                       file_tensors(dir + "/full_b.safetensors"));
+  auto fa = full_tensors(dir + "/a/step_00000002");
+  auto fb = full_tensors(dir + "/b/step_00000002");
+  expect_bit_identical(fa, fb);
+  // Optimizer state is present (and was compared above).
+  const char* probe = t.opt == Opt::kSGD ? "wte.weight::momentum_buffer" : "wte.weight::exp_avg";
+  EXPECT_TRUE(fa.count(probe)) << probe;
+  if (t.opt == Opt::kAdam) {
+    EXPECT_TRUE(fa.count("wte.weight::max_exp_avg_sq"));
+  }
+  if (t.opt != Opt::kSGD) {
+    EXPECT_EQ(fa.at("wte.weight::step").item<int64_t>(), 2);
+  }
+  auto idx = ck::parse_index(st::read_text(dir + "/b/step_00000002/index.json", 1 << 26), "b");
+  EXPECT_EQ(idx.world_size, t.to);
+  fs::remove_all(dir);
+}
+
+std::string trip_name(const ::testing::TestParamInfo<Trip>& info) {
+  static const char* kOpt[] = {"AdamW", "Adam", "SGD"};
+  return std::to_string(info.param.from) + "to" + std::to_string(info.param.to) +
+         kOpt[static_cast<int>(info.param.opt)];
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, RoundTrip,
+                         ::testing::Values(Trip{2, 2, Opt::kAdamW}, Trip{2, 3, Opt::kAdamW},
+                                           Trip{3, 1, Opt::kAdamW}, Trip{1, 4, Opt::kAdamW},
+                                           Trip{2, 3, Opt::kSGD}, Trip{3, 2, Opt::kAdam}),
+                         trip_name);
+
+// ---- interrupted save ----
+TEST(Checkpoint, InterruptedSaveLeavesPreviousLoadable) {
+  const std::string dir = test_dir();
+  run_ranks(
+      2,
+      [&](Rank& r) {
+        Trainee run(r);
+        run.train(r.rank, 1);
+        ck::TrainState s;
+        s.step = 1;
+        ck::save(dir, run.root, run.optim.get(), s, *r.world());
+        auto saved = run.snapshot();
+        run.train(r.rank, 1);
+        s.step = 2;
+        ::setenv(ck::kFailAfterFilesEnv, "1", 1);
+        expect_error([&] { ck::save(dir, run.root, run.optim.get(), s, *r.world()); },
+                     {"interrupted", "step_00000002"});
+        ::unsetenv(ck::kFailAfterFilesEnv);
+        r.world()->barrier().wait();
+        // The new checkpoint is visibly incomplete, the previous one is the latest.
+        EXPECT_TRUE(fs::exists(dir + "/step_00000002/rank0.safetensors"));
+        EXPECT_FALSE(fs::exists(dir + "/step_00000002/rank1.safetensors"));
+        EXPECT_FALSE(fs::exists(dir + "/step_00000002/index.json"));
+        ASSERT_EQ(ck::latest(dir), dir + "/step_00000001");
+        expect_error(
+            [&] { ck::load(dir + "/step_00000002", run.root, run.optim.get(), *r.world()); },
+            {"step_00000002", "has no index.json", "did not complete"});
+        auto st1 = ck::load(*ck::latest(dir), run.root, run.optim.get(), *r.world());
+        EXPECT_EQ(st1.step, 1);
+        auto now = run.snapshot();
+        for (size_t i = 0; i < now.size(); ++i) EXPECT_TRUE(torch::equal(now[i], saved[i])) << i;
+        run.train(r.rank, 1);  // still trains
+      },
+      with_dir(dir));
+  if (!in_rank_process()) fs::remove_all(dir);
+}
+
+// ---- hostile checkpoints, through load on every rank ----
+TEST(CheckpointHostile, CorruptTruncatedMissingMismatched) {
+  const std::string dir = test_dir();
+  run_ranks(
+      2,
+      [&](Rank& r) {
+        auto& comm = *r.world();
+        Trainee run(r);
+        run.train(r.rank, 1);
+        ck::TrainState s;
+        s.step = 1;
+        auto good = ck::save(dir + "/good", run.root, run.optim.get(), s, comm);
+        // Rank 0 prepares a damaged copy; every rank loads it and must raise the same error.
+        auto damaged = [&](const std::string& name,
+                           const std::function<void(const std::string&)>& damage) {
+          std::string d = dir + "/" + name;
+          if (r.rank == 0) {
+            fs::copy(good, d, fs::copy_options::recursive);
+            damage(d);
+          }
+          comm.barrier().wait();
+          return d;
+        };
+        auto flip_tail_byte = [](const std::string& path) {
+          std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+          f.seekp(-3, std::ios::end);
+          f.put('\x7f');
+        };
+        auto edit_index = [](const std::string& d, const std::function<void(nlohmann::json&)>& fn) {
+          auto j = nlohmann::json::parse(st::read_text(d + "/index.json", 1 << 26));
+          fn(j);
+          std::ofstream(d + "/index.json", std::ios::trunc) << j.dump();
+        };
+
+        auto c = damaged("checksum",
+                         [&](const std::string& d) { flip_tail_byte(d + "/rank1.safetensors"); });
+        expect_error([&] { ck::load(c, run.root, run.optim.get(), comm); },
+                     {"rank1.safetensors", "checksum mismatch", "tensor '"});
+
+        auto t = damaged("truncated", [&](const std::string& d) {
+          fs::resize_file(d + "/rank0.safetensors", fs::file_size(d + "/rank0.safetensors") - 16);
+        });
+        expect_error([&] { ck::load(t, run.root, run.optim.get(), comm); },
+                     {"rank0.safetensors", "truncated or replaced"});
+
+        auto m = damaged("missing", [&](const std::string& d) {
+          edit_index(d, [](auto& j) { j["tensors"].erase("h.1.c_fc.weight"); });
+        });
+        expect_error([&] { ck::load(m, run.root, run.optim.get(), comm); },
+                     {"missing", "missing tensors 'h.1.c_fc.weight'", "different model"});
+
+        auto lie = damaged("shape_lie", [&](const std::string& d) {
+          // The index claims a shape the file does not hold: caught against the model first.
+          edit_index(d, [](auto& j) { j["tensors"]["ln_f.weight"]["shape"] = {16, 1}; });
+        });
+        expect_error(
+            [&] { ck::load(lie, run.root, run.optim.get(), comm); },
+            {"tensor 'ln_f.weight'", "shape [16, 1] in the checkpoint, [16] in the model"});
+
+        // A model of another shape, and of another dtype.
+        GPTConfig wide = tiny();
+        wide.n_embd = 24;
+        Trainee other(r, wide);
+        expect_error([&] { ck::load(good, other.root, other.optim.get(), comm); },
+                     {"in the checkpoint", "in the model", "configuration differs"});
+        Trainee dbl(r, tiny(), 0, Opt::kAdamW, at::kDouble);
+        expect_error([&] { ck::load(good, dbl.root, dbl.optim.get(), comm); },
+                     {"is F32 in the checkpoint, F64 in the model"});
+        // Another optimizer type.
+        Trainee sgd(r, tiny(), 0, Opt::kSGD);
+        expect_error([&] { ck::load(good, sgd.root, sgd.optim.get(), comm); },
+                     {"holds adamw state, the optimizer is sgd"});
+        // init_from a file lacking a tensor.
+        if (r.rank == 0) {
+          ck::consolidate(good, dir + "/full.safetensors");
+          auto full = file_tensors(dir + "/full.safetensors");
+          full.erase("wpe.weight");
+          std::vector<st::TensorView> views;
+          for (auto& [n, x] : full) views.push_back(st::view_of(n, x));
+          st::write(dir + "/partial.safetensors", views);
+        }
+        comm.barrier().wait();
+        expect_error([&] { ck::init_from(dir + "/partial.safetensors", run.root); },
+                     {"partial.safetensors", "missing tensors 'wpe.weight'"});
+        // The intact checkpoint still loads.
+        EXPECT_EQ(ck::load(good, run.root, run.optim.get(), comm).step, 1);
+      },
+      with_dir(dir));
+  if (!in_rank_process()) fs::remove_all(dir);
+}
+
+// ---- an independent reader agrees with the consolidated file ----
+TEST(Checkpoint, PythonReaderReadsConsolidatedFile) {
+  const char* py = "/usr/bin/python3";
+  if (::access(py, X_OK) != 0) GTEST_SKIP() << py << " not found; the independent reader needs it";
+  const std::string dir = test_dir();
+  run_ranks(
+      2,
+      [&](Rank& r) {
+        Trainee run(r);
+        run.train(r.rank, 1);
+        auto ckpt = ck::save(dir, run.root, run.optim.get(), {}, *r.world());
+        if (r.rank == 0) ck::consolidate(ckpt, dir + "/full.safetensors");
+      },
+      with_dir(dir));
+  if (in_rank_process()) return;
+  auto res = run_process(
+      {py, FSDP_SOURCE_DIR "/tests/read_safetensors.py", dir + "/full.safetensors", "--xxh64"},
+      std::chrono::seconds(60));
+  ASSERT_EQ(res.exit_code, 0) << res.output;
+  auto tensors = file_tensors(dir + "/full.safetensors");
+  EXPECT_EQ(tensors.size(), static_cast<size_t>(2 + 2 * 12 + 2));  // wte, wpe, 12 per block, ln_f
+  for (const auto& [name, t] : tensors) {
+    double sum = 0;
+    auto f = t.contiguous();
+    for (int64_t i = 0; i < f.numel(); ++i) sum += static_cast<double>(f.data_ptr<float>()[i]);
+    char line[512];
+    std::string shape;
+    for (int64_t i = 0; i < t.dim(); ++i) shape += (i ? ", " : "") + std::to_string(t.size(i));
+    std::snprintf(line, sizeof line, "%s F32 [%s] sum=%.17g\n", name.c_str(), shape.c_str(), sum);
+    EXPECT_NE(res.output.find(line), std::string::npos) << line << "not in\n" << res.output;
+  }
+  std::ifstream in(dir + "/full.safetensors", std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(res.output.find("xxh64 " + st::to_hex64(st::xxh64(bytes.data(), bytes.size()))),
+            std::string::npos)
+      << res.output;
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace fsdp::testing
