@@ -226,7 +226,7 @@ int run_training(TrainConfig cfg, const Corpus& corpus, const std::shared_ptr<Co
     start_step = state.step;
     FSDP_CHECK(start_step <= cfg.steps, "--resume '", *ckpt, "' is at step ", start_step,
                ", beyond --steps ", cfg.steps, "; raise --steps to train further");
-    if (rank == 0 && !cfg.quiet)
+    if (rank == 0)  // also with --quiet: where a run continues from matters
       std::printf("fsdp-train: resuming from %s at step %lld\n", ckpt->c_str(),
                   static_cast<long long>(start_step));
   }
