@@ -402,5 +402,53 @@ TEST(Checkpoint, PythonReaderReadsConsolidatedFile) {
   fs::remove_all(dir);
 }
 
+// ---- save/load times for fsdp-train's default model (printed, not asserted) ----
+TEST(Checkpoint, TimesForTrainerDefaultModel) {
+  const std::string dir = test_dir();
+  run_ranks(
+      2,
+      [&](Rank& r) {
+        GPTConfig cfg;  // fsdp-train defaults: 4 layers, 4 heads, width 128, seq 64, vocab 256
+        cfg.n_layer = 4;
+        cfg.n_head = 4;
+        cfg.n_embd = 128;
+        cfg.seq_len = 64;
+        Trainee run(r, cfg);
+        run.train(r.rank, 1);
+        auto& comm = *r.world();
+        using Clock = std::chrono::steady_clock;
+        auto secs = [](Clock::time_point a) {
+          return std::chrono::duration<double>(Clock::now() - a).count();
+        };
+        comm.barrier().wait();
+        auto t0 = Clock::now();
+        auto ckpt = ck::save(dir, run.root, run.optim.get(), {}, comm);
+        double save_s = secs(t0);
+        t0 = Clock::now();
+        ck::load(ckpt, run.root, run.optim.get(), comm);
+        double load_s = secs(t0);
+        if (r.rank == 0) {
+          t0 = Clock::now();
+          ck::consolidate(ckpt, dir + "/full.safetensors");
+          double cons_s = secs(t0);
+          int64_t params = 0;
+          for (auto& p : run.model->parameters()) params += p.numel();
+          uint64_t bytes = 0;
+          for (auto& e : fs::directory_iterator(ckpt)) bytes += fs::file_size(e.path());
+          std::ofstream(dir + "/timing.txt")
+              << "world 2, " << params << " parameters, AdamW state, " << bytes
+              << " checkpoint bytes: save " << save_s * 1e3 << " ms, load " << load_s * 1e3
+              << " ms, consolidate " << cons_s * 1e3 << " ms\n";
+        }
+      },
+      with_dir(dir));
+  if (in_rank_process()) return;
+  std::ifstream in(dir + "/timing.txt");
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line));
+  std::cout << "[ timing ] " << line << std::endl;
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace fsdp::testing
