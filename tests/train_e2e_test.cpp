@@ -25,10 +25,29 @@ namespace {
 
 using fsdp::testing::ProcResult;
 
+// Scratch run directories (and their .json/.toml/.log siblings), removed after all tests.
+std::vector<std::string>& scratch_dirs() {
+  static std::vector<std::string> dirs;
+  return dirs;
+}
+
+class RemoveScratch : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    for (const auto& d : scratch_dirs()) {
+      std::error_code ec;
+      std::filesystem::remove_all(d, ec);
+      for (const char* ext : {".json", ".toml", ".log"}) std::filesystem::remove(d + ext, ec);
+    }
+  }
+};
+const auto* const kRemoveScratch = ::testing::AddGlobalTestEnvironment(new RemoveScratch);
+
 std::string scratch_dir(const std::string& name) {
   const std::string d =
       ::testing::TempDir() + "fsdp_train_e2e_" + std::to_string(::getpid()) + "_" + name;
   std::filesystem::remove_all(d);
+  scratch_dirs().push_back(d);
   return d;
 }
 
@@ -142,7 +161,7 @@ TEST(TrainE2E, ConfigFileJsonAndToml) {
   std::ofstream(toml) << "steps = 3\nno-shard = true\nlayers = 1\nwidth = 32\nheads = 2\n"
                          "seq = 16\nbatch = 2\nquiet = true\nsample_tokens = 0\n";
   for (const auto& file : {json, toml}) {
-    const auto out = dir + "_" + file.substr(file.size() - 4);
+    const auto out = scratch_dir("cfg_" + file.substr(file.size() - 4));
     const auto r =
         run({fsdp::testing::bin_dir() + "/fsdp-train", "--config", file, "--run-dir", out});
     ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -57,6 +57,12 @@ std::string fmt(double v) {
   return buf;
 }
 
+std::string fmt4(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4f", v);
+  return buf;
+}
+
 std::string polyline(const std::vector<std::pair<double, double>>& xy, const char* stroke,
                      double width, double opacity) {
   std::ostringstream os;
@@ -131,16 +137,20 @@ std::string loss_curve_svg(const std::vector<std::pair<int64_t, double>>& points
      << ") rotate(-90)\" text-anchor=\"middle\">loss (cross-entropy, nats per byte)</text>\n";
 
   std::vector<std::pair<double, double>> raw, smooth;
-  double ema = pts.front().second;
+  // Exponential moving average from zero, divided by (1 - smoothing^n) so it does not lag the
+  // first steps (TensorBoard's debiased smoothing).
+  double ema = 0, weight = 1;
   for (const auto& [step, loss] : pts) {
     raw.emplace_back(sx(static_cast<double>(step)), sy(loss));
     ema = o.smoothing * ema + (1.0 - o.smoothing) * loss;
-    smooth.emplace_back(sx(static_cast<double>(step)), sy(ema));
+    weight *= o.smoothing;
+    smooth.emplace_back(sx(static_cast<double>(step)), sy(ema / (1.0 - weight)));
   }
   os << polyline(raw, "#1f77b4", 1.0, o.smoothing > 0 ? 0.35 : 1.0);
   if (o.smoothing > 0) os << polyline(smooth, "#1f77b4", 2.0, 1.0);
   os << "<text x=\"" << left + pw - 6 << "\" y=\"" << top + 16
-     << "\" text-anchor=\"end\" fill=\"#1f77b4\">final " << fmt(pts.back().second) << "</text>\n";
+     << "\" text-anchor=\"end\" fill=\"#1f77b4\">final loss " << fmt4(pts.back().second)
+     << "</text>\n";
   os << "</svg>\n";
   return os.str();
 }
