@@ -21,8 +21,24 @@
 namespace fsdp::train {
 namespace {
 
+// Temporary files of this process, removed after all tests.
+std::vector<std::string>& temp_files() {
+  static std::vector<std::string> files;
+  return files;
+}
+
+class RemoveTempFiles : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    for (const auto& f : temp_files()) std::remove(f.c_str());
+  }
+};
+const auto* const kRemoveTempFiles = ::testing::AddGlobalTestEnvironment(new RemoveTempFiles);
+
 std::string temp_path(const std::string& name) {
-  return ::testing::TempDir() + "fsdp_train_unit_" + std::to_string(::getpid()) + "_" + name;
+  temp_files().push_back(::testing::TempDir() + "fsdp_train_unit_" + std::to_string(::getpid()) +
+                         "_" + name);
+  return temp_files().back();
 }
 
 std::string write_file(const std::string& name, const std::string& text) {
