@@ -107,9 +107,9 @@ std::unique_ptr<torch::optim::AdamW> build_optimizer(const TrainConfig& cfg, Mod
   return std::make_unique<torch::optim::AdamW>(std::move(groups), *options(0.0));
 }
 
-// zero_grad(set_to_none): drops the gradients instead of zeroing them in place (LibTorch 1.13's
-// Optimizer::zero_grad() calls detach_(), which fails on shard gradients that are views of a
-// flat reduce-scatter buffer). PyTorch 2's default, and the same mathematics.
+// zero_grad(set_to_none): drops the gradients instead of zeroing them in place, which frees their
+// memory between steps (PyTorch 2's default; same mathematics) and does not depend on how the
+// sharded gradients are stored (LibTorch 1.13's Optimizer::zero_grad() calls detach_() on them).
 void clear_grads(torch::optim::Optimizer& opt) {
   for (auto& g : opt.param_groups())
     for (auto& p : g.params()) p.mutable_grad() = at::Tensor();
