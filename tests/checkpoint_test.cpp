@@ -158,6 +158,10 @@ struct Trip {
   Opt opt;
 };
 
+void PrintTo(const Trip& t, std::ostream* os) {
+  *os << t.from << " -> " << t.to << " ranks, optimizer " << static_cast<int>(t.opt);
+}
+
 class RoundTrip : public ::testing::TestWithParam<Trip> {};
 
 TEST_P(RoundTrip, ConsolidatedValuesAreBitIdentical) {

@@ -271,6 +271,12 @@ class CheckpointReader {
     }
   }
 
+  // Checks every piece of `e` against its file's header before anything is allocated for it, so
+  // an index claiming a huge shape cannot make the reader allocate more than the files hold.
+  void check_pieces(const IndexEntry& e) {
+    for (const auto& p : e.pieces) check_piece(file(p.rank), e, p);
+  }
+
   // A replicated tensor (e.g. an Adam step count), read whole from the first rank holding it.
   at::Tensor read_replicated(const IndexEntry& e) {
     st::File& f = file(e.pieces.at(0).rank);
@@ -566,6 +572,7 @@ void consolidate(const std::string& ckpt_dir, const std::string& out_file) {
   std::vector<st::TensorView> views;
   for (const auto& e : rd.index().tensors) {
     if (e.name.find("::") != std::string::npos) continue;  // optimizer state
+    rd.check_pieces(e);
     std::vector<int64_t> rows_shape =
         e.global_shape.empty() ? std::vector<int64_t>{1} : e.global_shape;
     at::Tensor full = at::empty(
