@@ -51,7 +51,14 @@ class Work {
 
 struct CommStats {
   int64_t collectives = 0;
-  int64_t bytes_sent = 0;  // bytes this rank put on the wire, by the ring model of each op
+  int64_t bytes_sent = 0;     // bytes this rank put on the wire, by the ring model of each op
+  double wait_seconds = 0;    // time callers spent blocked in Work::wait
+  CommStats& operator+=(const CommStats& o) {
+    collectives += o.collectives;
+    bytes_sent += o.bytes_sent;
+    wait_seconds += o.wait_seconds;
+    return *this;
+  }
 };
 
 class Communicator {
@@ -89,8 +96,10 @@ class Communicator {
   // The split named `name`, created on first use and shared afterwards (collective on first use).
   std::shared_ptr<Communicator> lane(const std::string& name);
 
-  const CommStats& stats() const { return stats_; }
-  void reset_stats() { stats_ = CommStats{}; }
+  const CommStats& stats() const { return *stats_; }
+  // This communicator's statistics plus those of every lane split from it.
+  CommStats total_stats() const;
+  void reset_stats();
 
  private:
   Work make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::string op, int64_t bytes,
@@ -106,7 +115,7 @@ class Communicator {
   int size_ = 1;
   int splits_ = 0;
   std::map<std::string, std::shared_ptr<Communicator>> lanes_;
-  CommStats stats_;
+  std::shared_ptr<CommStats> stats_ = std::make_shared<CommStats>();
 };
 
 }  // namespace fsdp

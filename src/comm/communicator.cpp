@@ -4,6 +4,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <fsdp/trace.h>
+
 #include <mutex>
 
 #include "compat.h"
@@ -17,7 +19,10 @@ struct Work::Impl {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::function<void()> finish;  // local post-processing, run once on the waiting thread
   std::string what;              // "all_gather of 4096 bytes on 'world' (rank 0 of 2)"
+  std::string op, lane;          // for the timeline
   std::chrono::milliseconds timeout{0};
+  std::shared_ptr<CommStats> stats;
+  int64_t issued_us = 0;
   std::mutex mu;
   bool done = false;
 };
@@ -30,6 +35,16 @@ void Work::wait(std::chrono::milliseconds timeout) {
   if (!impl_) return;
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->done) return;
+  const int64_t start = trace::now_us();
+  struct Account {  // charged however the wait ends
+    Work::Impl& w;
+    int64_t start;
+    ~Account() {
+      const int64_t end = trace::now_us();
+      if (w.stats) w.stats->wait_seconds += (end - start) * 1e-6;
+      trace::complete("wait " + w.op, "wait", start, end - start);
+    }
+  } account{*impl_, start};
   for (auto& w : impl_->works) {
     try {
       w->wait(timeout);
@@ -118,9 +133,27 @@ Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, 
   impl->works = std::move(works);
   impl->finish = std::move(finish);
   impl->timeout = timeout_;
+  impl->stats = stats_;
+  impl->op = op;
+  impl->lane = name_;
+  impl->issued_us = trace::now_us();
   impl->what = detail::cat(op, " of ", bytes, " bytes on communicator '", name_, "' (rank ", rank_,
                            " of ranks 0..", size_ - 1, ")");
-  stats_.collectives++;
+  stats_->collectives++;
+  if (trace::enabled()) {
+    // The collective's own span, from issue to completion (the future completes on the
+    // backend's thread), on one timeline row per communication lane.
+    for (auto& w : impl->works) {
+      try {
+        w->getFuture()->addCallback(
+            [op = impl->op, track = "comm " + name_, start = impl->issued_us](c10::ivalue::Future&) {
+              trace::complete(op, "comm", start, trace::now_us() - start, track);
+            });
+      } catch (const std::exception&) {
+        // A backend without futures: the wait spans still show the exposed time.
+      }
+    }
+  }
   return Work(std::move(impl));
 }
 
@@ -139,7 +172,7 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
   }
   auto out = as_wire(output.view({-1}), backend_);
   auto in = as_wire(input.view({-1}), backend_);
-  stats_.bytes_sent += nbytes(input) * (size_ - 1);
+  stats_->bytes_sent += nbytes(input) * (size_ - 1);
   return make_work({compat::all_gather_flat(*pg_, out, in)}, "all_gather", nbytes(output), nullptr);
 }
 
@@ -169,7 +202,7 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
   auto received = at::empty_like(input.view({-1}));
   auto work = compat::exchange_blocks(*pg_, as_wire(received, backend_),
                                       as_wire(input.view({-1}), backend_));
-  stats_.bytes_sent += nbytes(output) * (ws - 1);
+  stats_->bytes_sent += nbytes(output) * (ws - 1);
   return make_work({work}, "reduce_scatter", nbytes(input),
                    [finish_sum, received] { finish_sum(received); });
 }
@@ -182,7 +215,7 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   opts.reduceOp = c10d::ReduceOp::SUM;
   if (compat::backend_reduces(tensor.scalar_type(), backend_)) {
     std::vector<at::Tensor> ts{tensor};
-    stats_.bytes_sent += 2 * nbytes(tensor) * (ws - 1) / ws;
+    stats_->bytes_sent += 2 * nbytes(tensor) * (ws - 1) / ws;
     auto w = pg_->allreduce(ts, opts);
     return make_work({w}, "all_reduce", nbytes(tensor), [tensor, op, ws] {
       if (op == ReduceOp::kAvg) tensor.div_(ws);
@@ -191,7 +224,7 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   // The backend cannot sum this dtype: sum an fp32 copy (accumulating in fp32), cast back at wait.
   auto wide = tensor.to(at::kFloat);
   std::vector<at::Tensor> ts{wide};
-  stats_.bytes_sent += 2 * nbytes(wide) * (ws - 1) / ws;
+  stats_->bytes_sent += 2 * nbytes(wide) * (ws - 1) / ws;
   auto w = pg_->allreduce(ts, opts);
   return make_work({w}, "all_reduce", nbytes(tensor), [tensor, wide, op, ws] {
     if (op == ReduceOp::kAvg) wide.div_(ws);
@@ -207,7 +240,7 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
   std::vector<at::Tensor> ts{as_wire(tensor, backend_)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  if (rank_ == root) stats_.bytes_sent += nbytes(tensor);
+  if (rank_ == root) stats_->bytes_sent += nbytes(tensor);
   return make_work({pg_->broadcast(ts, opts)}, "broadcast", nbytes(tensor), nullptr);
 }
 
@@ -221,6 +254,17 @@ std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
   auto pg = compat::make_process_group(store, rank_, size_, timeout_, backend_, bind_host_);
   return std::make_shared<Communicator>(pg, store_, backend_, timeout_, prefix, bind_host_);
+}
+
+CommStats Communicator::total_stats() const {
+  CommStats s = *stats_;
+  for (const auto& [name, lane] : lanes_) s += lane->total_stats();
+  return s;
+}
+
+void Communicator::reset_stats() {
+  *stats_ = CommStats{};
+  for (auto& [name, lane] : lanes_) lane->reset_stats();
 }
 
 std::shared_ptr<Communicator> Communicator::lane(const std::string& name) {

@@ -115,10 +115,13 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
              "fully_shard was applied twice to module '", type,
              "': apply it once per module (blocks first, then the root)");
 
-  // Descendant modules by path; sharded descendants become this context's children.
+  // Descendant modules by path; sharded descendants become this context's children. `order`
+  // keeps the model's own module order: pointer order differs between processes, and the group
+  // order must be the same on every rank.
   std::map<const torch::nn::Module*, std::string> path_of;
+  std::vector<const torch::nn::Module*> order;
   for (const auto& item : module->named_modules("", /*include_self=*/false))
-    path_of.emplace(item.value().get(), item.key());
+    if (path_of.emplace(item.value().get(), item.key()).second) order.push_back(item.value().get());
 
   std::vector<std::pair<std::string, at::Tensor>> mine;
   std::set<const c10::TensorImpl*> seen;
@@ -165,7 +168,7 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   auto context = std::make_shared<Context>(comm, options.audit);
   std::vector<std::shared_ptr<Context>> absorbed;
   lock.lock();
-  for (const auto& [m, path] : path_of) {
+  for (const auto* m : order) {
     auto g = Registry::find(reg.modules, m);
     if (!g) continue;
     auto old = g->shared_context();

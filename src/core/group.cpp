@@ -4,6 +4,8 @@
 #include <fsdp/error.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <fsdp/trace.h>
+
 #include "compat.h"
 
 namespace fsdp::detail {
@@ -150,10 +152,16 @@ void Group::reshard() {
 // ---------------------------------------------------------------------------------------------
 void Group::pre_forward() {
   context_->on_pre_forward(this);
+  unshard();
+  context_->prefetch_forward(this);
   wait_for_unshard();
+  forward_start_us = trace::enabled() ? trace::now_us() : -1;
 }
 
 void Group::post_forward(const std::vector<at::Tensor>& outs) {
+  if (forward_start_us >= 0)
+    trace::complete("forward " + name_, "compute", forward_start_us,
+                    trace::now_us() - forward_start_us);
   std::weak_ptr<Group> self = weak_from_this();
   for (const auto& out : outs) {
     if (!out.defined() || !out.requires_grad()) continue;

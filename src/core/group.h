@@ -103,6 +103,7 @@ class Group : public std::enable_shared_from_this<Group> {
   // Input-side autograd nodes of forward calls since the last backward (weak: the graph owns them).
   std::vector<std::weak_ptr<torch::autograd::Node>> input_nodes;
   bool forwarded_since_backward = false;
+  int64_t forward_start_us = -1, backward_start_us = -1;  // open timeline spans
 
  private:
   torch::nn::Module* module_;
@@ -148,6 +149,12 @@ class Context {
 
   // ---- forward ----
   void on_pre_forward(Group* g);
+  // Issues the all-gather of the group expected to run next (forward: the order recorded in the
+  // previous iteration; backward: reverse forward order), or of the explicit override list.
+  // Decisions depend only on the model's call order and settings, never on timing, so every rank
+  // issues the same all-gathers in the same order.
+  void prefetch_forward(Group* g);
+  void prefetch_backward(Group* g);
 
   // ---- backward ----
   void on_pre_backward(Group* g);
@@ -173,12 +180,14 @@ class Context {
   void try_issue(TaskState& t);
   void issue(TaskState& t, Group* g);
   void maybe_reshard_after_backward(TaskState& t, Group* g);
+  void end_backward_span(Group* g);
   void finalize(const void* key);
 
   std::shared_ptr<Communicator> comm_, gather_lane_, reduce_lane_;
   std::recursive_mutex mu_;
   std::map<const void*, TaskState> tasks_;
   std::vector<Group*> forward_order_;  // groups in first pre-forward order, this iteration
+  std::vector<Group*> last_forward_order_;  // the previous iteration's
   bool backward_done_ = true;          // a forward after this starts a new iteration
   int64_t unsharded_bytes_ = 0, peak_unsharded_bytes_ = 0;
   int unsharded_groups_ = 0, peak_unsharded_groups_ = 0;

@@ -13,6 +13,7 @@
 // gradients, if any accumulate, stay unsharded until the next plain synced backward.
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
+#include <fsdp/trace.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 
@@ -93,6 +94,7 @@ void Context::on_pre_forward(Group* g) {
   if (backward_done_ && torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr) {
     // First forward after a backward: a new iteration.
     backward_done_ = false;
+    if (!forward_order_.empty()) last_forward_order_ = forward_order_;
     forward_order_.clear();
     for (Group* x : groups) {
       x->input_nodes.clear();
@@ -104,6 +106,54 @@ void Context::on_pre_forward(Group* g) {
     forward_order_.push_back(g);
   }
   log(g, "pre_forward");
+}
+
+namespace {
+bool may_prefetch(const Group* target) {
+  return target && target->shard_state() == ShardState::kSharded &&
+         target->options().max_unsharded_groups >= 2;
+}
+}  // namespace
+
+void Context::prefetch_forward(Group* g) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::vector<Group*> targets;
+  if (g->forward_prefetch_set) {
+    targets = g->forward_prefetch;
+  } else {
+    auto it = std::find(last_forward_order_.begin(), last_forward_order_.end(), g);
+    if (it != last_forward_order_.end() && it + 1 != last_forward_order_.end())
+      targets.push_back(*(it + 1));
+  }
+  for (Group* t : targets)
+    if (t != g && may_prefetch(t)) {
+      log(t, detail::cat("forward prefetch from '", g->name(), "'"));
+      t->unshard();
+    }
+}
+
+void Context::prefetch_backward(Group* g) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::vector<Group*> targets;
+  if (g->backward_prefetch_set) {
+    targets = g->backward_prefetch;
+  } else {
+    // Backward runs the non-root groups in reverse forward order; the root's hook comes first.
+    std::vector<Group*> seq;
+    for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
+      if (*it != root()) seq.push_back(*it);
+    if (g == root()) {
+      if (!seq.empty()) targets.push_back(seq.front());
+    } else {
+      auto it = std::find(seq.begin(), seq.end(), g);
+      if (it != seq.end() && it + 1 != seq.end()) targets.push_back(*(it + 1));
+    }
+  }
+  for (Group* t : targets)
+    if (t != g && may_prefetch(t)) {
+      log(t, detail::cat("backward prefetch from '", g->name(), "'"));
+      t->unshard();
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -160,7 +210,11 @@ void Context::on_pre_backward(Group* g) {
     try_issue(*t);
   }
   log(g, detail::cat("pre_backward (", to_string(g->shard_state()), ")"));
+  if (g->backward_start_us >= 0) return;  // another output of the same group: already running
+  g->unshard();
+  prefetch_backward(g);
   g->wait_for_unshard();
+  g->backward_start_us = trace::now_us();
 }
 
 void Context::on_grad_ready(Group* g, size_t i) {
@@ -184,6 +238,7 @@ void Context::on_grad_ready(Group* g, size_t i) {
   log(g, detail::cat("gradient final: '", g->params()[i].name(), "' (", t->pending_grads[g],
                      " to go)"));
   if (t->pending_grads[g] == 0) {
+    end_backward_span(g);
     try_issue(*t);
     maybe_reshard_after_backward(*t, g);
   }
@@ -196,6 +251,13 @@ void Context::on_input_backward(Group* g) {
   if (t->pending_inputs[g] > 0) --t->pending_inputs[g];
   log(g, detail::cat("input-side backward (", t->pending_inputs[g], " to go)"));
   maybe_reshard_after_backward(*t, g);
+}
+
+void Context::end_backward_span(Group* g) {
+  if (g->backward_start_us < 0) return;
+  trace::complete("backward " + g->name(), "compute", g->backward_start_us,
+                  trace::now_us() - g->backward_start_us);
+  g->backward_start_us = -1;
 }
 
 void Context::maybe_reshard_after_backward(TaskState& t, Group* g) {
@@ -249,8 +311,10 @@ void Context::finalize(const void* key) {
     }
   }
   t.in_flight.clear();
-  for (Group* g : groups)
+  for (Group* g : groups) {
+    end_backward_span(g);
     if (g->reshard_after_backward) g->reshard();
+  }
   backward_done_ = true;
   log(root(), "backward complete");
   TaskState done = std::move(t);

@@ -1,1 +1,30 @@
-// placeholder
+#include <fsdp/memory.h>
+#include <malloc.h>
+
+#include <fstream>
+#include <string>
+
+namespace fsdp::memory {
+namespace {
+double status_mb(const char* key) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::string k = key;
+  while (std::getline(f, line))
+    if (line.rfind(k, 0) == 0) return std::stod(line.substr(k.size())) / 1024.0;  // kB -> MB
+  return 0;
+}
+}  // namespace
+
+double current_rss_mb() { return status_mb("VmRSS:"); }
+double peak_rss_mb() { return status_mb("VmHWM:"); }
+
+bool reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5";
+  return f.good();
+}
+
+void trim() { ::malloc_trim(0); }
+
+}  // namespace fsdp::memory
