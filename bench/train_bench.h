@@ -1,0 +1,68 @@
+// fsdp-bench training modes: step time, exposed communication, bytes and peak memory of GPT
+// training under four data-parallel strategies with the same per-rank batch (docs/performance.md).
+//
+//   local           every rank trains its own copy with no communication at all: the compute floor
+//                   (all ranks run at once, so they share the machine as in the other modes)
+//   ddp             replicated parameters; gradients all-reduced (mean) in ~25 MB buckets in
+//   reverse
+//                   parameter order, each issued from AccumulateGrad post hooks as soon as the
+//                   bucket is complete (in bucket order), waited before the optimizer step
+//   fsdp            fully_shard on every block and the root, reshard after forward (ZeRO-3)
+//   fsdp-noreshard  the same without resharding the blocks after forward (ZeRO-2-like)
+//
+// Every mode uses AdamW, the same initial weights (one seed) and the same synthetic token batches,
+// so all four see the same loss at step 1, and ddp and the fsdp modes the same losses throughout
+// (up to float summation order). Rank 0 prints one JSON line per mode (keys in TrainResult order);
+// summarize_compare() turns the four lines into the closing summary line.
+//
+// Free of torch headers, so the fsdp-bench dispatcher stays light.
+// Thread-safety: run from the main thread.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+namespace fsdp::bench {
+
+struct TrainBenchOptions {
+  std::string mode = "fsdp";       // local, ddp, fsdp, fsdp-noreshard
+  std::string preset = "default";  // "default" or "mem"; explicit size options override it
+  int64_t layers = 8;
+  int64_t width = 512;
+  int64_t heads = 8;
+  int64_t seq = 256;
+  int64_t batch = 2;      // sequences per rank and step
+  int steps = 5;          // timed steps
+  int warmup = 2;         // untimed steps before them
+  int threads = 1;        // intra-op threads per rank (at::set_num_threads)
+  double bucket_mb = 25;  // ddp bucket size
+  double lr = 3e-4;
+  uint64_t seed = 1234;
+  std::string trace_dir;  // non-empty: write <trace_dir>/rank<k>.json
+};
+
+// The sizes `preset` stands for; fields the user set explicitly (`explicit_sizes`, option names
+// without dashes: "layers", "width", "heads", "seq", "batch") keep their value.
+void apply_preset(TrainBenchOptions& options, const std::vector<std::string>& explicit_sizes);
+
+// The modes --compare runs, in order.
+const std::vector<std::string>& compare_modes();
+
+// Runs one mode on the ranks of the current launch; rank 0 prints its JSON line. Returns the exit
+// code.
+int run_train_bench(const TrainBenchOptions& options);
+
+// Runs every mode of compare_modes() in this process, one after another (used under an external
+// launcher; with --nproc the dispatcher starts fresh ranks per mode instead, so that peak memory
+// of one mode does not carry into the next), then prints the summary on rank 0.
+int run_train_compare(TrainBenchOptions options);
+
+// From the JSON lines of the four modes: the summary JSON line (fsdp_over_local, fsdp_over_ddp,
+// noreshard_over_ddp, fsdp_mem_over_ddp, bytes ratios, checks). Writes a "WARNING" line to
+// `warnings` for every cross-mode check that fails (step-1 losses differ, final losses of ddp and
+// fsdp differ, bytes off the volume model). Throws fsdp::Error when a mode's line is missing.
+std::string summarize_compare(const std::vector<std::string>& json_lines, std::ostream& warnings);
+
+}  // namespace fsdp::bench

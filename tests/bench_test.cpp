@@ -1,0 +1,160 @@
+// End-to-end tests of fsdp-bench's training modes on a tiny GPT: the --compare lines carry every
+// key with sane values, the bytes follow the volume model (fsdp ~1.5x ddp, noreshard ~1x), the
+// modes agree on the loss, and --trace writes per-rank Chrome traces with the expected spans.
+// Timings are not asserted: this machine is shared.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "harness.h"
+
+namespace fsdp::bench {
+namespace {
+
+using nlohmann::json;
+
+// Two blocks of width 64: quick (a few seconds per mode) at world 2.
+std::vector<std::string> tiny(std::vector<std::string> args) {
+  std::vector<std::string> argv = {fsdp::testing::bin_dir() + "/fsdp-bench",
+                                   "--nproc",
+                                   "2",
+                                   "--layers",
+                                   "2",
+                                   "--width",
+                                   "64",
+                                   "--heads",
+                                   "2",
+                                   "--seq",
+                                   "32",
+                                   "--batch",
+                                   "2",
+                                   "--steps",
+                                   "2",
+                                   "--warmup",
+                                   "1"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+// Every line of `out` that parses as a JSON object.
+std::vector<json> json_lines(const std::string& out) {
+  std::vector<json> lines;
+  std::istringstream in(out);
+  for (std::string l; std::getline(in, l);) {
+    if (l.empty() || l[0] != '{') continue;
+    auto j = json::parse(l, nullptr, false);
+    if (!j.is_discarded() && j.is_object()) lines.push_back(j);
+  }
+  return lines;
+}
+
+std::string scratch_dir(const std::string& name) {
+  const std::string d =
+      ::testing::TempDir() + "fsdp_bench_test_" + std::to_string(::getpid()) + "_" + name;
+  std::filesystem::remove_all(d);
+  return d;
+}
+
+TEST(BenchCompare, PrintsEveryModeAndASaneSummary) {
+  auto r = fsdp::testing::run_process(tiny({"--compare"}), std::chrono::seconds(90));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::map<std::string, json> modes;
+  json summary;
+  for (auto& j : json_lines(r.output)) {
+    if (j.contains("mode")) modes[j["mode"]] = j;
+    if (j.contains("summary")) summary = j;
+  }
+  ASSERT_EQ(modes.size(), 4u) << r.output;
+  for (const char* m : {"local", "ddp", "fsdp", "fsdp-noreshard"}) {
+    ASSERT_TRUE(modes.count(m)) << "no line for " << m << "\n" << r.output;
+    const json& j = modes[m];
+    for (const char* key :
+         {"mode", "world", "step_s_median", "step_s_min", "step_s_max", "tokens_per_s_per_rank",
+          "exposed_comm_s", "bytes_sent_per_step", "peak_rss_mb", "loss"})
+      EXPECT_TRUE(j.contains(key)) << m << " lacks " << key << ": " << j.dump();
+    EXPECT_EQ(j["world"], 2);
+    EXPECT_GT(j["step_s_median"].get<double>(), 0) << j.dump();
+    EXPECT_LE(j["step_s_min"].get<double>(), j["step_s_median"].get<double>());
+    EXPECT_GE(j["step_s_max"].get<double>(), j["step_s_median"].get<double>());
+    EXPECT_GT(j["tokens_per_s_per_rank"].get<double>(), 0);
+    EXPECT_GE(j["exposed_comm_s"].get<double>(), 0);
+    EXPECT_GT(j["peak_rss_mb"].get<double>(), 10);
+    EXPECT_NEAR(j["loss"].get<double>(), std::log(256.0), 1.0) << "random tokens: loss ~ ln 256";
+  }
+  EXPECT_EQ(modes["local"]["bytes_sent_per_step"], 0);
+  const double ddp = modes["ddp"]["bytes_sent_per_step"];
+  const double fsdp = modes["fsdp"]["bytes_sent_per_step"];
+  const double nors = modes["fsdp-noreshard"]["bytes_sent_per_step"];
+  ASSERT_GT(ddp, 0);
+  // ZeRO-3 volume: 1.5x DDP's all-reduce (a little less, the root is gathered once).
+  EXPECT_GT(fsdp / ddp, 1.25) << r.output;
+  EXPECT_LT(fsdp / ddp, 1.7) << r.output;
+  EXPECT_GT(nors / ddp, 0.9) << r.output;
+  EXPECT_LT(nors / ddp, 1.15) << r.output;
+  // Step 1 is the same model on the same data in every mode.
+  for (const char* m : {"local", "fsdp", "fsdp-noreshard"})
+    EXPECT_NEAR(modes[m]["loss_step1"].get<double>(), modes["ddp"]["loss_step1"].get<double>(),
+                1e-4)
+        << m;
+  EXPECT_NEAR(modes["fsdp"]["loss"].get<double>(), modes["ddp"]["loss"].get<double>(), 1e-3);
+
+  ASSERT_FALSE(summary.is_null()) << r.output;
+  for (const char* key :
+       {"fsdp_over_local", "fsdp_over_ddp", "noreshard_over_ddp", "fsdp_mem_over_ddp"})
+    EXPECT_GT(summary[key].get<double>(), 0) << key << ": " << summary.dump();
+  EXPECT_TRUE(summary["checks_passed"].get<bool>()) << r.output;
+  EXPECT_EQ(r.output.find("WARNING"), std::string::npos) << r.output;
+}
+
+// Names of the complete ("X") events of one rank's trace, and the track of each.
+std::multimap<std::string, std::string> spans(const std::string& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << path;
+  json t = json::parse(in);  // throws (fails the test) on a malformed file
+  std::map<int, std::string> tracks;
+  for (const auto& e : t["traceEvents"])
+    if (e["ph"] == "M" && e["name"] == "thread_name") tracks[e["tid"]] = e["args"]["name"];
+  std::multimap<std::string, std::string> out;
+  for (const auto& e : t["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    EXPECT_GE(e["dur"].get<int64_t>(), 0);
+    out.emplace(e["name"], tracks[e["tid"]]);
+  }
+  return out;
+}
+
+bool has_prefix(const std::multimap<std::string, std::string>& s, const std::string& p) {
+  auto it = s.lower_bound(p);
+  return it != s.end() && it->first.rfind(p, 0) == 0;
+}
+
+TEST(BenchTrace, WritesAChromeTracePerRankWithEverySpan) {
+  const std::string dir = scratch_dir("trace");
+  auto r = fsdp::testing::run_process(tiny({"--mode", "fsdp", "--trace", dir}),
+                                      std::chrono::seconds(60));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    auto s = spans(dir + "/rank" + std::to_string(rank) + ".json");
+    EXPECT_TRUE(s.count("all_gather")) << "rank " << rank;
+    EXPECT_TRUE(s.count("reduce_scatter")) << "rank " << rank;
+    EXPECT_TRUE(s.count("optimizer.step")) << "rank " << rank;
+    EXPECT_TRUE(has_prefix(s, "forward h.")) << "rank " << rank;
+    EXPECT_TRUE(has_prefix(s, "backward h.")) << "rank " << rank;
+    EXPECT_TRUE(has_prefix(s, "wait ")) << "rank " << rank;
+    auto ag = s.equal_range("all_gather");
+    for (auto it = ag.first; it != ag.second; ++it)
+      EXPECT_EQ(it->second.rfind("comm ", 0), 0u) << "collectives run on a comm track";
+  }
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace fsdp::bench
