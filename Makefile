@@ -4,7 +4,7 @@ BUILD   ?= build
 JOBS    ?= $(shell nproc)
 CTEST_J ?= 2
 
-.PHONY: all setup configure build run test sanitize format clean
+.PHONY: all setup configure build run test sanitize fuzz format clean
 
 all: build
 
@@ -31,6 +31,10 @@ sanitize: setup
 	cmake -S . -B build-asan -G Ninja -DFSDP_SANITIZE=ON
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=0:new_delete_type_mismatch=0 ctest --output-on-failure -j $(CTEST_J) --timeout 1200
+
+# libFuzzer targets for the checkpoint header and index parsers (clang, ASan+UBSan), in build-fuzz/.
+fuzz:
+	scripts/fuzz.sh $(or $(FUZZ_SECONDS),120)
 
 format:
 	clang-format -i $$(git ls-files '*.cpp' '*.h')

@@ -35,7 +35,7 @@ int main() try {
   torch::manual_seed(0);                    // the same initial model on every rank
   fsdp::Sharded<Net> model(64, 4);          // was: Net model(64, 4);
   for (auto& block : model->blocks) fsdp::fully_shard(block, world);  // one group per block
-  auto root = fsdp::fully_shard(model, world);                         // the rest: the head
+  auto root = fsdp::fully_shard(model, world);                        // the rest: the head
   torch::optim::AdamW opt(root.parameters(), torch::optim::AdamWOptions(1e-3));
   for (int step = 0; step < 20; ++step) {
     torch::manual_seed(1000 * step + world->rank());  // each rank its own data

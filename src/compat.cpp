@@ -3,8 +3,9 @@
 #include <ATen/native/Resize.h>
 #include <c10/core/CPUAllocator.h>
 #include <fsdp/error.h>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/version.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 namespace fsdp::compat {
 
@@ -52,11 +53,9 @@ c10::intrusive_ptr<c10d::Work> exchange_blocks(c10d::ProcessGroup& pg, const at:
   return pg.alltoall_base(out, in, equal_splits, equal_splits);
 }
 
-c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                          int rank, int size,
-                                                          std::chrono::milliseconds timeout,
-                                                          const std::string& backend,
-                                                          const std::string& bind_host) {
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, const std::string& backend, const std::string& bind_host) {
   FSDP_CHECK(backend == "gloo", "backend '", backend,
              "' is not available in this LibTorch build (CPU only); use backend \"gloo\"");
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);

@@ -1,16 +1,16 @@
-// The one place where LibTorch 1.13 and 2.x, Gloo and NCCL differ. Everything else in fsdp-cpp calls
-// these functions and never tests TORCH_VERSION or the backend itself.
+// The one place where LibTorch 1.13 and 2.x, Gloo and NCCL differ. Everything else in fsdp-cpp
+// calls these functions and never tests TORCH_VERSION or the backend itself.
 //
 // 1.13 Gloo lacks reduce-scatter, _allgather_base, AVG and bf16 (verified; see docs/design.md).
 // Thread-safety: stateless functions.
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
 namespace fsdp::compat {
@@ -35,11 +35,9 @@ c10::intrusive_ptr<c10d::Work> all_gather_flat(c10d::ProcessGroup& pg, const at:
 c10::intrusive_ptr<c10d::Work> exchange_blocks(c10d::ProcessGroup& pg, const at::Tensor& received,
                                                const at::Tensor& input);
 
-c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                          int rank, int size,
-                                                          std::chrono::milliseconds timeout,
-                                                          const std::string& backend,
-                                                          const std::string& bind_host);
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, const std::string& backend, const std::string& bind_host);
 // "gloo" or, where LibTorch has CUDA and a GPU is present, "nccl" for backend "auto".
 std::string resolve_backend(const std::string& requested);
 

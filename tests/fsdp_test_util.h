@@ -59,7 +59,8 @@ inline int expect_shard_grads(const FSDPModule& root, const GradMap& ref, double
     auto it = ref.find(s.name);
     int64_t rows = s.global_shape.empty() ? 1 : s.global_shape[0];
     if (it != ref.end()) {
-      expect = it->second.reshape({rows, -1}).narrow(0, s.row_offset, s.shard.numel() ? s.shard.size(0) : 0);
+      expect = it->second.reshape({rows, -1})
+                   .narrow(0, s.row_offset, s.shard.numel() ? s.shard.size(0) : 0);
     } else {
       expect = torch::zeros_like(s.shard);
     }
@@ -79,7 +80,8 @@ inline void expect_shards_equal(const FSDPModule& root, torch::nn::Module& refer
   for (const auto& s : root.shards()) {
     auto r = ref.at(s.name);
     int64_t rows = s.global_shape.empty() ? 1 : s.global_shape[0];
-    auto expect = r.reshape({rows, -1}).narrow(0, s.row_offset, s.shard.numel() ? s.shard.size(0) : 0);
+    auto expect =
+        r.reshape({rows, -1}).narrow(0, s.row_offset, s.shard.numel() ? s.shard.size(0) : 0);
     auto got = s.shard.detach().reshape(expect.sizes());
     EXPECT_TRUE(torch::allclose(got, expect, rtol, atol))
         << s.name << ": max abs diff " << (got - expect).abs().max().item<double>();

@@ -75,10 +75,11 @@ TEST(FullyShard, ShardLayoutNamesAndBuffers) {
     // Gradients: 0-d and empty shards get their (possibly empty) slice of the mean gradient.
     m(torch::ones({2, 3})).sum().backward();
     for (auto& s : root.shards()) EXPECT_TRUE(s.shard.grad().defined()) << s.name;
-    if (r.rank == 0) EXPECT_NEAR(by["temperature"].shard.grad().item<double>(),
-                                 fresh(torch::ones({2, 3})).sum().item<double>() / 1.5 -
-                                     fresh->rows2.sum().item<double>() * 2 / 1.5,
-                                 1e-4);
+    if (r.rank == 0)
+      EXPECT_NEAR(by["temperature"].shard.grad().item<double>(),
+                  fresh(torch::ones({2, 3})).sum().item<double>() / 1.5 -
+                      fresh->rows2.sum().item<double>() * 2 / 1.5,
+                  1e-4);
   });
 }
 
@@ -119,6 +120,25 @@ struct TwoSiblingsImpl : torch::nn::Module {
   fsdp::Sharded<Uses> u{nullptr};
 };
 TORCH_MODULE(TwoSiblings);
+
+TEST(FullyShard, ReshardAfterBackwardOffKeepsParametersGathered) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
+    fsdp::Sharded<Plain> m{Plain()};
+    fully_shard(m->a, r.world(), audited());
+    fully_shard(m->b, r.world(), audited());
+    auto root = fully_shard(m, r.world(), audited());
+    root.set_reshard_after_backward(false);
+    m(torch::randn({4, 5})).sum().backward();
+    // Kept gathered through backward (ZeRO-2-like): the next forward needs no all-gather.
+    EXPECT_GT(m->a->weight.storage().nbytes(), 0u);
+    EXPECT_EQ(root.memory_stats().unsharded_groups, 3);
+    root.set_reshard_after_backward(true);
+    m(torch::randn({4, 5})).sum().backward();
+    EXPECT_EQ(m->a->weight.storage().nbytes(), 0u);
+    EXPECT_EQ(root.memory_stats().unsharded_groups, 0);
+  });
+}
 
 TEST(FullyShardErrors, ParameterSharedByTwoGroups) {
   run_ranks(1, [](Rank& r) {

@@ -41,7 +41,9 @@ TEST_P(Guarantee, A_PlainModule) {
         fully_shard(m->a, c, o);
         fully_shard(m->b, c, o);
       },
-      [](auto& m, int rank) { m(input_for(rank, {4, 5})).pow(2).sum().backward(); });
+      [](auto& m, int rank) {
+        m(input_for(rank, {4, 5})).pow(2).sum().backward();
+      });
 }
 
 TEST_P(Guarantee, B_WeightInBranchNotReachingInput) {
@@ -51,7 +53,9 @@ TEST_P(Guarantee, B_WeightInBranchNotReachingInput) {
         fully_shard(m->a, c, o);
         fully_shard(m->br, c, o);
       },
-      [](auto& m, int rank) { m(input_for(rank, {3, 4})).pow(2).sum().backward(); });
+      [](auto& m, int rank) {
+        m(input_for(rank, {3, 4})).pow(2).sum().backward();
+      });
 }
 
 TEST_P(Guarantee, C_TiedEmbeddingAndHeadInOneGroup) {
@@ -72,7 +76,9 @@ TEST_P(Guarantee, D_FirstModuleInputNeedsNoGrad) {
         fully_shard(m->a, c, o);
         fully_shard(m->b, c, o);
       },
-      [](auto& m, int rank) { m(input_for(rank, {4, 5}, false)).pow(2).sum().backward(); });
+      [](auto& m, int rank) {
+        m(input_for(rank, {4, 5}, false)).pow(2).sum().backward();
+      });
 }
 
 TEST_P(Guarantee, E_OutputIgnoresInput) {
@@ -83,27 +89,35 @@ TEST_P(Guarantee, E_OutputIgnoresInput) {
         fully_shard(m->ign, c, o);
         fully_shard(m->c, c, o);
       },
-      [](auto& m, int rank) { m(input_for(rank, {4, 5})).pow(2).sum().backward(); });
+      [](auto& m, int rank) {
+        m(input_for(rank, {4, 5})).pow(2).sum().backward();
+      });
 }
 
 TEST_P(Guarantee, F_ModuleCalledTwiceReshardAfterForward) {
   check_case<Twice>(
       GetParam(), [](auto& m, auto c, auto o) { fully_shard(m->lin, c, o); },
-      [](auto& m, int rank) { m(input_for(rank, {3, 5})).pow(2).sum().backward(); },
+      [](auto& m, int rank) {
+        m(input_for(rank, {3, 5})).pow(2).sum().backward();
+      },
       audited(true));
 }
 
 TEST_P(Guarantee, F_ModuleCalledTwiceNoReshardAfterForward) {
   check_case<Twice>(
       GetParam(), [](auto& m, auto c, auto o) { fully_shard(m->lin, c, o); },
-      [](auto& m, int rank) { m(input_for(rank, {3, 5})).pow(2).sum().backward(); },
+      [](auto& m, int rank) {
+        m(input_for(rank, {3, 5})).pow(2).sum().backward();
+      },
       audited(false));
 }
 
 TEST_P(Guarantee, G_WeightTransformedBeforeUse) {
   check_case<Transform>(
       GetParam(), [](auto& m, auto c, auto o) { fully_shard(m->lin, c, o); },
-      [](auto& m, int rank) { m(input_for(rank, {4, 5})).pow(2).sum().backward(); });
+      [](auto& m, int rank) {
+        m(input_for(rank, {4, 5})).pow(2).sum().backward();
+      });
 }
 
 TEST_P(Guarantee, H_ParametersUnusedOnSomeRanks) {
@@ -114,7 +128,9 @@ TEST_P(Guarantee, H_ParametersUnusedOnSomeRanks) {
         fully_shard(m->fork, c, o);
       },
       // Rank 0 uses `left` only; every other rank uses `right` only.
-      [](auto& m, int rank) { m(input_for(rank, {4, 5}), rank == 0).pow(2).sum().backward(); });
+      [](auto& m, int rank) {
+        m(input_for(rank, {4, 5}), rank == 0).pow(2).sum().backward();
+      });
 }
 
 // (i) torch::autograd::grad with explicit inputs computes the input gradient it was asked for and
@@ -169,7 +185,9 @@ TEST_P(Guarantee, K_FrozenAndTrainableInOneGroup) {
         fully_shard(m->mix, c, o);
         fully_shard(m->out, c, o);
       },
-      [](auto& m, int rank) { m(input_for(rank, {4, 5})).pow(2).sum().backward(); });
+      [](auto& m, int rank) {
+        m(input_for(rank, {4, 5})).pow(2).sum().backward();
+      });
 }
 
 TEST_P(Guarantee, L_GroupWithNoGradientThisStep) {
@@ -180,7 +198,9 @@ TEST_P(Guarantee, L_GroupWithNoGradientThisStep) {
         fully_shard(m->discarded, c, o);
         fully_shard(m->never, c, o);
       },
-      [](auto& m, int rank) { m(input_for(rank, {4, 5})).pow(2).sum().backward(); });
+      [](auto& m, int rank) {
+        m(input_for(rank, {4, 5})).pow(2).sum().backward();
+      });
 }
 
 // The audit is not decorative: with a fault injected that issues every reduction at the first

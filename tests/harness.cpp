@@ -159,8 +159,8 @@ RunResult run_ranks(int world_size, const std::function<void(Rank&)>& body,
   ::rmdir(dir.c_str());
 
   if (!options.expect_failure) {
-    EXPECT_FALSE(result.timed_out) << "ranks did not finish within " << options.timeout.count()
-                                   << " s";
+    EXPECT_FALSE(result.timed_out)
+        << "ranks did not finish within " << options.timeout.count() << " s";
     for (int k = 0; k < world_size; ++k) {
       EXPECT_EQ(result.exit_codes[k], 0)
           << "rank " << k << " of " << world_size << " failed; its output:\n"
@@ -204,8 +204,10 @@ ProcResult run_process(const std::vector<std::string>& argv, std::chrono::second
     pollfd p{fds[0], POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 200))) > 0) {
       ssize_t n = ::read(fds[0], buf, sizeof buf);
-      if (n <= 0) open = false;
-      else r.output.append(buf, n);
+      if (n <= 0)
+        open = false;
+      else
+        r.output.append(buf, n);
     }
   }
   ::close(fds[0]);

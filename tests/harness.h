@@ -31,15 +31,15 @@ struct Rank {
 };
 
 struct RunOptions {
-  std::chrono::seconds timeout{120};          // the whole multi-rank run
-  double collective_timeout_s = 60;           // FSDP_TIMEOUT_S inside the ranks
-  std::map<std::string, std::string> env;     // extra environment for the ranks
-  bool expect_failure = false;                // a rank is expected to exit non-zero
+  std::chrono::seconds timeout{120};       // the whole multi-rank run
+  double collective_timeout_s = 60;        // FSDP_TIMEOUT_S inside the ranks
+  std::map<std::string, std::string> env;  // extra environment for the ranks
+  bool expect_failure = false;             // a rank is expected to exit non-zero
 };
 
 struct RunResult {
-  std::vector<int> exit_codes;     // per rank: exit status, or 128 + signal
-  std::vector<std::string> output; // per rank: stdout + stderr
+  std::vector<int> exit_codes;      // per rank: exit status, or 128 + signal
+  std::vector<std::string> output;  // per rank: stdout + stderr
   bool timed_out = false;
 };
 

@@ -34,7 +34,8 @@ fsdp::Sharded<GPT> build(torch::Dtype dtype = torch::kFloat) {
 // Step k's global batch: (kGlobalBatch, seq_len + 1) tokens, inputs and next-token targets.
 std::pair<torch::Tensor, torch::Tensor> batch(int step) {
   torch::manual_seed(500 + step);
-  auto tokens = torch::randint(0, tiny().vocab_size, {kGlobalBatch, tiny().seq_len + 1}, torch::kLong);
+  auto tokens =
+      torch::randint(0, tiny().vocab_size, {kGlobalBatch, tiny().seq_len + 1}, torch::kLong);
   return {tokens.narrow(1, 0, tiny().seq_len), tokens.narrow(1, 1, tiny().seq_len)};
 }
 
@@ -103,8 +104,8 @@ void run_parity(int world, Variant variant, torch::Dtype dtype = torch::kFloat) 
 
     auto model = build(dtype);
     auto comm = r.world();
-    ShardOptions block = audited(variant == Variant::kNoReshard ? std::optional<bool>(false)
-                                                                  : std::nullopt);
+    ShardOptions block =
+        audited(variant == Variant::kNoReshard ? std::optional<bool>(false) : std::nullopt);
     auto root = fsdp::models::shard_gpt(model, comm, block, audited());
     torch::optim::AdamW opt(root.parameters(), adamw());
     const int64_t per_rank = kGlobalBatch / world;

@@ -51,8 +51,8 @@ class Work {
 
 struct CommStats {
   int64_t collectives = 0;
-  int64_t bytes_sent = 0;     // bytes this rank put on the wire, by the ring model of each op
-  double wait_seconds = 0;    // time callers spent blocked in Work::wait
+  int64_t bytes_sent = 0;   // bytes this rank put on the wire, by the ring model of each op
+  double wait_seconds = 0;  // time callers spent blocked in Work::wait
   CommStats& operator+=(const CommStats& o) {
     collectives += o.collectives;
     bytes_sent += o.bytes_sent;
@@ -63,7 +63,8 @@ struct CommStats {
 
 class Communicator {
  public:
-  // Wraps an existing c10d process group. `store` is kept for split(); `backend` is "gloo" or "nccl".
+  // Wraps an existing c10d process group. `store` is kept for split(); `backend` is "gloo" or
+  // "nccl".
   Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::Store> store,
                std::string backend, std::chrono::milliseconds timeout, std::string name = "world",
                std::string bind_host = "127.0.0.1");
@@ -82,7 +83,8 @@ class Communicator {
   // output[r * n : (r + 1) * n] receives rank r's input.
   Work all_gather(const at::Tensor& output, const at::Tensor& input);
   // REQUIRES: input contiguous, input.numel() == size() * output.numel(), same dtype.
-  // output = op over ranks of input[rank * n : (rank + 1) * n]. Low-precision data is summed in fp32.
+  // output = op over ranks of input[rank * n : (rank + 1) * n]. Low-precision data is summed in
+  // fp32.
   Work reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
   // In place, all ranks end with the reduction.
   Work all_reduce(const at::Tensor& tensor, ReduceOp op);

@@ -44,7 +44,7 @@ std::string cat(const A&... a) {
 }  // namespace fsdp
 
 // FSDP_CHECK(cond, parts...): throws fsdp::Error with the parts streamed together.
-#define FSDP_CHECK(cond, ...)                                    \
-  do {                                                           \
+#define FSDP_CHECK(cond, ...)                                           \
+  do {                                                                  \
     if (!(cond)) throw ::fsdp::Error(::fsdp::detail::cat(__VA_ARGS__)); \
   } while (0)

@@ -59,11 +59,11 @@ decltype(auto) wrap_input(ForwardScope& s, T&& x) {
 
 // A parameter's shard as the optimizer and checkpoints see it.
 struct ShardInfo {
-  std::string name;                  // original name, relative to the handle's module
+  std::string name;                   // original name, relative to the handle's module
   std::vector<int64_t> global_shape;  // the full parameter's shape (a 0-d parameter is [] here)
-  at::Tensor shard;                  // this rank's rows [row_offset, row_offset + shard.size(0))
-  int64_t row_offset = 0;            // first global row held by this rank
-  int64_t rows_per_rank = 0;         // c = ceil(rows / world), the chunk size
+  at::Tensor shard;                   // this rank's rows [row_offset, row_offset + shard.size(0))
+  int64_t row_offset = 0;             // first global row held by this rank
+  int64_t rows_per_rank = 0;          // c = ceil(rows / world), the chunk size
   bool requires_grad = true;
 };
 

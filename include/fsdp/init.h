@@ -21,8 +21,8 @@ struct RendezvousInfo {
   std::string source = "none";  // "torchrun", "openmpi", "slurm" or "none" (single rank)
 };
 
-// Reads the rendezvous from an environment lookup (getenv by default). Throws fsdp::Error naming the
-// variable for non-numbers, rank >= world size, a missing MASTER_ADDR when world size > 1, ...
+// Reads the rendezvous from an environment lookup (getenv by default). Throws fsdp::Error naming
+// the variable for non-numbers, rank >= world size, a missing MASTER_ADDR when world size > 1, ...
 RendezvousInfo parse_rendezvous_env(
     const std::function<const char*(const char*)>& getenv_fn = nullptr);
 
@@ -32,8 +32,8 @@ struct InitOptions {
   std::string backend = "auto";  // "gloo", "nccl" (LibTorch with CUDA only), or "auto"
 };
 
-// Connects this process to its peers: a TCPStore served by rank 0 at MASTER_ADDR:MASTER_PORT, then a
-// process group. A single rank when no launcher variables are set.
+// Connects this process to its peers: a TCPStore served by rank 0 at MASTER_ADDR:MASTER_PORT, then
+// a process group. A single rank when no launcher variables are set.
 std::shared_ptr<Communicator> init_process_group(const InitOptions& options = {});
 
 // The timeout in effect: options, else FSDP_TIMEOUT_S, else 300 s.

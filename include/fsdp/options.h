@@ -7,7 +7,8 @@ namespace fsdp {
 
 struct ShardOptions {
   // Free the gathered parameters after forward and gather them again before backward. Default:
-  // true for sharded submodules, false for the root (whose parameters are needed first in backward).
+  // true for sharded submodules, false for the root (whose parameters are needed first in
+  // backward).
   std::optional<bool> reshard_after_forward;
   // Check the post-backward invariants (Final, Once, Agreed, Complete) at every backward on every
   // rank; also switched on by FSDP_AUDIT=1. Costs one small all-gather per backward.

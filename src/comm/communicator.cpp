@@ -1,12 +1,10 @@
 #include <fsdp/communicator.h>
 #include <fsdp/error.h>
-
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-
 #include <fsdp/trace.h>
 
 #include <mutex>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "compat.h"
 
@@ -87,8 +85,9 @@ void check_supported(const at::Tensor& t, const char* op, const char* arg) {
     case at::kChar:
       break;
     default:
-      throw Error(detail::cat(op, ": ", arg, " has dtype ", t.scalar_type(),
-                              "; supported are float, double, half, bfloat16 and 8/32/64-bit ints"));
+      throw Error(
+          detail::cat(op, ": ", arg, " has dtype ", t.scalar_type(),
+                      "; supported are float, double, half, bfloat16 and 8/32/64-bit ints"));
   }
   FSDP_CHECK(t.is_contiguous(), op, ": ", arg, " must be contiguous (sizes ", t.sizes(),
              ", strides ", t.strides(), "); pass .contiguous() or a flat buffer");
@@ -145,10 +144,10 @@ Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, 
     // backend's thread), on one timeline row per communication lane.
     for (auto& w : impl->works) {
       try {
-        w->getFuture()->addCallback(
-            [op = impl->op, track = "comm " + name_, start = impl->issued_us](c10::ivalue::Future&) {
-              trace::complete(op, "comm", start, trace::now_us() - start, track);
-            });
+        w->getFuture()->addCallback([op = impl->op, track = "comm " + name_,
+                                     start = impl->issued_us](c10::ivalue::Future&) {
+          trace::complete(op, "comm", start, trace::now_us() - start, track);
+        });
       } catch (const std::exception&) {
         // A backend without futures: the wait spans still show the exposed time.
       }
@@ -163,7 +162,8 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
   check_same_dtype(output, input, "all_gather");
   FSDP_CHECK(output.numel() == size_ * input.numel(), "all_gather: output has ", output.numel(),
              " elements but world size ", size_, " x input ", input.numel(), " = ",
-             size_ * input.numel(), " were expected; size the output as world_size * input.numel()");
+             size_ * input.numel(),
+             " were expected; size the output as world_size * input.numel()");
   // Nothing to move (Gloo divides by the element count): complete at once, on every rank alike.
   if (output.numel() == 0) return make_work({}, "all_gather", 0, nullptr);
   if (size_ == 1) {

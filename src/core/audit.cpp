@@ -10,7 +10,8 @@ namespace fsdp::detail {
 void Audit::late_gradient(const Group& g, size_t i) {
   violations_.push_back(detail::cat(
       "Final: the gradient of parameter '", g.prefix(), g.params()[i].name(), "' in group '",
-      g.name(), "' arrived (AccumulateGrad post hook) after the group's reduce-scatter was issued"));
+      g.name(),
+      "' arrived (AccumulateGrad post hook) after the group's reduce-scatter was issued"));
 }
 
 void Audit::issued_twice(const Group& g) {
@@ -67,7 +68,7 @@ void Audit::check(const TaskState& t, const std::vector<Group*>& groups) {
         const int64_t pos = (k - 1) / 2;
         auto name_of = [&](int64_t gi) -> std::string {
           return gi >= 0 && gi < static_cast<int64_t>(groups.size()) ? groups[gi]->name()
-                                                                      : "<none>";
+                                                                     : "<none>";
         };
         fail(detail::cat("Agreed: reduce-scatter #", pos, " was group '", name_of(a[1 + 2 * pos]),
                          "' (", a[2 + 2 * pos], " elements) on rank 0 but group '",
@@ -78,8 +79,8 @@ void Audit::check(const TaskState& t, const std::vector<Group*>& groups) {
     }
   }
   if (violations_.empty()) return;
-  std::string msg = detail::cat("audit failed on rank ", lane ? lane->rank() : 0, ": ",
-                                violations_.front());
+  std::string msg =
+      detail::cat("audit failed on rank ", lane ? lane->rank() : 0, ": ", violations_.front());
   if (violations_.size() > 1) msg += detail::cat(" (and ", violations_.size() - 1, " more)");
   violations_.clear();
   throw AuditError(msg);

@@ -1,8 +1,7 @@
 // fully_shard: ownership checks, cross-rank agreement, group and context construction, and the
 // FSDPModule / ForwardScope front ends.
-#include <fsdp/fully_shard.h>
-
 #include <ATen/ATen.h>
+#include <fsdp/fully_shard.h>
 #include <torch/nn/module.h>
 
 #include <functional>
@@ -131,10 +130,11 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
       auto p = path_of.find(owner->module());
       if (p != path_of.end()) {
         FSDP_CHECK(item.key().rfind(p->second + ".", 0) == 0, "parameter '", item.key(),
-                   "' of module '", type, "' is also a parameter of sharded submodule '",
-                   p->second, "' (", owner->type_name(),
+                   "' of module '", type, "' is also a parameter of sharded submodule '", p->second,
+                   "' (", owner->type_name(),
                    "): a parameter shared by two groups cannot be sharded. Fix: do not "
-                   "fully_shard '", p->second,
+                   "fully_shard '",
+                   p->second,
                    "' separately, so that both uses fall in one group (shard their common parent)");
         continue;
       }
@@ -144,18 +144,18 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
       FSDP_CHECK(!owner_is_ancestor, "fully_shard(", type, ") was called after its parent (",
                  owner->type_name(),
                  ") was sharded: apply fully_shard bottom-up, children first, then the parent");
-      throw Error(detail::cat(
-          "parameter '", item.key(), "' of module '", type,
-          "' is already managed by fully_shard on module '", owner->name(), "' (",
-          owner->type_name(), "): a parameter shared by two groups cannot be sharded. Fix: shard "
-          "their common parent only, so that both uses fall in one group"));
+      throw Error(detail::cat("parameter '", item.key(), "' of module '", type,
+                              "' is already managed by fully_shard on module '", owner->name(),
+                              "' (", owner->type_name(),
+                              "): a parameter shared by two groups cannot be sharded. Fix: shard "
+                              "their common parent only, so that both uses fall in one group"));
     }
     if (!seen.insert(impl).second) continue;  // tied within this group: one parameter
     mine.emplace_back(item.key(), item.value());
   }
   for (const auto& [name, t] : mine) {
-    FSDP_CHECK(t.device().is_cpu() || comm->backend() != "gloo", "parameter '", name,
-               "' is on ", t.device(), " but the communicator uses gloo (CPU)");
+    FSDP_CHECK(t.device().is_cpu() || comm->backend() != "gloo", "parameter '", name, "' is on ",
+               t.device(), " but the communicator uses gloo (CPU)");
     FSDP_CHECK(t.scalar_type() == mine.front().second.scalar_type(), "fully_shard(", type,
                "): parameter '", name, "' has dtype ", t.scalar_type(), " but '",
                mine.front().first, "' has ", mine.front().second.scalar_type(),
@@ -184,7 +184,8 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
       context->groups.push_back(g);
     }
   }
-  if (context->audit().enabled && !context->audit().lane) context->audit().lane = comm->lane("fsdp.audit");
+  if (context->audit().enabled && !context->audit().lane)
+    context->audit().lane = comm->lane("fsdp.audit");
 
   std::vector<ParamState> params;
   for (auto& [name, t] : mine) params.emplace_back(name, t, comm->rank(), comm->size());
@@ -256,7 +257,8 @@ void rethrow_forward_error(Group* group) {
         "' used a parameter whose storage is resharded (freed); resharded now: ", resharded,
         ". Call sharded submodules through their fsdp::Sharded holder (block(x), not "
         "block->forward(x)), and use a sharded module's parameters only inside its forward (or "
-        "call unshard() first). LibTorch said: ", what.substr(0, what.find('\n'))));
+        "call unshard() first). LibTorch said: ",
+        what.substr(0, what.find('\n'))));
   }
 }
 

@@ -2,9 +2,8 @@
 
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
-#include <torch/csrc/autograd/custom_function.h>
-
 #include <fsdp/trace.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "compat.h"
 
@@ -105,8 +104,7 @@ void install_grad_hooks(const std::shared_ptr<Group>& g) {
   for (size_t i = 0; i < g->params().size(); ++i) {
     auto& p = g->params()[i];
     if (!p.accumulator()) continue;
-    p.set_hook_key(
-        p.accumulator()->add_post_hook(std::make_unique<GradReadyHook>(g, i)));
+    p.set_hook_key(p.accumulator()->add_post_hook(std::make_unique<GradReadyHook>(g, i)));
   }
 }
 
@@ -116,7 +114,8 @@ void install_grad_hooks(const std::shared_ptr<Group>& g) {
 void Group::unshard() {
   if (state_ != ShardState::kSharded) return;
   auto& lane = context_->gather_lane();
-  auto send = at::empty({flat_numel_}, params_.empty() ? at::kFloat : params_[0].shard().scalar_type());
+  auto send =
+      at::empty({flat_numel_}, params_.empty() ? at::kFloat : params_[0].shard().scalar_type());
   for (size_t i = 0; i < params_.size(); ++i)
     params_[i].copy_in_shard(send.narrow(0, offsets_[i], params_[i].padded_numel()));
   gather_out_ = at::empty({lane.size() * flat_numel_}, send.options());

@@ -32,9 +32,9 @@ namespace fsdp::detail {
 class Context;
 
 enum class ShardState {
-  kSharded,     // only the shards hold data; full parameters have no storage
-  kGathering,   // all-gather issued, not yet copied out
-  kUnsharded,   // full parameters allocated and filled
+  kSharded,    // only the shards hold data; full parameters have no storage
+  kGathering,  // all-gather issued, not yet copied out
+  kUnsharded,  // full parameters allocated and filled
 };
 const char* to_string(ShardState s);
 
@@ -71,9 +71,9 @@ class Group : public std::enable_shared_from_this<Group> {
   int64_t flat_numel() const { return flat_numel_; }  // S: padded shard elements per rank
 
   // ---- storage (FSDP2 order: unshard, wait_for_unshard, reshard) ----
-  void unshard();            // issues the all-gather unless unsharded or in flight
-  void wait_for_unshard();   // waits and copies out into the full parameters
-  void reshard();            // frees the full parameters' storage
+  void unshard();           // issues the all-gather unless unsharded or in flight
+  void wait_for_unshard();  // waits and copies out into the full parameters
+  void reshard();           // frees the full parameters' storage
   ShardState shard_state() const { return state_; }
   int64_t full_bytes() const;
 
@@ -83,20 +83,20 @@ class Group : public std::enable_shared_from_this<Group> {
   at::Tensor wrap_input(const at::Tensor& x);
 
   // ---- backward: each hook is a one-line adapter onto one of these ----
-  void pre_backward();                      // tensor hook on an output of this group's forward
-  void on_grad_ready(size_t param_index);   // AccumulateGrad post hook of a parameter
-  void on_input_backward();                 // the input-side function of one forward call
+  void pre_backward();                     // tensor hook on an output of this group's forward
+  void on_grad_ready(size_t param_index);  // AccumulateGrad post hook of a parameter
+  void on_input_backward();                // the input-side function of one forward call
 
   // ---- reduction ----
-  PendingReduce issue_reduce_scatter();     // packs unsharded grads (zeros when missing)
-  void finish_reduce(PendingReduce& p);     // waits and accumulates into the shards' grads
+  PendingReduce issue_reduce_scatter();  // packs unsharded grads (zeros when missing)
+  void finish_reduce(PendingReduce& p);  // waits and accumulates into the shards' grads
 
   // ---- settings ----
   bool resolved_reshard_after_forward() const;
   void set_reshard_after_forward(bool v) { options_.reshard_after_forward = v; }
   bool reshard_after_backward = true;
   bool requires_gradient_sync = true;
-  std::vector<Group*> forward_prefetch;   // explicit overrides (set_modules_to_*_prefetch)
+  std::vector<Group*> forward_prefetch;  // explicit overrides (set_modules_to_*_prefetch)
   std::vector<Group*> backward_prefetch;
   bool backward_prefetch_set = false, forward_prefetch_set = false;
 
@@ -123,13 +123,13 @@ class Group : public std::enable_shared_from_this<Group> {
 
 // Per-backward bookkeeping (one GraphTask).
 struct TaskState {
-  bool reducing = false;             // a plain backward() (AccumulateGrad runs, gradients synced)
-  std::vector<Group*> order;         // the fixed issue order of this backward
-  std::map<Group*, int> pending_grads;   // expected AccumulateGrad post hooks not yet seen
-  std::map<Group*, int> pending_inputs;  // expected input-side nodes not yet run
+  bool reducing = false;      // a plain backward() (AccumulateGrad runs, gradients synced)
+  std::vector<Group*> order;  // the fixed issue order of this backward
+  std::map<Group*, int> pending_grads;          // expected AccumulateGrad post hooks not yet seen
+  std::map<Group*, int> pending_inputs;         // expected input-side nodes not yet run
   std::map<Group*, std::vector<char>> arrived;  // per parameter
-  std::map<Group*, int> issued;      // reductions issued per group
-  size_t cursor = 0;                 // next position in `order` to issue
+  std::map<Group*, int> issued;                 // reductions issued per group
+  size_t cursor = 0;                            // next position in `order` to issue
   std::vector<PendingReduce> in_flight;
   std::vector<std::pair<int, int64_t>> issue_log;  // (group index, numel) in issue order
 };
@@ -186,9 +186,9 @@ class Context {
   std::shared_ptr<Communicator> comm_, gather_lane_, reduce_lane_;
   std::recursive_mutex mu_;
   std::map<const void*, TaskState> tasks_;
-  std::vector<Group*> forward_order_;  // groups in first pre-forward order, this iteration
+  std::vector<Group*> forward_order_;       // groups in first pre-forward order, this iteration
   std::vector<Group*> last_forward_order_;  // the previous iteration's
-  bool backward_done_ = true;          // a forward after this starts a new iteration
+  bool backward_done_ = true;               // a forward after this starts a new iteration
   int64_t unsharded_bytes_ = 0, peak_unsharded_bytes_ = 0;
   int unsharded_groups_ = 0, peak_unsharded_groups_ = 0;
   bool debug_ = false;

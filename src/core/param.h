@@ -34,7 +34,9 @@ class ParamState {
   int64_t rows_of(int rank) const;                  // rows rank holds (0 for trailing ranks)
   int64_t padded_numel() const { return chunk_ * row_numel_; }
   int64_t row_offset() const { return std::min<int64_t>(rank_ * chunk_, rows_); }
-  int64_t full_bytes() const { return param_.numel() * static_cast<int64_t>(param_.element_size()); }
+  int64_t full_bytes() const {
+    return param_.numel() * static_cast<int64_t>(param_.element_size());
+  }
 
   // Writes this rank's rows (then zeros) into `dst` (padded_numel elements).
   void copy_in_shard(const at::Tensor& dst) const;

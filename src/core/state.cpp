@@ -3,14 +3,14 @@
 // [Note: the post-backward guarantee]
 // A group's reduce-scatter is issued only when every trainable parameter of the group whose
 // AccumulateGrad will run in this backward has run it (Final). The expected set is computed at the
-// first pre-backward hook of the GraphTask from the engine's own plan (nodes_in_graph, and exec_info
-// when backward was given inputs), so it does not depend on scheduling. Groups are issued in one
-// fixed order per backward (reverse first-forward order, the root last), a ready group waiting for
-// its turn (Agreed). Each group is issued at most once per backward (Once), and the final callback,
-// which the engine runs after every node, issues whatever is left - parameters that got no
-// gradient contribute zeros - and waits for every reduction before backward returns (Complete).
-// A backward with explicit inputs (torch::autograd::grad, backward(inputs=)) reduces nothing: its
-// gradients, if any accumulate, stay unsharded until the next plain synced backward.
+// first pre-backward hook of the GraphTask from the engine's own plan (nodes_in_graph, and
+// exec_info when backward was given inputs), so it does not depend on scheduling. Groups are issued
+// in one fixed order per backward (reverse first-forward order, the root last), a ready group
+// waiting for its turn (Agreed). Each group is issued at most once per backward (Once), and the
+// final callback, which the engine runs after every node, issues whatever is left - parameters that
+// got no gradient contribute zeros - and waits for every reduction before backward returns
+// (Complete). A backward with explicit inputs (torch::autograd::grad, backward(inputs=)) reduces
+// nothing: its gradients, if any accumulate, stay unsharded until the next plain synced backward.
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
@@ -271,8 +271,7 @@ void Context::try_issue(TaskState& t) {
     const char* f = std::getenv("FSDP_FAULT");
     return f && std::string(f) == "issue_early";
   }();
-  while (t.cursor < t.order.size() &&
-         (issue_early || t.pending_grads[t.order[t.cursor]] == 0))
+  while (t.cursor < t.order.size() && (issue_early || t.pending_grads[t.order[t.cursor]] == 0))
     issue(t, t.order[t.cursor++]);
 }
 

@@ -31,13 +31,13 @@ BlockImpl::BlockImpl(const GPTConfig& cfg) : n_head(cfg.n_head) {
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / n_head;
-  auto qkv = c_attn(ln_1(x)).split(C, /*dim=*/2);                 // 3 x (B, T, C)
+  auto qkv = c_attn(ln_1(x)).split(C, /*dim=*/2);  // 3 x (B, T, C)
   auto heads = [&](const torch::Tensor& t) {
-    return t.view({B, T, n_head, hd}).transpose(1, 2);             // (B, nh, T, hd)
+    return t.view({B, T, n_head, hd}).transpose(1, 2);  // (B, nh, T, hd)
   };
   auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
   auto att = q.matmul(k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  auto mask = torch::ones({T, T}, torch::kBool).triu(1);           // (T, T) future positions
+  auto mask = torch::ones({T, T}, torch::kBool).triu(1);  // (T, T) future positions
   att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
   auto y = att.matmul(v).transpose(1, 2).contiguous().view({B, T, C});
   auto h = x + c_proj(y);
@@ -81,10 +81,10 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   FSDP_CHECK(T <= cfg.seq_len, "GPT: sequence of ", T, " tokens exceeds seq_len ", cfg.seq_len);
   auto pos = torch::arange(T, torch::kLong);
-  auto x = wte(idx) + wpe(pos);                                    // (B, T, C)
+  auto x = wte(idx) + wpe(pos);  // (B, T, C)
   for (auto& b : blocks) x = b(x);
   x = ln_f(x);
-  return x.matmul(wte->weight.t());                                // (B, T, V), tied head
+  return x.matmul(wte->weight.t());  // (B, T, V), tied head
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const torch::Tensor& targets) {

@@ -79,9 +79,15 @@ size_t write_chrome_json(const std::string& path, int rank) {
                     {"tid", it->second}});
   }
   for (const auto& [track, tid] : tids)
-    list.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", rank}, {"tid", tid},
+    list.push_back({{"ph", "M"},
+                    {"name", "thread_name"},
+                    {"pid", rank},
+                    {"tid", tid},
                     {"args", {{"name", track}}}});
-  list.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", rank}, {"tid", 0},
+  list.push_back({{"ph", "M"},
+                  {"name", "process_name"},
+                  {"pid", rank},
+                  {"tid", 0},
                   {"args", {{"name", "rank " + std::to_string(rank)}}}});
   std::ofstream f(path);
   FSDP_CHECK(f.good(), "trace: cannot write '", path, "'; check that the directory exists");

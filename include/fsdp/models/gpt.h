@@ -1,8 +1,8 @@
-// A GPT-2-style language model for tests, benchmarks and fsdp-train (docs/model.md specifies it
-// precisely): token + position embeddings, pre-LayerNorm blocks of causal self-attention and a 4x
-// GELU MLP, a final LayerNorm, and an output head tied to the token embedding.
-// Each block is declared fsdp::Sharded<Block>, so fully_shard can give it its own group.
-// Thread-safety: as any torch::nn module.
+// A GPT-2-style language model for tests, benchmarks and fsdp-train (docs/trainer.md sections 3-4
+// specify it precisely): token + position embeddings, pre-LayerNorm blocks of causal self-attention
+// and a 4x GELU MLP, a final LayerNorm, and an output head tied to the token embedding. Each block
+// is declared fsdp::Sharded<Block>, so fully_shard can give it its own group. Thread-safety: as any
+// torch::nn module.
 #pragma once
 
 #include <fsdp/fully_shard.h>
@@ -46,7 +46,8 @@ class GPTImpl : public torch::nn::Module {
   // Mean cross-entropy of next-token prediction: logits(idx) against targets (B, T).
   torch::Tensor forward(const torch::Tensor& idx, const torch::Tensor& targets);
   // GPT-2 initialisation: N(0, 0.02) weights, residual projections N(0, 0.02 / sqrt(2 * n_layer)),
-  // zero biases, unit LayerNorm weights; draws in registration order from torch's default generator.
+  // zero biases, unit LayerNorm weights; draws in registration order from torch's default
+  // generator.
   void init_weights();
 
   GPTConfig cfg;

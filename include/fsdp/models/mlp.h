@@ -12,7 +12,7 @@ namespace fsdp::models {
 class MLPStackImpl : public torch::nn::Module {
  public:
   MLPStackImpl(int64_t width, int64_t depth);
-  torch::Tensor forward(const torch::Tensor& x);  // (B, width) -> (B, width)
+  torch::Tensor forward(const torch::Tensor& x);         // (B, width) -> (B, width)
   std::vector<fsdp::Sharded<torch::nn::Linear>> layers;  // registered as layers.0, layers.1, ...
 };
 TORCH_MODULE(MLPStack);
