@@ -5,23 +5,43 @@
 #include <fsdp/error.h>
 #include <torch/version.h>
 
+#ifdef USE_C10D_NCCL  // defined by LibTorch's CMake config when it was built with NCCL
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/native/cuda/Resize.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 namespace fsdp::compat {
+
+namespace {
+void resize_bytes(const at::Tensor& t, size_t bytes) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+#ifdef USE_C10D_NCCL
+  if (t.is_cuda()) {
+    at::native::resize_bytes_cuda(impl, bytes);
+    return;
+  }
+#endif
+  FSDP_CHECK(t.is_cpu(), "parameter storage on ", t.device(), " is not supported by this build");
+  at::native::resize_bytes_cpu(impl, bytes);
+}
+}  // namespace
 
 void free_storage(const at::Tensor& t) {
   auto* impl = t.storage().unsafeGetStorageImpl();
   if (impl->nbytes() == 0) return;
   // resize_bytes_cpu swaps in a fresh (empty) DataPtr: the old bytes are released immediately,
   // and every view sharing this StorageImpl (autograd's saved tensors) sees the swap.
-  at::native::resize_bytes_cpu(impl, 0);
+  resize_bytes(t, 0);
 }
 
 void alloc_storage(const at::Tensor& t) {
   auto* impl = t.storage().unsafeGetStorageImpl();
   const size_t want = static_cast<size_t>(t.storage_offset() + t.numel()) * t.element_size();
   if (impl->nbytes() == want) return;
-  at::native::resize_bytes_cpu(impl, want);
+  resize_bytes(t, want);
 }
 
 bool storage_allocated(const at::Tensor& t) {
@@ -56,6 +76,13 @@ c10::intrusive_ptr<c10d::Work> exchange_blocks(c10d::ProcessGroup& pg, const at:
 c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     std::chrono::milliseconds timeout, const std::string& backend, const std::string& bind_host) {
+#ifdef USE_C10D_NCCL
+  if (backend == "nccl") {
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+  }
+#endif
   FSDP_CHECK(backend == "gloo", "backend '", backend,
              "' is not available in this LibTorch build (CPU only); use backend \"gloo\"");
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
@@ -70,7 +97,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
 }
 
 std::string resolve_backend(const std::string& requested) {
+#ifdef USE_C10D_NCCL
+  if (requested == "auto") return at::cuda::is_available() ? "nccl" : "gloo";
+#else
   if (requested == "auto") return "gloo";
+#endif
   FSDP_CHECK(requested == "gloo" || requested == "nccl", "unknown backend '", requested,
              "': expected \"gloo\", \"nccl\" or \"auto\"");
   return requested;

@@ -2,6 +2,10 @@
 // calls these functions and never tests TORCH_VERSION or the backend itself.
 //
 // 1.13 Gloo lacks reduce-scatter, _allgather_base, AVG and bf16 (verified; see docs/design.md).
+// NCCL: compiled only where LibTorch's CMake config defines USE_C10D_NCCL (a CUDA build).
+// 2.x: ProcessGroupGloo/NCCL derive from c10d::Backend rather than ProcessGroup and gain native
+// _reduce_scatter_base / allgather_into_tensor; make_process_group, all_gather_flat and
+// exchange_blocks are the functions to switch (not compiled here: Debian ships 1.13 only).
 // Thread-safety: stateless functions.
 #pragma once
 
