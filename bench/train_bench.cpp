@@ -8,15 +8,19 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <set>
+#include <thread>
 
 namespace fsdp::bench {
 namespace {
@@ -212,6 +216,48 @@ std::pair<at::Tensor, at::Tensor> make_batch(const TrainBenchOptions& o, int ste
   return {tokens.narrow(1, 0, o.seq).contiguous(), tokens.narrow(1, 1, o.seq).contiguous()};
 }
 
+// Samples the resident set every 2 ms on a thread of its own and keeps the largest value seen in
+// each phase of the step, so a transient peak (e.g. buffers alive only inside backward) shows where
+// it happens. Sampling can miss a peak shorter than the interval; VmHWM (peak_rss_mb) does not.
+class PhaseMemory {
+ public:
+  enum Phase { kForward, kBackward, kStep, kOther };
+  PhaseMemory() : thread_([this] { run(); }) {}
+  ~PhaseMemory() { stop(); }
+  void enter(Phase p) {
+    sample();  // the previous phase's state, up to now
+    phase_.store(p);
+  }
+  // Stops sampling; the peaks of forward, backward and the optimizer step in MB.
+  std::array<double, 3> stop() {
+    if (thread_.joinable()) {
+      done_.store(true);
+      thread_.join();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    return {peak_[kForward], peak_[kBackward], peak_[kStep]};
+  }
+
+ private:
+  void sample() {
+    const double mb = memory::current_rss_mb();
+    std::lock_guard<std::mutex> lock(mu_);
+    double& p = peak_[phase_.load()];
+    p = std::max(p, mb);
+  }
+  void run() {
+    while (!done_.load()) {
+      sample();
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  std::atomic<int> phase_{kOther};
+  std::atomic<bool> done_{false};
+  std::mutex mu_;
+  std::array<double, 4> peak_{};
+  std::thread thread_;  // last: starts after the members it reads
+};
+
 void clear_grads(torch::optim::Optimizer& opt) {
   for (auto& g : opt.param_groups())
     for (auto& p : g.params()) p.mutable_grad() = at::Tensor();
@@ -273,6 +319,7 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
 
   const int total = o.warmup + o.steps;
   std::vector<double> step_s, losses;
+  PhaseMemory rss;  // where in the step the peak comes from
   memory::trim();
   comm->barrier().wait();
   // Peak memory of training itself, not of building the full model before sharding it.
@@ -288,24 +335,29 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
     at::Tensor loss;
     {
       trace::Span span("model.forward", "step");
+      rss.enter(PhaseMemory::kForward);
       loss = t->gpt(x, y);
     }
     {
       trace::Span span("model.backward", "step");
+      rss.enter(PhaseMemory::kBackward);
       if (t->reducer) t->reducer->prepare();
       loss.backward();
       if (t->reducer) t->reducer->finish();
     }
     {
       trace::Span span("optimizer.step", "step");
+      rss.enter(PhaseMemory::kStep);
       t->opt->step();
     }
     clear_grads(*t->opt);
+    rss.enter(PhaseMemory::kOther);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     losses.push_back(loss.item<double>());
     if (s >= o.warmup) step_s.push_back(dt);
   }
   trace::enable(false);
+  const auto phase_peaks = rss.stop();
   const CommStats stats = comm->total_stats();
   const double peak_mb = memory::peak_rss_mb();
   if (!o.trace_dir.empty()) write_trace(o.trace_dir, rank);
@@ -317,7 +369,8 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
   auto loss_mean = gather(*comm, losses).mean(0);
   auto per_rank =
       gather(*comm, {stats.wait_seconds / o.steps, static_cast<double>(stats.bytes_sent) / o.steps,
-                     static_cast<double>(stats.collectives) / o.steps, peak_mb});
+                     static_cast<double>(stats.collectives) / o.steps, peak_mb, phase_peaks[0],
+                     phase_peaks[1], phase_peaks[2]});
   auto mean = per_rank.mean(0);
   auto max = std::get<0>(per_rank.max(0));
 
@@ -337,6 +390,9 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
     j["loss"] = round_to(loss_mean[total - 1].item<double>(), 1e6);
     // Extras for the cross-mode checks and the tables.
     j["loss_step1"] = loss_mean[0].item<double>();
+    j["rss_peak_forward_mb"] = round_to(max[4].item<double>(), 10);
+    j["rss_peak_backward_mb"] = round_to(max[5].item<double>(), 10);
+    j["rss_peak_optimizer_mb"] = round_to(max[6].item<double>(), 10);
     j["collectives_per_step"] = round_to(mean[2].item<double>(), 100);
     // Volume model (ring): all-reduce 2(N-1)/N of the buffer, all-gather and reduce-scatter
     // (N-1)/N each. fsdp gathers every group in forward, the blocks again in backward (the root
