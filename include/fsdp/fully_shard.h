@@ -94,7 +94,9 @@ class FSDPModule {
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
 
-  // Gathered-parameter memory of this module's root context (bytes and groups, now and peak).
+  // Gathered-parameter memory of this module's root context, counted from all-gather issue to
+  // reshard: bytes of every group, and the number of groups other than the root (which stays
+  // gathered from forward to the end of backward by default), now and peak.
   struct MemoryStats {
     int64_t unsharded_bytes = 0, peak_unsharded_bytes = 0;
     int unsharded_groups = 0, peak_unsharded_groups = 0;

@@ -121,6 +121,7 @@ void Group::unshard() {
   gather_out_ = at::empty({lane.size() * flat_numel_}, send.options());
   gather_work_ = lane.all_gather(gather_out_, send);
   state_ = ShardState::kGathering;
+  context_->on_unsharded(this);  // the gather buffer is as large as the gathered parameters
   context_->log(this, "unshard: all-gather issued (SHARDED->GATHERING)");
 }
 
@@ -133,7 +134,6 @@ void Group::wait_for_unshard() {
   gather_out_ = at::Tensor();
   gather_work_ = Work();
   state_ = ShardState::kUnsharded;
-  context_->on_unsharded(full_bytes());
   context_->log(this, "wait_for_unshard: GATHERING->UNSHARDED");
 }
 
@@ -142,7 +142,7 @@ void Group::reshard() {
   if (state_ != ShardState::kUnsharded) return;
   for (auto& p : params_) p.free_full();
   state_ = ShardState::kSharded;
-  context_->on_resharded(full_bytes());
+  context_->on_resharded(this);
   context_->log(this, "reshard: UNSHARDED->SHARDED");
 }
 

@@ -161,9 +161,11 @@ class Context {
   void on_grad_ready(Group* g, size_t param_index);
   void on_input_backward(Group* g);
 
-  // ---- memory accounting of gathered parameters ----
-  void on_unsharded(int64_t bytes);
-  void on_resharded(int64_t bytes);
+  // ---- memory accounting of gathered parameters, from all-gather issue to reshard ----
+  // Bytes count every group; groups count all but the root, which by default stays gathered
+  // from forward to the end of backward (the quantity max_unsharded_groups bounds).
+  void on_unsharded(const Group* g);
+  void on_resharded(const Group* g);
   int64_t unsharded_bytes() const { return unsharded_bytes_; }
   int64_t peak_unsharded_bytes() const { return peak_unsharded_bytes_; }
   int unsharded_groups() const { return unsharded_groups_; }

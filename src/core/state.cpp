@@ -69,16 +69,16 @@ void Context::log(const Group* g, const std::string& event) const {
             << " bytes\n";
 }
 
-void Context::on_unsharded(int64_t bytes) {
-  unsharded_bytes_ += bytes;
-  ++unsharded_groups_;
+void Context::on_unsharded(const Group* g) {
+  unsharded_bytes_ += g->full_bytes();
+  if (g != root()) ++unsharded_groups_;
   peak_unsharded_bytes_ = std::max(peak_unsharded_bytes_, unsharded_bytes_);
   peak_unsharded_groups_ = std::max(peak_unsharded_groups_, unsharded_groups_);
 }
 
-void Context::on_resharded(int64_t bytes) {
-  unsharded_bytes_ -= bytes;
-  --unsharded_groups_;
+void Context::on_resharded(const Group* g) {
+  unsharded_bytes_ -= g->full_bytes();
+  if (g != root()) --unsharded_groups_;
 }
 
 void Context::reset_peaks() {
