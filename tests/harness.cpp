@@ -158,6 +158,9 @@ RunResult run_ranks(int world_size, const std::function<void(Rank&)>& body,
   }
   ::rmdir(dir.c_str());
 
+  if (std::getenv("FSDP_TEST_VERBOSE"))
+    for (int k = 0; k < world_size; ++k)
+      std::cout << "----- rank " << k << " output -----\n" << result.output[k];
   if (!options.expect_failure) {
     EXPECT_FALSE(result.timed_out)
         << "ranks did not finish within " << options.timeout.count() << " s";

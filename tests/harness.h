@@ -9,6 +9,7 @@
 // with a per-test timeout, kills every rank when one fails or the time is up, and reports each
 // rank's exit status and output.
 //
+// FSDP_TEST_VERBOSE=1 prints every rank's output after the run.
 // Thread-safety: call from the gtest main thread.
 #pragma once
 

@@ -109,6 +109,7 @@ void run_parity(int world, Variant variant, torch::Dtype dtype = torch::kFloat) 
     auto root = fsdp::models::shard_gpt(model, comm, block, audited());
     torch::optim::AdamW opt(root.parameters(), adamw());
     const int64_t per_rank = kGlobalBatch / world;
+    double max_loss_rel = 0;
     for (int s = 0; s < kSteps; ++s) {
       auto [gx, gy] = batch(s);
       auto x = gx.narrow(0, r.rank * per_rank, per_rank);
@@ -120,11 +121,23 @@ void run_parity(int world, Variant variant, torch::Dtype dtype = torch::kFloat) 
       comm->all_reduce(local, ReduceOp::kAvg).wait();
       const double got = local.item<double>(), want = ref_losses[s];
       EXPECT_NEAR(got, want, rtol * std::abs(want)) << "step " << s;
+      max_loss_rel = std::max(max_loss_rel, std::abs(got - want) / std::abs(want));
     }
     expect_shards_equal(root, *ref_model.ptr(), rtol, rtol * 0.1);
-    if (r.rank == 0) {
-      std::cout << "parity world " << world << ": final loss " << ref_losses.back() << "\n";
+    double max_param_rel = 0;  // relative to each parameter tensor's largest magnitude
+    std::map<std::string, torch::Tensor> ref;
+    for (auto& item : ref_model->named_parameters()) ref[item.key()] = item.value().detach();
+    for (const auto& sh : root.shards()) {
+      if (sh.shard.numel() == 0) continue;
+      auto full = ref.at(sh.name).reshape({sh.global_shape.empty() ? 1 : sh.global_shape[0], -1});
+      auto want = full.narrow(0, sh.row_offset, sh.shard.size(0));
+      auto diff = (sh.shard.detach().reshape(want.sizes()) - want).abs().max().item<double>();
+      max_param_rel = std::max(max_param_rel, diff / full.abs().max().item<double>());
     }
+    if (r.rank == 0)
+      std::cout << "parity world " << world << " " << torch::toString(dtype)
+                << ": max loss rel err " << max_loss_rel << ", max param err (rel. to tensor max) "
+                << max_param_rel << ", final loss " << ref_losses.back() << "\n";
   });
 }
 
