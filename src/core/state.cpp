@@ -286,6 +286,12 @@ void Context::issue(TaskState& t, Group* g) {
   }
   t.issued[g] = 1;
   t.issue_log.emplace_back(index_of(g), g->flat_numel());
+  // Bound memory: a reduce-scatter in flight holds its group's gradients twice (send and receive
+  // buffers). Keep at most two in flight; the older one has had a whole group's backward to finish.
+  while (t.in_flight.size() > 1) {
+    t.in_flight.front().group->finish_reduce(t.in_flight.front());
+    t.in_flight.erase(t.in_flight.begin());
+  }
   t.in_flight.push_back(g->issue_reduce_scatter());
   log(g, "reduce-scatter issued");
 }
