@@ -85,7 +85,10 @@ class Communicator {
   // REQUIRES: input contiguous, input.numel() == size() * output.numel(), same dtype.
   // output = op over ranks of input[rank * n : (rank + 1) * n]. Low-precision data is summed in
   // fp32.
-  Work reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
+  // `scratch` (optional, same size and dtype as input, contiguous) receives the exchanged blocks;
+  // without it a buffer is allocated per call.
+  Work reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                      const at::Tensor& scratch = {});
   // In place, all ranks end with the reduction.
   Work all_reduce(const at::Tensor& tensor, ReduceOp op);
   // In place, from `root` to all.

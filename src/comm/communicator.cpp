@@ -176,7 +176,8 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
   return make_work({compat::all_gather_flat(*pg_, out, in)}, "all_gather", nbytes(output), nullptr);
 }
 
-Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                                  const at::Tensor& scratch) {
   check_supported(output, "reduce_scatter", "output");
   check_supported(input, "reduce_scatter", "input");
   check_same_dtype(output, input, "reduce_scatter");
@@ -199,7 +200,16 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
     finish_sum(input);
     return make_work({}, "reduce_scatter", nbytes(input), nullptr);
   }
-  auto received = at::empty_like(input.view({-1}));
+  at::Tensor received;
+  if (scratch.defined()) {
+    check_supported(scratch, "reduce_scatter", "scratch");
+    check_same_dtype(scratch, input, "reduce_scatter");
+    FSDP_CHECK(scratch.numel() == input.numel(), "reduce_scatter: scratch has ", scratch.numel(),
+               " elements but the input has ", input.numel(), "; they must match");
+    received = scratch.view({-1});
+  } else {
+    received = at::empty_like(input.view({-1}));
+  }
   auto work = compat::exchange_blocks(*pg_, as_wire(received, backend_),
                                       as_wire(input.view({-1}), backend_));
   stats_->bytes_sent += nbytes(output) * (ws - 1);

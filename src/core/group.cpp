@@ -114,12 +114,13 @@ void install_grad_hooks(const std::shared_ptr<Group>& g) {
 void Group::unshard() {
   if (state_ != ShardState::kSharded) return;
   auto& lane = context_->gather_lane();
-  auto send =
-      at::empty({flat_numel_}, params_.empty() ? at::kFloat : params_[0].shard().scalar_type());
+  auto& pool = context_->pool();
+  const auto dtype = params_.empty() ? at::kFloat : params_[0].shard().scalar_type();
+  gather_in_ = pool.acquire(flat_numel_, dtype);
   for (size_t i = 0; i < params_.size(); ++i)
-    params_[i].copy_in_shard(send.narrow(0, offsets_[i], params_[i].padded_numel()));
-  gather_out_ = at::empty({lane.size() * flat_numel_}, send.options());
-  gather_work_ = lane.all_gather(gather_out_, send);
+    params_[i].copy_in_shard(gather_in_.narrow(0, offsets_[i], params_[i].padded_numel()));
+  gather_out_ = pool.acquire(lane.size() * flat_numel_, dtype);
+  gather_work_ = lane.all_gather(gather_out_, gather_in_);
   state_ = ShardState::kGathering;
   context_->on_unsharded(this);  // the gather buffer is as large as the gathered parameters
   context_->log(this, "unshard: all-gather issued (SHARDED->GATHERING)");
@@ -129,10 +130,12 @@ void Group::wait_for_unshard() {
   if (state_ == ShardState::kSharded) unshard();
   if (state_ != ShardState::kGathering) return;
   gather_work_.wait();
+  gather_work_ = Work();
   auto rows = gather_out_.view({context_->gather_lane().size(), flat_numel_});
   for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_out(rows, offsets_[i]);
-  gather_out_ = at::Tensor();
-  gather_work_ = Work();
+  context_->pool().release(std::move(gather_out_));
+  context_->pool().release(std::move(gather_in_));
+  gather_out_ = gather_in_ = at::Tensor();
   state_ = ShardState::kUnsharded;
   context_->log(this, "wait_for_unshard: GATHERING->UNSHARDED");
 }
@@ -187,24 +190,42 @@ void Group::on_input_backward() { context_->on_input_backward(this); }
 // ---------------------------------------------------------------------------------------------
 PendingReduce Group::issue_reduce_scatter() {
   auto& lane = context_->reduce_lane();
+  auto& pool = context_->pool();
   at::ScalarType dtype = at::kFloat;
   for (auto& p : params_)
     if (p.trainable()) dtype = p.shard().scalar_type();
-  auto send = at::zeros({lane.size(), flat_numel_}, at::TensorOptions().dtype(dtype));
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (params_[i].trainable()) params_[i].pack_grad(send, offsets_[i]);
   PendingReduce p;
   p.group = this;
-  p.output = at::empty({flat_numel_}, send.options());
-  p.work = lane.reduce_scatter(p.output, send, ReduceOp::kAvg);
+  p.send = pool.acquire(lane.size() * flat_numel_, dtype).view({lane.size(), flat_numel_});
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].pack_grad(p.send, offsets_[i]);
+  p.scratch = pool.acquire(lane.size() * flat_numel_, dtype);
+  p.output = at::empty({flat_numel_}, p.send.options());
+  p.work = lane.reduce_scatter(p.output, p.send, ReduceOp::kAvg, p.scratch);
   return p;
 }
 
 void Group::finish_reduce(PendingReduce& p) {
   p.work.wait();
+  p.work = Work();
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].trainable()) params_[i].add_shard_grad(p.output, offsets_[i]);
-  p.output = at::Tensor();
+  context_->pool().release(p.send.view({-1}));
+  context_->pool().release(std::move(p.scratch));
+  p.output = p.send = p.scratch = at::Tensor();
+}
+
+at::Tensor BufferPool::acquire(int64_t numel, at::ScalarType dtype) {
+  auto& idle = idle_[{numel, static_cast<int>(dtype)}];
+  if (idle.empty()) return at::empty({numel}, at::TensorOptions().dtype(dtype));
+  at::Tensor t = std::move(idle.back());
+  idle.pop_back();
+  return t;
+}
+
+void BufferPool::release(at::Tensor t) {
+  if (!t.defined()) return;
+  auto& idle = idle_[{t.numel(), static_cast<int>(t.scalar_type())}];
+  if (idle.size() < kPerSize) idle.push_back(std::move(t));
 }
 
 }  // namespace fsdp::detail

@@ -42,7 +42,22 @@ const char* to_string(ShardState s);
 struct PendingReduce {
   Group* group = nullptr;
   Work work;
-  at::Tensor output;  // this rank's reduced flat block (S elements)
+  at::Tensor output;         // this rank's reduced flat block (S elements)
+  at::Tensor send, scratch;  // (world, S) each, returned to the pool once waited
+};
+
+// Reuses the flat communication buffers across groups and iterations, as a caching allocator
+// would: sharded blocks have equal sizes, and buffers freed per collective otherwise stay resident
+// under glibc's default malloc policy (and page-fault again when touched). Keeps at most
+// kPerSize idle buffers of each (elements, dtype).
+class BufferPool {
+ public:
+  at::Tensor acquire(int64_t numel, at::ScalarType dtype);
+  void release(at::Tensor t);  // REQUIRES: no collective still uses t
+
+ private:
+  static constexpr size_t kPerSize = 2;
+  std::map<std::pair<int64_t, int>, std::vector<at::Tensor>> idle_;
 };
 
 class Group : public std::enable_shared_from_this<Group> {
@@ -118,7 +133,7 @@ class Group : public std::enable_shared_from_this<Group> {
   int64_t flat_numel_ = 0;
   std::vector<int64_t> offsets_;  // per parameter, into the flat block
   Work gather_work_;
-  at::Tensor gather_out_;
+  at::Tensor gather_in_, gather_out_;
 };
 
 // Per-backward bookkeeping (one GraphTask).
@@ -172,6 +187,7 @@ class Context {
   int peak_unsharded_groups() const { return peak_unsharded_groups_; }
   void reset_peaks();
 
+  BufferPool& pool() { return pool_; }
   bool debug() const { return debug_; }
   void log(const Group* g, const std::string& event) const;
   Audit& audit() { return audit_; }
@@ -195,6 +211,7 @@ class Context {
   int unsharded_groups_ = 0, peak_unsharded_groups_ = 0;
   bool debug_ = false;
   Audit audit_;
+  BufferPool pool_;
 };
 
 }  // namespace fsdp::detail

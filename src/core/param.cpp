@@ -50,15 +50,16 @@ void ParamState::free_full() { compat::free_storage(param_); }
 bool ParamState::full_allocated() const { return compat::storage_allocated(param_); }
 
 void ParamState::pack_grad(const at::Tensor& send, int64_t offset) {
-  at::Tensor g = param_.grad();
-  if (!g.defined()) return;  // send is zero-initialised: no gradient contributes zeros
-  at::Tensor flat = g.reshape({-1});
+  // Writes every element of this parameter's columns (`send` is not zero-initialised): the
+  // gradient's rows, zeros for padding, all zeros when there is no gradient (frozen or unused).
+  at::Tensor g = trainable() ? param_.grad() : at::Tensor();
+  at::Tensor flat = g.defined() ? g.reshape({-1}) : at::Tensor();
   for (int r = 0; r < world_; ++r) {
-    const int64_t n = rows_of(r) * row_numel_;
-    if (n == 0) continue;
-    send[r].narrow(0, offset, n).copy_(flat.narrow(0, r * chunk_ * row_numel_, n));
+    const int64_t n = g.defined() ? rows_of(r) * row_numel_ : 0;
+    if (n > 0) send[r].narrow(0, offset, n).copy_(flat.narrow(0, r * chunk_ * row_numel_, n));
+    if (n < padded_numel()) send[r].narrow(0, offset + n, padded_numel() - n).zero_();
   }
-  param_.mutable_grad() = at::Tensor();
+  if (g.defined()) param_.mutable_grad() = at::Tensor();
 }
 
 void ParamState::add_shard_grad(const at::Tensor& reduced_flat, int64_t offset) {

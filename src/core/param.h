@@ -46,8 +46,8 @@ class ParamState {
   void free_full();
   bool full_allocated() const;
 
-  // Packs the unsharded gradient (zeros when undefined) into `send` (world, S) at `offset`, and
-  // drops it from the parameter (it has been handed to the reduction).
+  // Packs the unsharded gradient (zeros when undefined or frozen, and for padding) into `send`
+  // (world, S) at `offset`, and drops it from the parameter (it has been handed to the reduction).
   void pack_grad(const at::Tensor& send, int64_t offset);
   // Accumulates the reduced rows for this rank into shard().grad().
   void add_shard_grad(const at::Tensor& reduced_flat, int64_t offset);
