@@ -8,6 +8,7 @@
 #ifdef USE_C10D_NCCL  // defined by LibTorch's CMake config when it was built with NCCL
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/native/cuda/Resize.h>
+
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 

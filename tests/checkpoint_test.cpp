@@ -16,6 +16,7 @@
 #include <fstream>
 
 #include "harness.h"
+#include "tiny_gpt.h"
 
 namespace fsdp::testing {
 namespace {
@@ -28,21 +29,11 @@ using models::GPTConfig;
 
 constexpr const char* kDirEnv = "FSDP_CKPT_TEST_DIR";
 
-GPTConfig tiny() {
-  GPTConfig c;
-  c.vocab_size = 32;
-  c.seq_len = 8;
-  c.n_layer = 2;
-  c.n_head = 2;
-  c.n_embd = 16;
-  return c;
-}
-
 enum class Opt { kAdamW, kAdam, kSGD };
 
 // A sharded GPT and its optimizer on this rank.
 struct Trainee {
-  explicit Trainee(Rank& r, GPTConfig cfg = tiny(), int seed = 0, Opt opt = Opt::kAdamW,
+  explicit Trainee(Rank& r, GPTConfig cfg = tiny_gpt(), int seed = 0, Opt opt = Opt::kAdamW,
                    at::ScalarType dtype = at::kFloat)
       : model([&] {
           torch::manual_seed(seed);
@@ -172,7 +163,7 @@ TEST_P(RoundTrip, ConsolidatedValuesAreBitIdentical) {
   run_ranks(
       t.from,
       [&](Rank& r) {
-        Trainee run(r, tiny(), 0, t.opt);
+        Trainee run(r, tiny_gpt(), 0, t.opt);
         run.train(r.rank, 2);
         ck::TrainState s;
         s.step = 2;
@@ -188,7 +179,7 @@ TEST_P(RoundTrip, ConsolidatedValuesAreBitIdentical) {
   run_ranks(
       t.to,
       [&](Rank& r) {
-        Trainee run(r, tiny(), 7, t.opt);
+        Trainee run(r, tiny_gpt(), 7, t.opt);
         auto ckpt = ck::latest(dir + "/a");
         ASSERT_TRUE(ckpt.has_value());
         auto s = ck::load(*ckpt, run.root, run.optim.get(), *r.world());
@@ -199,7 +190,7 @@ TEST_P(RoundTrip, ConsolidatedValuesAreBitIdentical) {
         ck::save(dir + "/b", run.root, run.optim.get(), s, *r.world());
         if (r.rank == 0) ck::consolidate(dir + "/b/step_00000002", dir + "/full_b.safetensors");
 
-        Trainee fresh(r, tiny(), 9, t.opt);
+        Trainee fresh(r, tiny_gpt(), 9, t.opt);
         ck::init_from(dir + "/full_a.safetensors", fresh.root);
         auto a = run.snapshot(), b = fresh.snapshot();
         for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
@@ -336,16 +327,16 @@ TEST(CheckpointHostile, CorruptTruncatedMissingMismatched) {
             {"tensor 'ln_f.weight'", "shape [16, 1] in the checkpoint, [16] in the model"});
 
         // A model of another shape, and of another dtype.
-        GPTConfig wide = tiny();
+        GPTConfig wide = tiny_gpt();
         wide.n_embd = 24;
         Trainee other(r, wide);
         expect_error([&] { ck::load(good, other.root, other.optim.get(), comm); },
                      {"in the checkpoint", "in the model", "configuration differs"});
-        Trainee dbl(r, tiny(), 0, Opt::kAdamW, at::kDouble);
+        Trainee dbl(r, tiny_gpt(), 0, Opt::kAdamW, at::kDouble);
         expect_error([&] { ck::load(good, dbl.root, dbl.optim.get(), comm); },
                      {"is F32 in the checkpoint, F64 in the model"});
         // Another optimizer type.
-        Trainee sgd(r, tiny(), 0, Opt::kSGD);
+        Trainee sgd(r, tiny_gpt(), 0, Opt::kSGD);
         expect_error([&] { ck::load(good, sgd.root, sgd.optim.get(), comm); },
                      {"holds adamw state, the optimizer is sgd"});
         // init_from a file lacking a tensor.

@@ -14,6 +14,19 @@ torch::Tensor input_for(int rank, std::vector<int64_t> shape, bool requires_grad
   return torch::randn(shape).set_requires_grad(requires_grad);
 }
 
+// Shards the given child members of the root (bottom-up, before the root itself).
+template <class... Members>
+auto children(Members... members) {
+  return [=](auto& m, auto comm, auto opts) { (fully_shard(m.get()->*members, comm, opts), ...); };
+}
+
+// Forward on this rank's input of `shape`, then backward of the sum of squares.
+auto square_loss(std::vector<int64_t> shape, bool input_requires_grad = true) {
+  return [=](auto& m, int rank) {
+    m(input_for(rank, shape, input_requires_grad)).pow(2).sum().backward();
+  };
+}
+
 // Builds with seed 0, shards children with `child` options and the root with audit on, runs
 // `step(model, rank)` (forward + backward), compares with the reference.
 template <class Net, class Shard, class Step>
@@ -35,102 +48,51 @@ void check_case(int world, Shard shard_children, Step step, ShardOptions child =
 class Guarantee : public ::testing::TestWithParam<int> {};
 
 TEST_P(Guarantee, A_PlainModule) {
-  check_case<Plain>(
-      GetParam(),
-      [](auto& m, auto c, auto o) {
-        fully_shard(m->a, c, o);
-        fully_shard(m->b, c, o);
-      },
-      [](auto& m, int rank) {
-        m(input_for(rank, {4, 5})).pow(2).sum().backward();
-      });
+  check_case<Plain>(GetParam(), children(&PlainImpl::a, &PlainImpl::b), square_loss({4, 5}));
 }
 
 TEST_P(Guarantee, B_WeightInBranchNotReachingInput) {
-  check_case<BranchNet>(
-      GetParam(),
-      [](auto& m, auto c, auto o) {
-        fully_shard(m->a, c, o);
-        fully_shard(m->br, c, o);
-      },
-      [](auto& m, int rank) {
-        m(input_for(rank, {3, 4})).pow(2).sum().backward();
-      });
+  check_case<BranchNet>(GetParam(), children(&BranchNetImpl::a, &BranchNetImpl::br),
+                        square_loss({3, 4}));
 }
 
 TEST_P(Guarantee, C_TiedEmbeddingAndHeadInOneGroup) {
-  check_case<Tied>(
-      GetParam(), [](auto& m, auto c, auto o) { fully_shard(m->block, c, o); },
-      [](auto& m, int rank) {
-        torch::manual_seed(50 + rank);
-        auto ids = torch::randint(0, 11, {2, 4}, torch::kLong);
-        auto logits = m(ids);
-        torch::nn::functional::cross_entropy(logits.view({-1, 11}), ids.view({-1})).backward();
-      });
+  check_case<Tied>(GetParam(), children(&TiedImpl::block), [](auto& m, int rank) {
+    torch::manual_seed(50 + rank);
+    auto ids = torch::randint(0, 11, {2, 4}, torch::kLong);
+    auto logits = m(ids);
+    torch::nn::functional::cross_entropy(logits.view({-1, 11}), ids.view({-1})).backward();
+  });
 }
 
 TEST_P(Guarantee, D_FirstModuleInputNeedsNoGrad) {
-  check_case<Plain>(
-      GetParam(),
-      [](auto& m, auto c, auto o) {
-        fully_shard(m->a, c, o);
-        fully_shard(m->b, c, o);
-      },
-      [](auto& m, int rank) {
-        m(input_for(rank, {4, 5}, false)).pow(2).sum().backward();
-      });
+  check_case<Plain>(GetParam(), children(&PlainImpl::a, &PlainImpl::b), square_loss({4, 5}, false));
 }
 
 TEST_P(Guarantee, E_OutputIgnoresInput) {
-  check_case<IgnoreNet>(
-      GetParam(),
-      [](auto& m, auto c, auto o) {
-        fully_shard(m->a, c, o);
-        fully_shard(m->ign, c, o);
-        fully_shard(m->c, c, o);
-      },
-      [](auto& m, int rank) {
-        m(input_for(rank, {4, 5})).pow(2).sum().backward();
-      });
+  check_case<IgnoreNet>(GetParam(),
+                        children(&IgnoreNetImpl::a, &IgnoreNetImpl::ign, &IgnoreNetImpl::c),
+                        square_loss({4, 5}));
 }
 
 TEST_P(Guarantee, F_ModuleCalledTwiceReshardAfterForward) {
-  check_case<Twice>(
-      GetParam(), [](auto& m, auto c, auto o) { fully_shard(m->lin, c, o); },
-      [](auto& m, int rank) {
-        m(input_for(rank, {3, 5})).pow(2).sum().backward();
-      },
-      audited(true));
+  check_case<Twice>(GetParam(), children(&TwiceImpl::lin), square_loss({3, 5}), audited(true));
 }
 
 TEST_P(Guarantee, F_ModuleCalledTwiceNoReshardAfterForward) {
-  check_case<Twice>(
-      GetParam(), [](auto& m, auto c, auto o) { fully_shard(m->lin, c, o); },
-      [](auto& m, int rank) {
-        m(input_for(rank, {3, 5})).pow(2).sum().backward();
-      },
-      audited(false));
+  check_case<Twice>(GetParam(), children(&TwiceImpl::lin), square_loss({3, 5}), audited(false));
 }
 
 TEST_P(Guarantee, G_WeightTransformedBeforeUse) {
-  check_case<Transform>(
-      GetParam(), [](auto& m, auto c, auto o) { fully_shard(m->lin, c, o); },
-      [](auto& m, int rank) {
-        m(input_for(rank, {4, 5})).pow(2).sum().backward();
-      });
+  check_case<Transform>(GetParam(), children(&TransformImpl::lin), square_loss({4, 5}));
 }
 
 TEST_P(Guarantee, H_ParametersUnusedOnSomeRanks) {
-  check_case<ForkNet>(
-      GetParam(),
-      [](auto& m, auto c, auto o) {
-        fully_shard(m->pre, c, o);
-        fully_shard(m->fork, c, o);
-      },
-      // Rank 0 uses `left` only; every other rank uses `right` only.
-      [](auto& m, int rank) {
-        m(input_for(rank, {4, 5}), rank == 0).pow(2).sum().backward();
-      });
+  check_case<ForkNet>(GetParam(), children(&ForkNetImpl::pre, &ForkNetImpl::fork),
+                      // Rank 0 uses `left` only; every other rank uses `right` only.
+                      [](auto& m, int rank) {
+                        m(input_for(rank, {4, 5}), rank == 0).pow(2).sum().backward();
+                      });
 }
 
 // (i) torch::autograd::grad with explicit inputs computes the input gradient it was asked for and
@@ -165,42 +127,20 @@ TEST_P(Guarantee, I_AutogradGradWithExplicitInputs) {
 }
 
 TEST_P(Guarantee, J_TwoBackwardPassesWithRetainGraph) {
-  check_case<Plain>(
-      GetParam(),
-      [](auto& m, auto c, auto o) {
-        fully_shard(m->a, c, o);
-        fully_shard(m->b, c, o);
-      },
-      [](auto& m, int rank) {
-        auto loss = m(input_for(rank, {4, 5})).pow(2).sum();
-        loss.backward({}, /*retain_graph=*/true);
-        loss.backward();
-      });
+  check_case<Plain>(GetParam(), children(&PlainImpl::a, &PlainImpl::b), [](auto& m, int rank) {
+    auto loss = m(input_for(rank, {4, 5})).pow(2).sum();
+    loss.backward({}, /*retain_graph=*/true);
+    loss.backward();
+  });
 }
 
 TEST_P(Guarantee, K_FrozenAndTrainableInOneGroup) {
-  check_case<MixNet>(
-      GetParam(),
-      [](auto& m, auto c, auto o) {
-        fully_shard(m->mix, c, o);
-        fully_shard(m->out, c, o);
-      },
-      [](auto& m, int rank) {
-        m(input_for(rank, {4, 5})).pow(2).sum().backward();
-      });
+  check_case<MixNet>(GetParam(), children(&MixNetImpl::mix, &MixNetImpl::out), square_loss({4, 5}));
 }
 
 TEST_P(Guarantee, L_GroupWithNoGradientThisStep) {
-  check_case<Idle>(
-      GetParam(),
-      [](auto& m, auto c, auto o) {
-        fully_shard(m->used, c, o);
-        fully_shard(m->discarded, c, o);
-        fully_shard(m->never, c, o);
-      },
-      [](auto& m, int rank) {
-        m(input_for(rank, {4, 5})).pow(2).sum().backward();
-      });
+  check_case<Idle>(GetParam(), children(&IdleImpl::used, &IdleImpl::discarded, &IdleImpl::never),
+                   square_loss({4, 5}));
 }
 
 // The audit is not decorative: with a fault injected that issues every reduction at the first

@@ -4,6 +4,7 @@
 #include <fsdp/models/gpt.h>
 
 #include "fsdp_test_util.h"
+#include "tiny_gpt.h"
 
 namespace fsdp::testing {
 namespace {
@@ -14,19 +15,9 @@ using fsdp::models::GPTConfig;
 constexpr int kSteps = 10;
 constexpr int64_t kGlobalBatch = 12;  // divisible by 1, 2, 3 and 4
 
-GPTConfig tiny() {
-  GPTConfig c;
-  c.vocab_size = 32;
-  c.seq_len = 8;
-  c.n_layer = 2;
-  c.n_head = 2;
-  c.n_embd = 16;
-  return c;
-}
-
 fsdp::Sharded<GPT> build(torch::Dtype dtype = torch::kFloat) {
   torch::manual_seed(0);
-  fsdp::Sharded<GPT> m{GPT(tiny())};
+  fsdp::Sharded<GPT> m{GPT(tiny_gpt())};
   m->to(dtype);
   return m;
 }
@@ -34,9 +25,9 @@ fsdp::Sharded<GPT> build(torch::Dtype dtype = torch::kFloat) {
 // Step k's global batch: (kGlobalBatch, seq_len + 1) tokens, inputs and next-token targets.
 std::pair<torch::Tensor, torch::Tensor> batch(int step) {
   torch::manual_seed(500 + step);
-  auto tokens =
-      torch::randint(0, tiny().vocab_size, {kGlobalBatch, tiny().seq_len + 1}, torch::kLong);
-  return {tokens.narrow(1, 0, tiny().seq_len), tokens.narrow(1, 1, tiny().seq_len)};
+  auto tokens = torch::randint(0, tiny_gpt().vocab_size, {kGlobalBatch, tiny_gpt().seq_len + 1},
+                               torch::kLong);
+  return {tokens.narrow(1, 0, tiny_gpt().seq_len), tokens.narrow(1, 1, tiny_gpt().seq_len)};
 }
 
 torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
