@@ -131,18 +131,6 @@ void expect_bit_identical(const std::map<std::string, torch::Tensor>& a,
   }
 }
 
-template <class F>
-void expect_error(F&& fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one containing '" << *parts.begin() << "'";
-  } catch (const fsdp::Error& e) {
-    std::string msg = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << msg << "\nmissing: " << p;
-  }
-}
-
 // ---- round trips ----
 struct Trip {
   int from, to;

@@ -14,6 +14,8 @@
 #pragma once
 
 #include <fsdp/communicator.h>
+#include <fsdp/error.h>
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <functional>
@@ -66,5 +68,18 @@ ProcResult run_process(const std::vector<std::string>& argv, std::chrono::second
 
 // The directory holding the built programs (build/bin).
 std::string bin_dir();
+
+// Runs `fn` and expects an fsdp::Error whose message contains every one of `parts`.
+template <class F>
+void expect_error(F&& fn, std::initializer_list<std::string> parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one containing '" << *parts.begin() << "'";
+  } catch (const fsdp::Error& e) {
+    std::string msg = e.what();
+    for (const auto& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "message: " << msg << "\nmissing: " << p;
+  }
+}
 
 }  // namespace fsdp::testing

@@ -41,6 +41,18 @@ bool has_line(const std::string& out, const std::string& line) {
 
 bool process_exists(int pid) { return ::kill(pid, 0) == 0 || errno != ESRCH; }
 
+// Every rank printed "pid=N"; none of those processes may be left behind.
+void expect_ranks_reaped(const std::string& output, int ranks) {
+  std::smatch m;
+  std::string out = output;
+  int seen = 0;
+  for (std::regex re("pid=([0-9]+)"); std::regex_search(out, m, re); out = m.suffix()) {
+    EXPECT_FALSE(process_exists(std::stoi(m[1]))) << "rank process " << m[1] << " left behind";
+    ++seen;
+  }
+  EXPECT_EQ(seen, ranks) << output;
+}
+
 TEST(LauncherTest, PrefixesEveryLineAndSetsTorchrunVariables) {
   auto r = launch(3,
                   "echo \"env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR\"; "
@@ -80,14 +92,7 @@ TEST(LauncherTest, FailingRankExitCodePropagatesAndOthersAreStopped) {
   EXPECT_TRUE(has_line(r.output, "[rank 1] failing")) << r.output;
   EXPECT_NE(r.output.find("rank 1 exited with status 7"), std::string::npos) << r.output;
   // The sleeping ranks are gone (reaped), not orphaned.
-  std::smatch m;
-  std::string out = r.output;
-  int seen = 0;
-  for (std::regex re("pid=([0-9]+)"); std::regex_search(out, m, re); out = m.suffix()) {
-    EXPECT_FALSE(process_exists(std::stoi(m[1]))) << "rank process " << m[1] << " left behind";
-    ++seen;
-  }
-  EXPECT_EQ(seen, 2) << r.output;
+  expect_ranks_reaped(r.output, 2);
 }
 
 TEST(LauncherTest, RankKilledBySignalGives128PlusSignal) {
@@ -115,14 +120,7 @@ TEST(LauncherTest, CtrlCStopsAllRanks) {
   EXPECT_TRUE(has_line(r.output, "status=130")) << r.output;
   EXPECT_LT(r.seconds, 6.0);
   EXPECT_NE(r.output.find("received signal 2"), std::string::npos) << r.output;
-  std::smatch m;
-  std::string out = r.output;
-  int seen = 0;
-  for (std::regex re("pid=([0-9]+)"); std::regex_search(out, m, re); out = m.suffix()) {
-    EXPECT_FALSE(process_exists(std::stoi(m[1]))) << "rank process " << m[1] << " left behind";
-    ++seen;
-  }
-  EXPECT_EQ(seen, 3) << r.output;
+  expect_ranks_reaped(r.output, 3);
 }
 
 TEST(LauncherTest, UnknownProgramAndUsageErrors) {

@@ -16,6 +16,7 @@
 namespace fs = std::filesystem;
 namespace st = fsdp::safetensors;
 namespace ck = fsdp::checkpoint;
+using fsdp::testing::expect_error;
 
 namespace {
 
@@ -39,19 +40,6 @@ std::string craft(const std::string& dir, const std::string& header, size_t data
   f << header;
   f << std::string(data_bytes, '\0');
   return path;
-}
-
-// Runs `fn`, expects an fsdp::Error whose message contains every one of `parts`.
-template <class F>
-void expect_error(F&& fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one containing '" << *parts.begin() << "'";
-  } catch (const fsdp::Error& e) {
-    std::string msg = e.what();
-    for (const auto& p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "message: " << msg << "\nmissing: " << p;
-  }
 }
 
 void open_file(const std::string& path) { st::File::open(path); }
