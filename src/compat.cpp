@@ -1,5 +1,6 @@
 #include "compat.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/Resize.h>
 #include <c10/core/CPUAllocator.h>
 #include <fsdp/error.h>
@@ -47,6 +48,25 @@ void alloc_storage(const at::Tensor& t) {
 
 bool storage_allocated(const at::Tensor& t) {
   return t.storage().unsafeGetStorageImpl()->nbytes() > 0 || t.numel() == 0;
+}
+
+namespace {
+BoxedKernel python_key_kernel = nullptr;
+void python_key_trampoline(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  python_key_kernel(op, stack);
+}
+}  // namespace
+
+void register_for_all_operators_at_python_key(BoxedKernel kernel) {
+  python_key_kernel = kernel;
+  // Held for the life of the process: the registrations must outlive every guarded tensor.
+  static auto* handles = new std::vector<c10::RegistrationHandleRAII>();
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames())
+    handles->push_back(dispatcher.registerImpl(
+        name, c10::DispatchKey::Python,
+        c10::KernelFunction::makeFromBoxedFunction<&python_key_trampoline>(), c10::nullopt, nullptr,
+        "fsdp-cpp resharded-parameter guard"));
 }
 
 at::ScalarType wire_dtype(at::ScalarType t, const std::string& backend) {

@@ -17,6 +17,11 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
+namespace c10 {
+class OperatorHandle;
+struct IValue;
+}  // namespace c10
+
 namespace fsdp::compat {
 
 // Storage of a full-shaped parameter: release and re-create the bytes, keeping the TensorImpl,
@@ -24,6 +29,11 @@ namespace fsdp::compat {
 void free_storage(const at::Tensor& t);
 void alloc_storage(const at::Tensor& t);
 bool storage_allocated(const at::Tensor& t);
+
+// Registers `kernel` (boxed) for every operator at the Python dispatch key, which
+// TensorImpl::set_python_dispatch(true) puts on a tensor: the resharded-parameter guard.
+using BoxedKernel = void (*)(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack);
+void register_for_all_operators_at_python_key(BoxedKernel kernel);
 
 // The dtype a tensor travels as on `backend` (bf16 is bit-cast to fp16 on Gloo).
 at::ScalarType wire_dtype(at::ScalarType t, const std::string& backend);

@@ -197,7 +197,8 @@ TEST(FullyShardErrors, ParametersUsedOutsideTheirForward) {
     fully_shard(m->a, r.world());
     fully_shard(m, r.world());
     auto msg = error_of([&] { m(torch::ones({1, 3})); });
-    EXPECT_HAS(msg, "used a parameter whose storage is resharded (freed); resharded now: 'a'");
+    EXPECT_HAS(msg, "parameter 'a.weight' of sharded module 'a' (torch::nn::LinearImpl)");
+    EXPECT_HAS(msg, "whose full storage is freed (resharded)");
     EXPECT_HAS(msg, "not block->forward(x)");
   });
 }
@@ -288,7 +289,7 @@ TEST(FullyShard, DebugLogsOneLinePerHookEvent) {
     const auto& log = res.output.at(0);
     EXPECT_HAS(log, "fsdp[rank 0] group 'a' pre_forward");
     EXPECT_HAS(log, "group 'a' unshard: all-gather issued (SHARDED->GATHERING)");
-    EXPECT_HAS(log, "group 'a' backward begins: expects 2 gradients");
+    EXPECT_HAS(log, "group 'a' backward begins: expects 1 output hooks, 2 gradients");
     EXPECT_HAS(log, "group 'a' gradient final: 'weight'");
     EXPECT_HAS(log, "group 'a' reduce-scatter issued");
     EXPECT_HAS(log, "group 'root' backward complete");

@@ -33,7 +33,7 @@ class Group;
 class ForwardScope {
  public:
   ForwardScope(Group* group);  // pre-forward: unshard (or wait for the prefetch)
-  ~ForwardScope();             // restores state when forward throws
+  ~ForwardScope();  // when forward threw: reshards, drops prefetched gathers, restores state
   // post-forward: registers pre-backward hooks on the outputs, reshards if configured.
   at::Tensor finish(at::Tensor out);
   std::vector<at::Tensor> finish(std::vector<at::Tensor> outs);
@@ -44,8 +44,6 @@ class ForwardScope {
   Group* group_;
   bool finished_ = false;
 };
-// Rethrows a LibTorch error raised by a resharded parameter as an fsdp::Error naming it.
-[[noreturn]] void rethrow_forward_error(Group* group);
 
 template <class T>
 decltype(auto) wrap_input(ForwardScope& s, T&& x) {
@@ -127,14 +125,8 @@ class Sharded : public Holder {
     // impl->forward directly: ModuleHolder::operator() cannot deduce overloaded forwards.
     if (!group_) return this->get()->forward(std::forward<Args>(args)...);
     detail::ForwardScope scope(group_.get());
-    try {
-      return scope.finish(
-          this->get()->forward(detail::wrap_input(scope, std::forward<Args>(args))...));
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception&) {
-      detail::rethrow_forward_error(group_.get());
-    }
+    return scope.finish(
+        this->get()->forward(detail::wrap_input(scope, std::forward<Args>(args))...));
   }
 
   // Set by fully_shard.

@@ -10,12 +10,11 @@
 #include <set>
 #include <unordered_map>
 
+#include "core/context.h"
 #include "core/group.h"
 
 namespace fsdp {
 namespace detail {
-
-void install_grad_hooks(const std::shared_ptr<Group>& g);  // group.cpp
 
 namespace {
 
@@ -95,9 +94,124 @@ std::vector<Group*> groups_at_or_below(Group* g) {
   std::set<const torch::nn::Module*> below{g->module()};
   for (const auto& m : g->module()->modules(/*include_self=*/false)) below.insert(m.get());
   std::vector<Group*> out;
-  for (Group* x : g->context().groups)
+  for (Group* x : g->context().groups())
     if (below.count(x->module())) out.push_back(x);
   return out;
+}
+
+// The module's descendants by path, in the model's own module order: pointer order differs
+// between processes, and the group order must be the same on every rank.
+struct ModulePaths {
+  std::map<const torch::nn::Module*, std::string> path_of;
+  std::vector<const torch::nn::Module*> order;
+};
+
+ModulePaths module_paths(const torch::nn::Module& module) {
+  ModulePaths m;
+  for (const auto& item : module.named_modules("", /*include_self=*/false))
+    if (m.path_of.emplace(item.value().get(), item.key()).second)
+      m.order.push_back(item.value().get());
+  return m;
+}
+
+// The parameters this fully_shard call manages: those no sharded descendant owns, each once (a
+// parameter tied within the group counts once). A parameter shared with another group is an
+// error naming both. REQUIRES: the registry's lock.
+std::vector<std::pair<std::string, at::Tensor>> own_parameters(Registry& reg,
+                                                               const torch::nn::Module& module,
+                                                               const ModulePaths& paths) {
+  const std::string type = module.name();
+  std::vector<std::pair<std::string, at::Tensor>> mine;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    const auto* impl = item.value().unsafeGetTensorImpl();
+    if (auto owner = Registry::find(reg.params, impl)) {
+      auto p = paths.path_of.find(owner->module());
+      if (p != paths.path_of.end()) {
+        FSDP_CHECK(item.key().rfind(p->second + ".", 0) == 0, "parameter '", item.key(),
+                   "' of module '", type, "' is also a parameter of sharded submodule '", p->second,
+                   "' (", owner->type_name(),
+                   "): a parameter shared by two groups cannot be sharded. Fix: do not "
+                   "fully_shard '",
+                   p->second,
+                   "' separately, so that both uses fall in one group (shard their common parent)");
+        continue;
+      }
+      bool owner_is_ancestor = false;
+      for (const auto& m : owner->module()->modules(/*include_self=*/false))
+        if (m.get() == &module) owner_is_ancestor = true;
+      FSDP_CHECK(!owner_is_ancestor, "fully_shard(", type, ") was called after its parent (",
+                 owner->type_name(),
+                 ") was sharded: apply fully_shard bottom-up, children first, then the parent");
+      throw Error(detail::cat("parameter '", item.key(), "' of module '", type,
+                              "' is already managed by fully_shard on module '", owner->name(),
+                              "' (", owner->type_name(),
+                              "): a parameter shared by two groups cannot be sharded. Fix: shard "
+                              "their common parent only, so that both uses fall in one group"));
+    }
+    if (!seen.insert(impl).second) continue;  // tied within this group: one parameter
+    mine.emplace_back(item.key(), item.value());
+  }
+  return mine;
+}
+
+void check_placement(const std::string& type, const Communicator& comm,
+                     const std::vector<std::pair<std::string, at::Tensor>>& mine) {
+  for (const auto& [name, t] : mine) {
+    FSDP_CHECK(t.device().is_cpu() || comm.backend() != "gloo", "parameter '", name, "' is on ",
+               t.device(), " but the communicator uses gloo (CPU)");
+    FSDP_CHECK(t.scalar_type() == mine.front().second.scalar_type(), "fully_shard(", type,
+               "): parameter '", name, "' has dtype ", t.scalar_type(), " but '",
+               mine.front().first, "' has ", mine.front().second.scalar_type(),
+               "; parameters of one group must share a dtype (cast the module first)");
+  }
+}
+
+// A new context holding every group registered on a descendant (with everything their contexts
+// held), renamed by their path under this module. REQUIRES: the registry's lock.
+std::shared_ptr<Context> absorb_children(Registry& reg, const ModulePaths& paths,
+                                         const std::shared_ptr<Communicator>& comm,
+                                         const ShardOptions& options) {
+  auto context = std::make_shared<Context>(comm, options.audit);
+  std::vector<std::shared_ptr<Context>> absorbed;
+  for (const auto* m : paths.order) {
+    auto g = Registry::find(reg.modules, m);
+    if (!g) continue;
+    auto old = g->shared_context();
+    if (std::find(absorbed.begin(), absorbed.end(), old) == absorbed.end()) absorbed.push_back(old);
+  }
+  for (const auto& old : absorbed) {
+    if (old->audit().enabled) context->audit().enabled = true;
+    for (Group* g : std::vector<Group*>(old->groups())) {
+      g->set_path(paths.path_of.at(g->module()));
+      g->set_context(context);
+      context->add(g);
+    }
+  }
+  if (context->audit().enabled && !context->audit().lane)
+    context->audit().lane = comm->lane("fsdp.audit");
+  return context;
+}
+
+// Buffers are replicated: rank 0's values win. Sharded children broadcast their own already.
+void broadcast_own_buffers(Registry& reg, const torch::nn::Module& module, const ModulePaths& paths,
+                           Communicator& comm) {
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    bool in_child = false;
+    for (const auto& [m, path] : paths.path_of)
+      if (Registry::find(reg.modules, m) && item.key().rfind(path + ".", 0) == 0) in_child = true;
+    if (in_child || !item.value().defined()) continue;
+    at::Tensor b = item.value();
+    at::Tensor wire = b.scalar_type() == at::kBool ? b.view(at::kByte) : b;
+    if (wire.is_contiguous()) {
+      comm.broadcast(wire, 0).wait();
+    } else {
+      auto tmp = wire.contiguous();
+      comm.broadcast(tmp, 0).wait();
+      at::NoGradGuard g;
+      wire.copy_(tmp);
+    }
+  }
 }
 
 }  // namespace
@@ -113,108 +227,26 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   FSDP_CHECK(!already_attached && !Registry::find(reg.modules, module.get()),
              "fully_shard was applied twice to module '", type,
              "': apply it once per module (blocks first, then the root)");
-
-  // Descendant modules by path; sharded descendants become this context's children. `order`
-  // keeps the model's own module order: pointer order differs between processes, and the group
-  // order must be the same on every rank.
-  std::map<const torch::nn::Module*, std::string> path_of;
-  std::vector<const torch::nn::Module*> order;
-  for (const auto& item : module->named_modules("", /*include_self=*/false))
-    if (path_of.emplace(item.value().get(), item.key()).second) order.push_back(item.value().get());
-
-  std::vector<std::pair<std::string, at::Tensor>> mine;
-  std::set<const c10::TensorImpl*> seen;
-  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
-    const auto* impl = item.value().unsafeGetTensorImpl();
-    if (auto owner = Registry::find(reg.params, impl)) {
-      auto p = path_of.find(owner->module());
-      if (p != path_of.end()) {
-        FSDP_CHECK(item.key().rfind(p->second + ".", 0) == 0, "parameter '", item.key(),
-                   "' of module '", type, "' is also a parameter of sharded submodule '", p->second,
-                   "' (", owner->type_name(),
-                   "): a parameter shared by two groups cannot be sharded. Fix: do not "
-                   "fully_shard '",
-                   p->second,
-                   "' separately, so that both uses fall in one group (shard their common parent)");
-        continue;
-      }
-      bool owner_is_ancestor = false;
-      for (const auto& m : owner->module()->modules(/*include_self=*/false))
-        if (m.get() == module.get()) owner_is_ancestor = true;
-      FSDP_CHECK(!owner_is_ancestor, "fully_shard(", type, ") was called after its parent (",
-                 owner->type_name(),
-                 ") was sharded: apply fully_shard bottom-up, children first, then the parent");
-      throw Error(detail::cat("parameter '", item.key(), "' of module '", type,
-                              "' is already managed by fully_shard on module '", owner->name(),
-                              "' (", owner->type_name(),
-                              "): a parameter shared by two groups cannot be sharded. Fix: shard "
-                              "their common parent only, so that both uses fall in one group"));
-    }
-    if (!seen.insert(impl).second) continue;  // tied within this group: one parameter
-    mine.emplace_back(item.key(), item.value());
-  }
-  for (const auto& [name, t] : mine) {
-    FSDP_CHECK(t.device().is_cpu() || comm->backend() != "gloo", "parameter '", name, "' is on ",
-               t.device(), " but the communicator uses gloo (CPU)");
-    FSDP_CHECK(t.scalar_type() == mine.front().second.scalar_type(), "fully_shard(", type,
-               "): parameter '", name, "' has dtype ", t.scalar_type(), " but '",
-               mine.front().first, "' has ", mine.front().second.scalar_type(),
-               "; parameters of one group must share a dtype (cast the module first)");
-  }
+  const ModulePaths paths = module_paths(*module);
+  auto mine = own_parameters(reg, *module, paths);
+  check_placement(type, *comm, mine);
   lock.unlock();
-  check_same_on_all_ranks(*comm, type, mine);
+  check_same_on_all_ranks(*comm, type, mine);  // collective: outside the lock
 
-  // Children: groups registered on descendant modules, with everything their contexts hold.
-  auto context = std::make_shared<Context>(comm, options.audit);
-  std::vector<std::shared_ptr<Context>> absorbed;
   lock.lock();
-  for (const auto* m : order) {
-    auto g = Registry::find(reg.modules, m);
-    if (!g) continue;
-    auto old = g->shared_context();
-    if (std::find(absorbed.begin(), absorbed.end(), old) == absorbed.end()) absorbed.push_back(old);
-  }
-  for (const auto& old : absorbed) {
-    if (old->audit().enabled) context->audit().enabled = true;
-    for (Group* g : std::vector<Group*>(old->groups)) {
-      auto p = path_of.find(g->module());
-      g->set_name(p->second);
-      g->set_prefix(p->second + ".");
-      g->set_context(context);
-      context->groups.push_back(g);
-    }
-  }
-  if (context->audit().enabled && !context->audit().lane)
-    context->audit().lane = comm->lane("fsdp.audit");
-
+  auto context = absorb_children(reg, paths, comm, options);
   std::vector<ParamState> params;
   for (auto& [name, t] : mine) params.emplace_back(name, t, comm->rank(), comm->size());
   auto group = std::make_shared<Group>(module.get(), type, std::move(params), comm, options);
-  group->set_name("root");
+  group->set_path("");
   group->set_context(context);
-  context->groups.push_back(group.get());
-  install_grad_hooks(group);
+  context->add(group.get());
+  group->attach_hooks();
   reg.modules[module.get()] = group;
   for (const auto& p : group->params()) reg.params[p.param().unsafeGetTensorImpl()] = group;
   lock.unlock();
 
-  // Buffers are replicated: rank 0's values win. Sharded children broadcast their own already.
-  for (const auto& item : module->named_buffers(/*recurse=*/true)) {
-    bool in_child = false;
-    for (const auto& [m, path] : path_of)
-      if (Registry::find(reg.modules, m) && item.key().rfind(path + ".", 0) == 0) in_child = true;
-    if (in_child || !item.value().defined()) continue;
-    at::Tensor b = item.value();
-    at::Tensor wire = b.scalar_type() == at::kBool ? b.view(at::kByte) : b;
-    if (wire.is_contiguous()) {
-      comm->broadcast(wire, 0).wait();
-    } else {
-      auto tmp = wire.contiguous();
-      comm->broadcast(tmp, 0).wait();
-      at::NoGradGuard g;
-      wire.copy_(tmp);
-    }
-  }
+  broadcast_own_buffers(reg, *module, paths, *comm);
   context->log(group.get(), detail::cat("fully_shard: ", group->params().size(), " parameters, ",
                                         group->flat_numel(), " padded elements per rank"));
   return FSDPModule(group);
@@ -224,7 +256,10 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
 // ForwardScope
 // ---------------------------------------------------------------------------------------------
 ForwardScope::ForwardScope(Group* group) : group_(group) { group_->pre_forward(); }
-ForwardScope::~ForwardScope() = default;
+
+ForwardScope::~ForwardScope() {
+  if (!finished_) group_->abort_forward();
+}
 
 at::Tensor ForwardScope::finish(at::Tensor out) {
   group_->post_forward({out});
@@ -239,28 +274,6 @@ std::vector<at::Tensor> ForwardScope::finish(std::vector<at::Tensor> outs) {
 }
 
 at::Tensor ForwardScope::input(const at::Tensor& x) { return group_->wrap_input(x); }
-
-void rethrow_forward_error(Group* group) {
-  try {
-    throw;
-  } catch (const std::exception& e) {
-    std::string what = e.what();
-    if (what.find("data is not allocated") == std::string::npos &&
-        what.find("storage") == std::string::npos)
-      throw;
-    std::string resharded;
-    for (Group* g : group->context().groups)
-      if (g->shard_state() == ShardState::kSharded)
-        resharded += (resharded.empty() ? "'" : ", '") + g->name() + "'";
-    throw Error(detail::cat(
-        "the forward of sharded module '", group->name(),
-        "' used a parameter whose storage is resharded (freed); resharded now: ", resharded,
-        ". Call sharded submodules through their fsdp::Sharded holder (block(x), not "
-        "block->forward(x)), and use a sharded module's parameters only inside its forward (or "
-        "call unshard() first). LibTorch said: ",
-        what.substr(0, what.find('\n'))));
-  }
-}
 
 }  // namespace detail
 
@@ -319,11 +332,12 @@ void FSDPModule::unshard() {
 void FSDPModule::reshard() { checked(group_).reshard(); }
 
 void FSDPModule::set_requires_gradient_sync(bool sync) {
-  for (auto* g : detail::groups_at_or_below(&checked(group_))) g->requires_gradient_sync = sync;
+  for (auto* g : detail::groups_at_or_below(&checked(group_))) g->set_requires_gradient_sync(sync);
 }
 
 void FSDPModule::set_reshard_after_backward(bool reshard) {
-  for (auto* g : detail::groups_at_or_below(&checked(group_))) g->reshard_after_backward = reshard;
+  for (auto* g : detail::groups_at_or_below(&checked(group_)))
+    g->set_reshard_after_backward(reshard);
 }
 
 void FSDPModule::set_reshard_after_forward(bool reshard) {
@@ -331,17 +345,15 @@ void FSDPModule::set_reshard_after_forward(bool reshard) {
 }
 
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
-  auto& g = checked(group_);
-  g.forward_prefetch.clear();
-  for (auto& m : modules) g.forward_prefetch.push_back(&checked(m.group_));
-  g.forward_prefetch_set = true;
+  std::vector<detail::Group*> targets;
+  for (auto& m : modules) targets.push_back(&checked(m.group_));
+  checked(group_).set_forward_prefetch(std::move(targets));
 }
 
 void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {
-  auto& g = checked(group_);
-  g.backward_prefetch.clear();
-  for (auto& m : modules) g.backward_prefetch.push_back(&checked(m.group_));
-  g.backward_prefetch_set = true;
+  std::vector<detail::Group*> targets;
+  for (auto& m : modules) targets.push_back(&checked(m.group_));
+  checked(group_).set_backward_prefetch(std::move(targets));
 }
 
 FSDPModule::MemoryStats FSDPModule::memory_stats() const {

@@ -4,8 +4,13 @@
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/variable.h>
 
-#include "compat.h"
+#include <iostream>
+
+#include "core/backward_pass.h"
+#include "core/context.h"
+#include "core/guard.h"
 
 namespace fsdp::detail {
 
@@ -17,6 +22,20 @@ const char* to_string(ShardState s) {
       return "GATHERING";
     case ShardState::kUnsharded:
       return "UNSHARDED";
+  }
+  return "?";
+}
+
+const char* to_string(TrainingState s) {
+  switch (s) {
+    case TrainingState::kIdle:
+      return "IDLE";
+    case TrainingState::kForward:
+      return "FORWARD";
+    case TrainingState::kPreBackward:
+      return "PRE_BACKWARD";
+    case TrainingState::kPostBackward:
+      return "POST_BACKWARD";
   }
   return "?";
 }
@@ -35,15 +54,29 @@ struct GradReadyHook : torch::autograd::FunctionPostHook {
   size_t index;
 };
 
-// Carries the group through the autograd context of InputBackward.
+// The input-side node of one forward call: identity in backward, run once everything between
+// this call's outputs and this input has run. Marks the call's backward done (for resharding),
+// never triggers reduction. The input it stands for is handed to the module as a new tensor that
+// is not a view and shares the input's storage and version counter, so in-place modification of
+// the input inside forward behaves exactly as without sharding.
+struct InputBackward : torch::autograd::Node {
+  explicit InputBackward(std::weak_ptr<Group> g) : group(std::move(g)) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (auto g = group.lock()) g->on_input_backward();
+    return std::move(grads);
+  }
+  std::string name() const override { return "fsdp::InputBackward"; }
+  std::weak_ptr<Group> group;
+};
+
+// For inputs that are themselves views: the same signal through a custom Function (its output
+// is a view of the input, so LibTorch rejects in-place modification of it inside forward rather
+// than losing the view's history).
 struct GroupRef : torch::CustomClassHolder {
   explicit GroupRef(std::weak_ptr<Group> g) : group(std::move(g)) {}
   std::weak_ptr<Group> group;
 };
-
-// Identity on a forward call's input; its backward runs once everything between this call's
-// output and its input has run. Used for resharding after backward, never to trigger reduction.
-struct InputBackward : torch::autograd::Function<InputBackward> {
+struct InputViewBackward : torch::autograd::Function<InputViewBackward> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<GroupRef> g,
                             const at::Tensor& x) {
     ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(g));
@@ -71,14 +104,31 @@ Group::Group(torch::nn::Module* module, std::string type_name, std::vector<Param
   for (auto& p : params_) {
     offsets_.push_back(flat_numel_);
     flat_numel_ += p.padded_numel();
-    p.free_full();
   }
 }
 
 Group::~Group() {
-  for (auto& p : params_)
+  for (auto& p : params_) {
     if (p.accumulator() && p.hook_key()) p.accumulator()->del_post_hook(p.hook_key());
+    guard::forget(p.param());
+  }
   if (context_) context_->remove(this);
+}
+
+void Group::attach_hooks() {
+  std::weak_ptr<Group> self = weak_from_this();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    guard::watch(p.param(), self, i);
+    p.free_full();
+    if (!p.accumulator()) continue;
+    p.set_hook_key(p.accumulator()->add_post_hook(std::make_unique<GradReadyHook>(self, i)));
+  }
+}
+
+void Group::set_path(const std::string& path) {
+  name_ = path.empty() ? "root" : path;
+  prefix_ = path.empty() ? "" : path + ".";
 }
 
 bool Group::is_root() const { return context_ && context_->root() == this; }
@@ -99,91 +149,211 @@ bool Group::resolved_reshard_after_forward() const {
   return options_.reshard_after_forward.value_or(!is_root());
 }
 
-// Installs the AccumulateGrad hooks; called once the group is owned by a shared_ptr.
-void install_grad_hooks(const std::shared_ptr<Group>& g) {
-  for (size_t i = 0; i < g->params().size(); ++i) {
-    auto& p = g->params()[i];
-    if (!p.accumulator()) continue;
-    p.set_hook_key(p.accumulator()->add_post_hook(std::make_unique<GradReadyHook>(g, i)));
-  }
+void Group::set_forward_prefetch(std::vector<Group*> g) {
+  forward_prefetch_ = std::move(g);
+  forward_prefetch_set_ = true;
+}
+
+void Group::set_backward_prefetch(std::vector<Group*> g) {
+  backward_prefetch_ = std::move(g);
+  backward_prefetch_set_ = true;
+}
+
+void Group::transition(TrainingState to, std::initializer_list<TrainingState> allowed) {
+  for (TrainingState a : allowed)
+    if (a == training_state_) {
+      training_state_ = to;
+      return;
+    }
+  throw Error(detail::cat("sharded module '", name_, "' (", type_name_, ") cannot go from ",
+                          to_string(training_state_), " to ", to_string(to),
+                          ". A sharded module's forward must not call itself, and backward must "
+                          "not run inside its forward"));
 }
 
 // ---------------------------------------------------------------------------------------------
 // Storage
 // ---------------------------------------------------------------------------------------------
 void Group::unshard() {
-  if (state_ != ShardState::kSharded) return;
+  if (shard_state_ != ShardState::kSharded) return;
   auto& lane = context_->gather_lane();
   auto& pool = context_->pool();
   const auto dtype = params_.empty() ? at::kFloat : params_[0].shard().scalar_type();
-  gather_in_ = pool.acquire(flat_numel_, dtype);
+  gather_.send = pool.acquire(flat_numel_, dtype);
   for (size_t i = 0; i < params_.size(); ++i)
-    params_[i].copy_in_shard(gather_in_.narrow(0, offsets_[i], params_[i].padded_numel()));
-  gather_out_ = pool.acquire(lane.size() * flat_numel_, dtype);
-  gather_work_ = lane.all_gather(gather_out_, gather_in_);
-  state_ = ShardState::kGathering;
-  context_->on_unsharded(this);  // the gather buffer is as large as the gathered parameters
+    params_[i].copy_in_shard(gather_.send.narrow(0, offsets_[i], params_[i].padded_numel()));
+  gather_.recv = pool.acquire(lane.size() * flat_numel_, dtype);
+  gather_.work = lane.all_gather(gather_.recv, gather_.send);
+  shard_state_ = ShardState::kGathering;
+  context_->on_gather_issued(this);  // the gather buffer is as large as the gathered parameters
   context_->log(this, "unshard: all-gather issued (SHARDED->GATHERING)");
 }
 
 void Group::wait_for_unshard() {
-  if (state_ == ShardState::kSharded) unshard();
-  if (state_ != ShardState::kGathering) return;
-  gather_work_.wait();
-  gather_work_ = Work();
-  auto rows = gather_out_.view({context_->gather_lane().size(), flat_numel_});
+  if (shard_state_ == ShardState::kSharded) unshard();
+  if (shard_state_ != ShardState::kGathering) return;
+  gather_.work.wait();
+  auto rows = gather_.recv.view({context_->gather_lane().size(), flat_numel_});
   for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_out(rows, offsets_[i]);
-  context_->pool().release(std::move(gather_out_));
-  context_->pool().release(std::move(gather_in_));
-  gather_out_ = gather_in_ = at::Tensor();
-  state_ = ShardState::kUnsharded;
+  context_->pool().release(std::move(gather_.recv));
+  context_->pool().release(std::move(gather_.send));
+  gather_ = PendingGather();
+  shard_state_ = ShardState::kUnsharded;
   context_->log(this, "wait_for_unshard: GATHERING->UNSHARDED");
 }
 
 void Group::reshard() {
-  if (state_ == ShardState::kGathering) wait_for_unshard();
-  if (state_ != ShardState::kUnsharded) return;
+  if (shard_state_ == ShardState::kGathering) {
+    // Cancel: the collective has every rank's part in flight, so it is waited, then dropped.
+    PendingGather g = std::move(gather_);
+    gather_ = PendingGather();
+    shard_state_ = ShardState::kSharded;
+    context_->on_resharded(this);
+    g.work.wait();
+    context_->pool().release(std::move(g.recv));
+    context_->pool().release(std::move(g.send));
+    context_->log(this, "reshard: gather discarded (GATHERING->SHARDED)");
+    return;
+  }
+  if (shard_state_ != ShardState::kUnsharded) return;
   for (auto& p : params_) p.free_full();
-  state_ = ShardState::kSharded;
+  shard_state_ = ShardState::kSharded;
   context_->on_resharded(this);
   context_->log(this, "reshard: UNSHARDED->SHARDED");
+}
+
+bool Group::stale() const {
+  if (shard_state_ == ShardState::kSharded) return false;
+  for (const auto& p : params_)
+    if (p.shard_changed_since_gather()) return true;
+  return false;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------------
+void Group::begin_iteration() {
+  input_nodes_.clear();
+  output_nodes_.clear();
+  forwarded_ = forwarded_with_grad_ = false;
+}
+
 void Group::pre_forward() {
+  state_before_forward_ = training_state_;
+  transition(TrainingState::kForward,
+             {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
   context_->on_pre_forward(this);
+  // Gathered values older than the shards (an optimizer step since the gather, e.g. after an
+  // evaluation forward that kept the root gathered) are dropped and gathered again. Every rank
+  // steps the same shards, so every rank takes the same decision.
+  if (stale()) reshard();
   unshard();
   context_->prefetch_forward(this);
   wait_for_unshard();
-  forward_start_us = trace::enabled() ? trace::now_us() : -1;
+  forwarded_ = true;
+  if (at::GradMode::is_enabled()) forwarded_with_grad_ = true;
+  forward_start_us_ = trace::enabled() ? trace::now_us() : -1;
 }
 
 void Group::post_forward(const std::vector<at::Tensor>& outs) {
-  if (forward_start_us >= 0)
-    trace::complete("forward " + name_, "compute", forward_start_us,
-                    trace::now_us() - forward_start_us);
+  if (forward_start_us_ >= 0)
+    trace::complete("forward " + name_, "compute", forward_start_us_,
+                    trace::now_us() - forward_start_us_);
   std::weak_ptr<Group> self = weak_from_this();
   for (const auto& out : outs) {
-    if (!out.defined() || !out.requires_grad()) continue;
-    out.register_hook([self](const at::Tensor&) {
-      if (auto g = self.lock()) g->pre_backward();
-    });
+    if (!out.defined() || !out.requires_grad() || !out.grad_fn()) continue;
+    // The TensorBase form: the hook also fires with an undefined gradient (an output that gets
+    // none while its node runs for another output).
+    const torch::autograd::Node* node = out.grad_fn().get();  // owns the hook: outlives it
+    static_cast<const at::TensorBase&>(out).register_hook(
+        [self, node](const at::TensorBase&) -> at::TensorBase {
+          if (auto g = self.lock()) g->pre_backward(node);
+          return at::TensorBase();
+        });
+    output_nodes_.push_back(out.grad_fn());
   }
-  if (resolved_reshard_after_forward()) reshard();
+  context_->on_post_forward(this);
+  transition(state_before_forward_, {TrainingState::kForward});
+  if (resolved_reshard_after_forward() && state_before_forward_ == TrainingState::kIdle) reshard();
+}
+
+void Group::abort_forward() noexcept {
+  try {
+    if (training_state_ == TrainingState::kForward) training_state_ = state_before_forward_;
+    reshard();
+    context_->cancel_forward_prefetches();
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp: while unwinding the failed forward of '" << name_ << "': " << e.what()
+              << "\n";
+  }
 }
 
 at::Tensor Group::wrap_input(const at::Tensor& x) {
   if (!x.defined() || !x.requires_grad() || !at::GradMode::is_enabled()) return x;
-  auto out = InputBackward::apply(c10::make_intrusive<GroupRef>(weak_from_this()), x);
-  input_nodes.push_back(out.grad_fn());
-  return out;
+  if (x.is_view()) {
+    auto out = InputViewBackward::apply(c10::make_intrusive<GroupRef>(weak_from_this()), x);
+    input_nodes_.push_back(out.grad_fn());
+    return out;
+  }
+  auto node = std::shared_ptr<InputBackward>(new InputBackward(weak_from_this()),
+                                             torch::autograd::deleteNode);
+  node->set_next_edges({torch::autograd::impl::gradient_edge(x)});
+  node->add_input_metadata(x);
+  at::Tensor y = x.variable_data();
+  torch::autograd::impl::set_version_counter(y, torch::autograd::impl::version_counter(x));
+  torch::autograd::impl::set_gradient_edge(y, {node, 0});
+  input_nodes_.push_back(node);
+  return y;
 }
 
-void Group::pre_backward() { context_->on_pre_backward(this); }
-void Group::on_grad_ready(size_t i) { context_->on_grad_ready(this, i); }
-void Group::on_input_backward() { context_->on_input_backward(this); }
+// ---------------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------------
+void Group::pre_backward(const torch::autograd::Node* node) {
+  std::lock_guard<std::recursive_mutex> lock(context_->mutex());
+  context_->pass_for_hook(this, node).pre_backward(*this);
+}
+
+void Group::on_grad_ready(size_t i) {
+  std::lock_guard<std::recursive_mutex> lock(context_->mutex());
+  if (auto* pass = context_->current_pass()) {
+    pass->on_grad_ready(*this, i);
+  } else {
+    context_->log(this, detail::cat("gradient of '", params_[i].name(),
+                                    "' outside any sharded backward (kept unsharded)"));
+  }
+}
+
+void Group::on_input_backward() {
+  std::lock_guard<std::recursive_mutex> lock(context_->mutex());
+  if (auto* pass = context_->current_pass()) pass->on_input_backward(*this);
+}
+
+void Group::begin_backward_use() {
+  transition(TrainingState::kPreBackward,
+             {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
+  if (backward_start_us_ < 0 && trace::enabled()) backward_start_us_ = trace::now_us();
+}
+
+void Group::post_backward() {
+  transition(TrainingState::kPostBackward,
+             {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
+  end_backward_span();
+  if (reshard_after_backward_) reshard();
+}
+
+void Group::finalize_backward() {
+  end_backward_span();
+  if (training_state_ != TrainingState::kForward) training_state_ = TrainingState::kIdle;
+  if (reshard_after_backward_) reshard();
+}
+
+void Group::end_backward_span() {
+  if (backward_start_us_ < 0) return;
+  trace::complete("backward " + name_, "compute", backward_start_us_,
+                  trace::now_us() - backward_start_us_);
+  backward_start_us_ = -1;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Reduction
@@ -212,20 +382,6 @@ void Group::finish_reduce(PendingReduce& p) {
   context_->pool().release(p.send.view({-1}));
   context_->pool().release(std::move(p.scratch));
   p.output = p.send = p.scratch = at::Tensor();
-}
-
-at::Tensor BufferPool::acquire(int64_t numel, at::ScalarType dtype) {
-  auto& idle = idle_[{numel, static_cast<int>(dtype)}];
-  if (idle.empty()) return at::empty({numel}, at::TensorOptions().dtype(dtype));
-  at::Tensor t = std::move(idle.back());
-  idle.pop_back();
-  return t;
-}
-
-void BufferPool::release(at::Tensor t) {
-  if (!t.defined()) return;
-  auto& idle = idle_[{t.numel(), static_cast<int>(t.scalar_type())}];
-  if (idle.size() < kPerSize) idle.push_back(std::move(t));
 }
 
 }  // namespace fsdp::detail

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "compat.h"
+#include "core/guard.h"
 
 namespace fsdp::detail {
 
@@ -29,14 +30,20 @@ int64_t ParamState::rows_of(int rank) const {
 
 at::Tensor ParamState::flat_full() const { return param_.variable_data().view({-1}); }
 
-void ParamState::copy_in_shard(const at::Tensor& dst) const {
+void ParamState::copy_in_shard(const at::Tensor& dst) {
+  gathered_version_ = static_cast<int64_t>(shard_._version());
   const int64_t n = shard_.numel();
   if (n > 0) dst.narrow(0, 0, n).copy_(shard_.detach().reshape({-1}));
   if (n < padded_numel()) dst.narrow(0, n, padded_numel() - n).zero_();
 }
 
+bool ParamState::shard_changed_since_gather() const {
+  return gathered_version_ != static_cast<int64_t>(shard_._version());
+}
+
 void ParamState::copy_out(const at::Tensor& gathered, int64_t offset) {
   compat::alloc_storage(param_);
+  guard::set_active(param_, false);
   at::Tensor full = flat_full();
   for (int r = 0; r < world_; ++r) {
     const int64_t n = rows_of(r) * row_numel_;
@@ -45,7 +52,10 @@ void ParamState::copy_out(const at::Tensor& gathered, int64_t offset) {
   }
 }
 
-void ParamState::free_full() { compat::free_storage(param_); }
+void ParamState::free_full() {
+  compat::free_storage(param_);
+  guard::set_active(param_, param_.numel() > 0);
+}
 
 bool ParamState::full_allocated() const { return compat::storage_allocated(param_); }
 

@@ -38,12 +38,15 @@ class ParamState {
     return param_.numel() * static_cast<int64_t>(param_.element_size());
   }
 
-  // Writes this rank's rows (then zeros) into `dst` (padded_numel elements).
-  void copy_in_shard(const at::Tensor& dst) const;
-  // Allocates the full storage and fills it from the gathered flat buffer `gathered` (world, S),
-  // taking columns [offset, offset + padded_numel) of each rank's row.
+  // Writes this rank's rows (then zeros) into `dst` (padded_numel elements) and remembers the
+  // shard's version, so that a later in-place change of the shard (an optimizer step) is seen.
+  void copy_in_shard(const at::Tensor& dst);
+  bool shard_changed_since_gather() const;
+  // Allocates the full storage (lifting the resharded-parameter guard) and fills it from the
+  // gathered flat buffer `gathered` (world, S), taking columns [offset, offset + padded_numel) of
+  // each rank's row.
   void copy_out(const at::Tensor& gathered, int64_t offset);
-  void free_full();
+  void free_full();  // frees the full storage and guards the parameter (core/guard.h)
   bool full_allocated() const;
 
   // Packs the unsharded gradient (zeros when undefined or frozen, and for padding) into `send`
@@ -68,6 +71,7 @@ class ParamState {
   int64_t rows_, row_numel_, chunk_;
   std::shared_ptr<torch::autograd::Node> acc_;
   uintptr_t hook_key_ = 0;
+  int64_t gathered_version_ = -1;  // the shard's version when last copied into a gather
 };
 
 }  // namespace fsdp::detail

@@ -1,0 +1,291 @@
+// BackwardPass: the post-backward guarantee and agreement on both lanes.
+//
+// [Note: the post-backward guarantee]
+// A group's reduce-scatter is issued only when every trainable parameter of the group whose
+// AccumulateGrad will run in this backward has run it (Final). The expected set is read when the
+// pass begins from the engine's own plan (nodes_in_graph, and exec_info when backward was given
+// inputs), so it does not depend on scheduling. Groups are issued in one fixed order, a ready
+// group waiting for its turn (Agreed). Each group is issued at most once per backward (Once), and
+// the final callback, which the engine runs after every node, issues whatever is left -
+// parameters that got no gradient contribute zeros - and waits for every reduction before
+// backward returns (Complete). A backward with explicit inputs (torch::autograd::grad,
+// backward(inputs=)) reduces nothing: its gradients, if any accumulate, stay unsharded until the
+// next plain synced backward.
+//
+// [Note: agreement on both lanes] is in backward_pass.h and docs/design.md.
+#include "core/backward_pass.h"
+
+#include <ATen/ATen.h>
+#include <fsdp/error.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "core/context.h"
+
+namespace fsdp::detail {
+namespace {
+
+// Will `node` run in the current GraphTask? (graphtask113.md: needed_, not should_execute()).
+bool will_run(const torch::autograd::Node* node) {
+  auto* nig = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (!node || !nig || !nig->count(const_cast<torch::autograd::Node*>(node))) return false;
+  auto* ei = torch::autograd::get_current_graph_task_exec_info();
+  if (!ei || ei->empty()) return true;
+  auto it = ei->find(const_cast<torch::autograd::Node*>(node));
+  return it != ei->end() && it->second.needed_;
+}
+
+template <class Nodes>
+int count_will_run(const Nodes& nodes, const torch::autograd::Node* first) {
+  int n = 0;
+  for (const auto& w : nodes)
+    if (auto node = w.lock(); node && (node.get() == first || will_run(node.get()))) ++n;
+  return n;
+}
+
+// Fault injection for the audit's own tests (FSDP_FAULT=<name>).
+bool fault(const char* name) {
+  static const std::string f = [] {
+    const char* v = std::getenv("FSDP_FAULT");
+    return std::string(v ? v : "");
+  }();
+  return f == name;
+}
+
+}  // namespace
+
+BackwardPass::BackwardPass(Context& ctx, const void* task_key, const torch::autograd::Node* first)
+    : ctx_(ctx), key_(task_key) {
+  auto* ei = torch::autograd::get_current_graph_task_exec_info();
+  reducing_ = ei == nullptr || ei->empty();
+  const auto& groups = ctx_.groups();
+  slots_.resize(groups.size());
+  for (size_t k = 0; k < groups.size(); ++k) {
+    const Group& g = *groups[k];
+    Slot& s = slots_[k];
+    s.arrived.assign(g.params().size(), Arrival::kAbsent);
+    for (size_t i = 0; i < g.params().size(); ++i) {
+      const auto& acc = g.params()[i].accumulator();
+      if (acc && will_run(acc.get())) {
+        s.arrived[i] = Arrival::kExpected;
+        ++s.grads_pending;
+      }
+    }
+    s.hooks_pending = count_will_run(g.output_nodes(), first);
+    s.inputs_pending = count_will_run(g.input_nodes(), nullptr);
+    ctx_.log(&g, detail::cat("backward begins: expects ", s.hooks_pending, " output hooks, ",
+                             s.grads_pending, " gradients, ", s.inputs_pending, " input-side nodes",
+                             reducing_ ? "" : " (explicit inputs: no reduction)"));
+  }
+  plan_gathers();
+  plan_reductions();
+  // Groups this rank's backward does not touch: done now (a gathered one may reshard at once;
+  // a resharded one is still gathered and dropped when its turn in the plan comes).
+  for (Group* g : groups)
+    if (!slot(*g).needed()) {
+      slot(*g).progress = Progress::kDone;
+      if (g->shard_state() == ShardState::kUnsharded) g->post_backward();
+    }
+  try_issue_reductions();
+}
+
+BackwardPass::Slot& BackwardPass::slot(const Group& g) {
+  const int k = ctx_.index_of(&g);
+  FSDP_CHECK(k >= 0 && static_cast<size_t>(k) < slots_.size(), "sharded module '", g.name(),
+             "' was registered while a backward was running; call fully_shard before training");
+  return slots_[k];
+}
+
+int BackwardPass::reductions_of(const Group& g) const {
+  const int k = ctx_.index_of(&g);
+  return k >= 0 && static_cast<size_t>(k) < slots_.size() ? slots_[k].reductions : 0;
+}
+
+// The backward all-gathers: groups the forward left resharded, in reverse order of forward
+// completion (the order their output hooks fire when every rank takes the same path). Forward
+// order, settings and shard states are the same on every rank, so is the plan.
+void BackwardPass::plan_gathers() {
+  const auto& done = ctx_.completion_order();
+  for (auto it = done.rbegin(); it != done.rend(); ++it)
+    if ((*it)->forwarded_with_grad() && (*it)->shard_state() == ShardState::kSharded)
+      gather_plan_.push_back(*it);
+  // Fault injection (audit test): this rank swaps its first two backward all-gathers.
+  if (fault("gather_order") && ctx_.gather_lane().rank() != 0 && gather_plan_.size() >= 2)
+    std::swap(gather_plan_[0], gather_plan_[1]);
+}
+
+// The reductions: reverse first-forward order, groups not forwarded after them, the root last.
+void BackwardPass::plan_reductions() {
+  const auto& groups = ctx_.groups();
+  Group* root = ctx_.root();
+  const auto& order = ctx_.forward_order();
+  for (auto it = order.rbegin(); it != order.rend(); ++it)
+    if (*it != root) reduce_order_.push_back(*it);
+  for (auto it = groups.rbegin(); it != groups.rend(); ++it)
+    if (*it != root &&
+        std::find(reduce_order_.begin(), reduce_order_.end(), *it) == reduce_order_.end())
+      reduce_order_.push_back(*it);
+  if (root) reduce_order_.push_back(root);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Events
+// ---------------------------------------------------------------------------------------------
+void BackwardPass::pre_backward(Group& g) {
+  Slot& s = slot(g);
+  ctx_.log(&g, detail::cat("pre_backward (", to_string(g.shard_state()), ", ", s.hooks_pending,
+                           " hooks expected)"));
+  // Still counted as pending while its own gather is issued, so that catch-up keeps it.
+  auto it = std::find(gather_plan_.begin() + gather_cursor_, gather_plan_.end(), &g);
+  if (it != gather_plan_.end()) gather_through(it - gather_plan_.begin() + 1);
+  if (s.hooks_pending > 0) --s.hooks_pending;
+  FSDP_CHECK(g.shard_state() != ShardState::kSharded, "sharded module '", g.name(),
+             "' is needed by backward after this rank's backward resharded it (the engine ran a "
+             "node of its forward that its plan did not expect). Gathering it now would put this "
+             "rank's all-gathers out of step with the other ranks', so backward stops here. "
+             "Please report this with the model (FSDP_DEBUG=1 shows the events).");
+  prefetch_after(g);
+  g.wait_for_unshard();
+  s.progress = Progress::kRunning;
+  g.begin_backward_use();
+}
+
+void BackwardPass::on_grad_ready(Group& g, size_t i) {
+  Slot& s = slot(g);
+  if (s.reductions > 0) {
+    if (ctx_.audit().enabled) ctx_.audit().late_gradient(g, i);
+    ctx_.log(&g, detail::cat("LATE gradient of '", g.params()[i].name(), "'"));
+    return;
+  }
+  if (s.arrived[i] == Arrival::kExpected) {
+    s.arrived[i] = Arrival::kArrived;
+    --s.grads_pending;
+  }
+  ctx_.log(&g, detail::cat("gradient final: '", g.params()[i].name(), "' (", s.grads_pending,
+                           " to go)"));
+  if (s.grads_pending == 0) try_issue_reductions();
+  maybe_post_backward(g);
+}
+
+void BackwardPass::on_input_backward(Group& g) {
+  Slot& s = slot(g);
+  if (s.inputs_pending > 0) --s.inputs_pending;
+  ctx_.log(&g, detail::cat("input-side backward (", s.inputs_pending, " to go)"));
+  maybe_post_backward(g);
+}
+
+void BackwardPass::maybe_post_backward(Group& g) {
+  Slot& s = slot(g);
+  if (s.progress == Progress::kDone || s.needed()) return;
+  s.progress = Progress::kDone;
+  g.post_backward();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The all-gather lane
+// ---------------------------------------------------------------------------------------------
+void BackwardPass::gather_through(size_t plan_end) {
+  for (; gather_cursor_ < plan_end && gather_cursor_ < gather_plan_.size(); ++gather_cursor_) {
+    Group* t = gather_plan_[gather_cursor_];
+    t->unshard();
+    // Every rank must issue this all-gather; a rank whose backward does not use the group drops
+    // the result (waiting for it is safe: every rank issues this lane in the same order).
+    if (!slot(*t).needed()) {
+      ctx_.log(t, "backward all-gather for the other ranks (not needed here)");
+      t->reshard();
+    }
+  }
+}
+
+void BackwardPass::prefetch_after(Group& g) {
+  if (g.backward_prefetch_set()) {
+    for (Group* t : g.backward_prefetch()) {
+      auto it = std::find(gather_plan_.begin() + gather_cursor_, gather_plan_.end(), t);
+      if (it != gather_plan_.end()) gather_through(it - gather_plan_.begin() + 1);
+    }
+    return;
+  }
+  // The next plan entry, when this rank needs it (one not needed is left to catch-up, which
+  // would otherwise wait for it here).
+  if (gather_cursor_ >= gather_plan_.size()) return;
+  Group* next = gather_plan_[gather_cursor_];
+  if (next->options().max_unsharded_groups >= 2 && slot(*next).needed()) {
+    ctx_.log(next, detail::cat("backward prefetch from '", g.name(), "'"));
+    gather_through(gather_cursor_ + 1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reduce-scatter lane
+// ---------------------------------------------------------------------------------------------
+void BackwardPass::try_issue_reductions() {
+  while (reduce_cursor_ < reduce_order_.size() &&
+         (fault("issue_early") || slot(*reduce_order_[reduce_cursor_]).grads_pending == 0))
+    issue(*reduce_order_[reduce_cursor_++]);
+}
+
+void BackwardPass::issue(Group& g) {
+  Slot& s = slot(g);
+  if (s.reductions > 0) {
+    if (ctx_.audit().enabled) ctx_.audit().issued_twice(g);
+    return;
+  }
+  if (!reducing_ || !g.requires_gradient_sync() || !g.has_trainable()) return;
+  s.reductions = 1;
+  ctx_.audit().on_reduce(ctx_.index_of(&g), g.flat_numel());
+  reap_reductions();
+  in_flight_.push_back(g.issue_reduce_scatter());
+  ctx_.log(&g, "reduce-scatter issued");
+}
+
+// A reduce-scatter in flight holds its group's gradients twice (send and receive buffers): keep
+// at most two. Blocking on the older one is safe only once this rank has issued its whole
+// backward all-gather plan: before that, another rank may be waiting, in its backward, for an
+// all-gather this rank has not issued yet, while its part of this reduction waits behind it.
+void BackwardPass::reap_reductions() {
+  const bool may_block = gather_cursor_ >= gather_plan_.size();
+  while (in_flight_.size() > 1 && (may_block || in_flight_.front().work.is_completed())) {
+    in_flight_.front().group->finish_reduce(in_flight_.front());
+    in_flight_.pop_front();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The final callback
+// ---------------------------------------------------------------------------------------------
+void BackwardPass::finalize() {
+  std::exception_ptr error;
+  try {
+    gather_through(gather_plan_.size());
+    for (; reduce_cursor_ < reduce_order_.size(); ++reduce_cursor_) {
+      Group* g = reduce_order_[reduce_cursor_];
+      slot(*g).grads_pending = 0;  // whatever did not arrive will not: zeros
+      issue(*g);
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  for (auto& p : in_flight_) {
+    try {
+      p.group->finish_reduce(p);
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  in_flight_.clear();
+  for (Group* g : ctx_.groups()) {
+    try {
+      g->finalize_backward();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  ctx_.log(ctx_.root(), "backward complete");
+  if (error) std::rethrow_exception(error);
+  if (ctx_.audit().enabled) ctx_.audit().check(*this, ctx_.groups());
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,87 @@
+// BackwardPass: one backward (one autograd GraphTask) over the groups of one root. It owns the
+// per-group bookkeeping, the order of both lanes, the reductions in flight and the finalisation.
+//
+// [Note: agreement on both lanes] (docs/design.md) in brief: both lanes follow orders computed
+// when the pass begins from facts every rank shares (the forward call order, the settings and
+// the shard states they produce), never from which outputs or parameters receive gradients on
+// this rank. Backward all-gathers follow the gather plan (reverse forward-completion order of the
+// groups the forward left resharded); a rank that needs plan entry k first issues every entry
+// before k (catch-up), and whatever this rank does not need is gathered and dropped. Reductions
+// follow the reduce order (reverse first-forward order, the root last), each issued when its
+// group's participating gradients are final and every group before it was issued. The final
+// callback issues what remains of both, so every rank issues both whole sequences.
+//
+// Thread-safety: every method runs under the Context's mutex, on the backward thread.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "core/group.h"
+
+namespace fsdp::detail {
+
+class Context;
+
+class BackwardPass {
+ public:
+  // Called at the first output hook of a GraphTask: reads the engine's plan for that task.
+  // `first` is the node whose hook fired: the graph root when backward() was called on one
+  // tensor, which the engine runs without listing it in nodes_in_graph.
+  BackwardPass(Context& ctx, const void* task_key, const torch::autograd::Node* first);
+
+  // ---- events, in the order they arrive ----
+  void pre_backward(Group& g);                 // an output hook of g fired
+  void on_grad_ready(Group& g, size_t param);  // a parameter's AccumulateGrad ran
+  void on_input_backward(Group& g);            // an input-side node of g ran
+  void finalize();                             // the engine's final callback: issue, wait, check
+
+  // ---- for the audit ----
+  bool reducing() const { return reducing_; }  // a plain backward(): gradients are synced
+  int reductions_of(const Group& g) const;
+  size_t reductions_in_flight() const { return in_flight_.size(); }
+
+ private:
+  enum class Arrival : uint8_t {
+    kExpected,  // its AccumulateGrad will run in this task, has not yet
+    kArrived,   // ran: the gradient is final
+    kAbsent,    // will not run in this task: contributes zeros (or its kept gradient)
+  };
+  enum class Progress : uint8_t {
+    kWaiting,  // nothing of the group has run yet in this pass
+    kRunning,  // an output hook fired: its gathered parameters are in use
+    kDone,     // every expected hook, gradient and input node ran (post_backward)
+  };
+  struct Slot {
+    int hooks_pending = 0;   // output hooks whose node will run
+    int grads_pending = 0;   // AccumulateGrad post hooks expected
+    int inputs_pending = 0;  // input-side nodes expected
+    std::vector<Arrival> arrived;
+    Progress progress = Progress::kWaiting;
+    int reductions = 0;
+    bool needed() const { return hooks_pending + grads_pending + inputs_pending > 0; }
+  };
+
+  Slot& slot(const Group& g);
+  void plan_gathers();
+  void plan_reductions();
+  void gather_through(size_t plan_end);  // issue plan entries [cursor, plan_end)
+  void prefetch_after(Group& g);
+  void maybe_post_backward(Group& g);
+  void try_issue_reductions();
+  void issue(Group& g);
+  void reap_reductions();  // finishes completed reductions; waits only when that is safe
+
+  Context& ctx_;
+  const void* key_;
+  bool reducing_ = false;
+  std::vector<Slot> slots_;  // by registration index
+  std::vector<Group*> gather_plan_;
+  size_t gather_cursor_ = 0;
+  std::vector<Group*> reduce_order_;
+  size_t reduce_cursor_ = 0;
+  std::deque<PendingReduce> in_flight_;
+};
+
+}  // namespace fsdp::detail

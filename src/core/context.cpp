@@ -1,0 +1,169 @@
+#include "core/context.h"
+
+#include <ATen/ATen.h>
+#include <fsdp/error.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <iostream>
+
+#include "core/backward_pass.h"
+#include "core/group.h"
+
+namespace fsdp::detail {
+namespace {
+
+bool env_on(const char* k) {
+  const char* v = std::getenv(k);
+  return v && *v && std::string(v) != "0";
+}
+
+}  // namespace
+
+Context::Context(std::shared_ptr<Communicator> comm, bool audit) : comm_(std::move(comm)) {
+  gather_lane_ = comm_->lane("fsdp.all_gather");
+  reduce_lane_ = comm_->lane("fsdp.reduce_scatter");
+  debug_ = env_on("FSDP_DEBUG");
+  audit_.enabled = audit || env_on("FSDP_AUDIT");
+  if (audit_.enabled) audit_.lane = comm_->lane("fsdp.audit");
+}
+
+Context::~Context() = default;
+
+int Context::index_of(const Group* g) const {
+  auto it = std::find(groups_.begin(), groups_.end(), g);
+  return it == groups_.end() ? -1 : static_cast<int>(it - groups_.begin());
+}
+
+void Context::add(Group* g) { groups_.push_back(g); }
+
+void Context::remove(Group* g) {
+  auto drop = [g](std::vector<Group*>& v) { v.erase(std::remove(v.begin(), v.end(), g), v.end()); };
+  drop(groups_);
+  drop(forward_order_);
+  drop(last_forward_order_);
+  drop(completion_order_);
+}
+
+void Context::log(const Group* g, const std::string& event) const {
+  if (!debug_) return;
+  std::cerr << "fsdp[rank " << comm_->rank() << "] group '" << (g ? g->name() : "-") << "' "
+            << event << " | gathered " << unsharded_groups_ << " groups, " << unsharded_bytes_
+            << " bytes\n";
+}
+
+void Context::on_gather_issued(const Group* g) {
+  unsharded_bytes_ += g->full_bytes();
+  if (g != root()) ++unsharded_groups_;
+  peak_unsharded_bytes_ = std::max(peak_unsharded_bytes_, unsharded_bytes_);
+  peak_unsharded_groups_ = std::max(peak_unsharded_groups_, unsharded_groups_);
+  audit_.on_gather(index_of(g), g->flat_numel());
+}
+
+void Context::on_resharded(const Group* g) {
+  unsharded_bytes_ -= g->full_bytes();
+  if (g != root()) --unsharded_groups_;
+}
+
+void Context::reset_peaks() {
+  peak_unsharded_bytes_ = unsharded_bytes_;
+  peak_unsharded_groups_ = unsharded_groups_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------------------
+void Context::on_pre_forward(Group* g) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  if (backward_done_ && torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr) {
+    // First forward after a backward: a new iteration.
+    backward_done_ = false;
+    if (!forward_order_.empty()) last_forward_order_ = forward_order_;
+    forward_order_.clear();
+    completion_order_.clear();
+    for (Group* x : groups_) x->begin_iteration();
+  }
+  if (std::find(forward_order_.begin(), forward_order_.end(), g) == forward_order_.end())
+    forward_order_.push_back(g);
+  log(g, "pre_forward");
+}
+
+void Context::on_post_forward(Group* g) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  completion_order_.erase(std::remove(completion_order_.begin(), completion_order_.end(), g),
+                          completion_order_.end());
+  completion_order_.push_back(g);
+}
+
+void Context::prefetch_forward(Group* g) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  std::vector<Group*> targets;
+  if (g->forward_prefetch_set()) {
+    targets = g->forward_prefetch();
+  } else {
+    auto it = std::find(last_forward_order_.begin(), last_forward_order_.end(), g);
+    if (it != last_forward_order_.end() && it + 1 != last_forward_order_.end())
+      targets.push_back(*(it + 1));
+  }
+  for (Group* t : targets)
+    if (t != g && t->shard_state() == ShardState::kSharded &&
+        t->options().max_unsharded_groups >= 2) {
+      log(t, detail::cat("forward prefetch from '", g->name(), "'"));
+      t->unshard();
+    }
+}
+
+void Context::cancel_forward_prefetches() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  for (Group* g : groups_)
+    if (g->shard_state() == ShardState::kGathering && g->training_state() == TrainingState::kIdle)
+      g->reshard();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------------
+BackwardPass* Context::current_pass() {
+  auto it = passes_.find(torch::autograd::get_current_graph_task_nodes_in_graph());
+  return it == passes_.end() ? nullptr : it->second.get();
+}
+
+BackwardPass& Context::pass_for_hook(Group* g, const torch::autograd::Node* node) {
+  const void* key = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (auto* pass = current_pass()) return *pass;
+  log(g, "first output hook of this backward");
+  auto pass = std::make_unique<BackwardPass>(*this, key, node);
+  torch::autograd::Engine::get_default_engine().queue_callback([this, key] { finalize(key); });
+  return *passes_.emplace(key, std::move(pass)).first->second;
+}
+
+void Context::finalize(const void* key) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  auto it = passes_.find(key);
+  if (it == passes_.end()) return;
+  std::unique_ptr<BackwardPass> pass = std::move(it->second);
+  passes_.erase(it);
+  backward_done_ = true;
+  pass->finalize();
+}
+
+// ---------------------------------------------------------------------------------------------
+// BufferPool
+// ---------------------------------------------------------------------------------------------
+at::Tensor BufferPool::acquire(int64_t numel, at::ScalarType dtype) {
+  auto& idle = idle_[{numel, static_cast<int>(dtype)}];
+  if (idle.empty()) return at::empty({numel}, at::TensorOptions().dtype(dtype));
+  at::Tensor t = std::move(idle.back());
+  idle.pop_back();
+  return t;
+}
+
+void BufferPool::release(at::Tensor t) {
+  if (!t.defined()) return;
+  auto& idle = idle_[{t.numel(), static_cast<int>(t.scalar_type())}];
+  if (idle.size() < kPerSize) idle.push_back(std::move(t));
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,28 @@
+// The resharded-parameter guard: any operation on a full parameter whose storage is freed throws
+// an fsdp::Error naming the parameter and the fix, instead of reading freed memory.
+//
+// A resharded parameter keeps its full shape (autograd's saved tensors and accumulators refer to
+// it) but has no bytes. ATen kernels do not check that, so reading it (a logging call, a parent
+// reducing a child's weight, an optimizer built on the full parameters) would crash. The guard
+// marks such a tensor with LibTorch's Python dispatch key, which no other tensor in a C++ process
+// carries, and registers a boxed kernel for every operator at that key; metadata (sizes, dtype,
+// requires_grad, grad) stays readable. [Note: the resharded-parameter guard] in docs/design.md.
+// Thread-safety: the registry is guarded by a mutex; set_active runs on the owning thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+
+namespace fsdp::detail {
+class Group;
+namespace guard {
+
+// Remembers which group and parameter a full parameter belongs to (for the error message).
+void watch(const at::Tensor& param, std::weak_ptr<Group> group, size_t index);
+void forget(const at::Tensor& param);  // its group is gone (the mark stays if still freed)
+// On: the parameter's storage is freed and every operation on it throws.
+void set_active(const at::Tensor& param, bool on);
+
+}  // namespace guard
+}  // namespace fsdp::detail
