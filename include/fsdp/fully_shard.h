@@ -16,7 +16,9 @@
 #include <fsdp/options.h>
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -29,15 +31,68 @@ namespace fsdp {
 
 namespace detail {
 class Group;
+
+template <class T>
+struct IsVector : std::false_type {};
+template <class T, class A>
+struct IsVector<std::vector<T, A>> : std::true_type {};
+template <class T>
+struct IsTupleLike : std::false_type {};
+template <class... T>
+struct IsTupleLike<std::tuple<T...>> : std::true_type {};
+template <class A, class B>
+struct IsTupleLike<std::pair<A, B>> : std::true_type {};
+// std::optional and c10::optional (distinct in LibTorch 1.13, one type in 2.x).
+template <class T, class = void>
+struct IsOptional : std::false_type {};
+template <class T>
+struct IsOptional<T, std::void_t<typename T::value_type, decltype(std::declval<T>().has_value()),
+                                 decltype(*std::declval<T>())>> : std::true_type {};
+template <class>
+inline constexpr bool kUnsupportedOutput = false;
+
+// The tensors in a forward's result, which get the pre-backward hooks. Supported: at::Tensor,
+// std::vector, std::tuple, std::pair and std::optional of supported types (nested), and values
+// holding no tensor (arithmetic, enums, std::string), which pass through untouched.
+template <class T>
+void collect_output_tensors(const T& v, std::vector<at::Tensor>& out) {
+  using D = std::decay_t<T>;
+  if constexpr (std::is_same_v<D, at::Tensor>) {
+    out.push_back(v);
+  } else if constexpr (IsVector<D>::value) {
+    for (const auto& e : v) collect_output_tensors(e, out);
+  } else if constexpr (IsTupleLike<D>::value) {
+    std::apply([&](const auto&... e) { (collect_output_tensors(e, out), ...); }, v);
+  } else if constexpr (IsOptional<D>::value) {
+    if (v) collect_output_tensors(*v, out);
+  } else if constexpr (std::is_arithmetic_v<D> || std::is_enum_v<D> ||
+                       std::is_same_v<D, std::string>) {
+  } else {
+    static_assert(kUnsupportedOutput<D>,
+                  "fsdp::Sharded: this forward returns a type fsdp-cpp cannot look into for "
+                  "tensors. Supported results: at::Tensor, std::vector, std::tuple, std::pair and "
+                  "std::optional of supported types (nested), and values holding no tensor "
+                  "(arithmetic, enums, std::string). Return one of these (e.g. a std::tuple of the "
+                  "struct's tensors) from the sharded module's forward");
+  }
+}
+
 // The forward interception, one object per call of a sharded module.
 class ForwardScope {
  public:
   ForwardScope(Group* group);  // pre-forward: unshard (or wait for the prefetch)
   ~ForwardScope();  // when forward threw: reshards, drops prefetched gathers, restores state
-  // post-forward: registers pre-backward hooks on the outputs, reshards if configured.
-  at::Tensor finish(at::Tensor out);
-  std::vector<at::Tensor> finish(std::vector<at::Tensor> outs);
-  // Inputs pass through an identity autograd function that marks this call's backward done.
+  // post-forward: registers pre-backward hooks on the result's tensors, reshards if configured.
+  template <class T>
+  std::decay_t<T> finish(T&& out) {
+    std::vector<at::Tensor> tensors;
+    collect_output_tensors(out, tensors);
+    finish_tensors(tensors);
+    return std::forward<T>(out);
+  }
+  void finish_tensors(const std::vector<at::Tensor>& outs);
+  // Each tensor input is handed to forward through an input-side node that marks this call's
+  // backward done (for resharding).
   at::Tensor input(const at::Tensor& x);
 
  private:
@@ -125,8 +180,14 @@ class Sharded : public Holder {
     // impl->forward directly: ModuleHolder::operator() cannot deduce overloaded forwards.
     if (!group_) return this->get()->forward(std::forward<Args>(args)...);
     detail::ForwardScope scope(group_.get());
-    return scope.finish(
-        this->get()->forward(detail::wrap_input(scope, std::forward<Args>(args))...));
+    using Result = decltype(this->get()->forward(std::forward<Args>(args)...));
+    if constexpr (std::is_void_v<Result>) {
+      this->get()->forward(detail::wrap_input(scope, std::forward<Args>(args))...);
+      scope.finish_tensors({});
+    } else {
+      return scope.finish(
+          this->get()->forward(detail::wrap_input(scope, std::forward<Args>(args))...));
+    }
   }
 
   // Set by fully_shard.

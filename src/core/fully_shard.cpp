@@ -261,16 +261,9 @@ ForwardScope::~ForwardScope() {
   if (!finished_) group_->abort_forward();
 }
 
-at::Tensor ForwardScope::finish(at::Tensor out) {
-  group_->post_forward({out});
-  finished_ = true;
-  return out;
-}
-
-std::vector<at::Tensor> ForwardScope::finish(std::vector<at::Tensor> outs) {
+void ForwardScope::finish_tensors(const std::vector<at::Tensor>& outs) {
   group_->post_forward(outs);
   finished_ = true;
-  return outs;
 }
 
 at::Tensor ForwardScope::input(const at::Tensor& x) { return group_->wrap_input(x); }
