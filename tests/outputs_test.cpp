@@ -64,5 +64,27 @@ TEST(Outputs, TuplesPairsVectorsAndValuesPassThrough) {
   });
 }
 
+// Ranks that built their models from different seeds are told at fully_shard, by parameter;
+// sync_module_states starts every rank from rank 0's values instead.
+TEST(InitialValues, DifferingRanksAreNamedOrSynced) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(r.rank);
+    fsdp::Sharded<TupleNet> differing{TupleNet()};
+    expect_error([&] { fully_shard(differing->block, r.world()); },
+                 {"parameter 'a.weight' has different initial values on rank 1 than on rank 0",
+                  "sync_module_states"});
+
+    torch::manual_seed(0);
+    TupleNet rank0;
+    torch::manual_seed(r.rank);
+    fsdp::Sharded<TupleNet> synced{TupleNet()};
+    ShardOptions o;
+    o.sync_module_states = true;
+    fully_shard(synced->block, r.world(), o);
+    auto root = fully_shard(synced, r.world(), o);
+    expect_shards_equal(root, *rank0, 0, 0);
+  });
+}
+
 }  // namespace
 }  // namespace fsdp::testing

@@ -15,6 +15,10 @@ struct ShardOptions {
   bool audit = false;
   // How many groups' gathered parameters may be alive at once through prefetching (issue order).
   int max_unsharded_groups = 2;
+  // Broadcast rank 0's initial parameter values before sharding. Off: fully_shard checks that the
+  // values already agree (a checksum per parameter, one all-gather) and names the first parameter
+  // that differs.
+  bool sync_module_states = false;
 };
 
 }  // namespace fsdp
