@@ -7,5 +7,5 @@ foreach(mode install subdirectory)
                    -DFSDP_BUILD_DIR=${PROJECT_BINARY_DIR} -DCXX=${CMAKE_CXX_COMPILER}
                    "-DGENERATOR=${CMAKE_GENERATOR}" -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/consumer_${mode}
                    -P ${CMAKE_CURRENT_SOURCE_DIR}/package/build_consumer.cmake)
-  set_tests_properties(consumer_${mode} PROPERTIES LABELS adoption TIMEOUT 900)
+  set_tests_properties(consumer_${mode} PROPERTIES LABELS adoption TIMEOUT 1200)
 endforeach()
