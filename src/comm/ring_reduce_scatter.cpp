@@ -11,11 +11,24 @@
 namespace fsdp::detail {
 namespace {
 
-// A Work completed by the ring's worker thread (c10d::Work::finish is protected).
+// A Work completed by the ring's worker thread (c10d::Work::finish is protected), with a future
+// for completion callbacks (the communicator's trace spans).
 class RingWork : public c10d::Work {
  public:
   RingWork() : c10d::Work(-1, c10d::OpType::REDUCE_SCATTER) {}
-  void complete(std::exception_ptr error) { finish(std::move(error)); }
+  void complete(std::exception_ptr error) {
+    finish(error);
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
+    }
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> future_ =
+      c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
 };
 
 // dst += src, one thread: memory-bound, and an intra-op (OpenMP) team here would spin on the
