@@ -1,17 +1,22 @@
 // fsdp-bench: benchmark dispatcher. Each mode is one flag or option here plus one run_* function in
-// bench/<mode>_bench.{h,cpp}; this file only parses arguments, (re)launches ranks and dispatches.
+// bench/<mode>_bench.{h,cpp} (bench/sweeps.h for the multi-run ones); this file only parses
+// arguments, (re)launches ranks and dispatches.
 //
-//   fsdp-bench --comm [--nproc N]     collective bus bandwidth (bench/comm_bench.h)
-//   fsdp-bench --mode M [--nproc N]   GPT training step time of one mode (bench/train_bench.h)
-//   fsdp-bench --compare [--nproc N]  all four training modes and a summary line
+//   fsdp-bench --comm [--nproc N]            collective bus bandwidth (bench/comm_bench.h)
+//   fsdp-bench --mode M [--nproc N]          GPT training step time of one mode
+//   (bench/train_bench.h) fsdp-bench --compare [--nproc N]         every mode and PyTorch's Python
+//   DDP over --rounds
+//                                            rounds, then the median ratios (bench/sweeps.h)
+//   fsdp-bench --memory-scaling              peak RSS of fsdp and ddp at N = 1, 2, 4 (--preset mem)
+//   fsdp-bench --max-model --nproc N --memory-mb M   deepest GPT that fits, ddp vs fsdp
 //
 // With --nproc N (and not already a launched rank), fsdp-bench re-executes itself under fsdp-run
 // from its own directory with N ranks and passes rank 0's stdout through without the "[rank 0] "
 // prefix, so stdout holds exactly what rank 0 printed (e.g. JSON lines). Other ranks' stdout and
 // every rank's stderr go to stderr. Under a launcher (fsdp-run, torchrun, mpirun, srun) run it
-// without --nproc. --compare --nproc N starts fresh ranks for each mode, so that one mode's peak
-// memory and allocator state do not carry into the next; under a launcher it runs the modes one
-// after another in the same ranks.
+// without --nproc. --compare --nproc N starts fresh ranks for each mode and round, so that one
+// mode's peak memory and allocator state do not carry into the next; under a launcher it runs the
+// modes one after another in the same ranks, once, without the Python peer.
 #include <fcntl.h>
 #include <fsdp/error.h>
 #include <sys/wait.h>
@@ -28,6 +33,7 @@
 #include <vector>
 
 #include "comm_bench.h"
+#include "sweeps.h"
 #include "train_bench.h"
 
 namespace {
@@ -58,23 +64,15 @@ std::vector<std::string> args_without_nproc(int argc, char** argv) {
   return out;
 }
 
-// Runs `fsdp-run -n N -- <this program> ARGS` and filters its stdout; rank 0's lines also go to
-// `on_line` when given. Returns fsdp-run's exit status. Must run before any tensor work (no fork
-// after OpenMP starts).
-int relaunch(int nproc, const std::vector<std::string>& program_args,
-             const std::function<void(const std::string&)>& on_line = nullptr) {
-  const std::string dir = self_dir();
-  const std::string runner = dir + "/fsdp-run";
-  FSDP_CHECK(::access(runner.c_str(), X_OK) == 0, "--nproc needs fsdp-run next to fsdp-bench, but ",
-             runner, " is missing; build the fsdp-run target, or launch the ranks yourself: ",
-             "fsdp-run -n ", nproc, " ", dir, "/fsdp-bench ARGS (without --nproc)");
-  std::vector<std::string> args{runner, "-n", std::to_string(nproc), "--", dir + "/fsdp-bench"};
-  args.insert(args.end(), program_args.begin(), program_args.end());
+// Runs ARGS[0] with ARGS, calling `on_line` for every line of its stdout; stderr is inherited.
+// Returns its exit status. Must run before any tensor work (no fork after OpenMP starts).
+int run_piped(const std::vector<std::string>& args,
+              const std::function<void(const std::string&)>& on_line) {
   int fds[2];
-  FSDP_CHECK(::pipe(fds) == 0, "pipe() failed while starting fsdp-run");
+  FSDP_CHECK(::pipe(fds) == 0, "pipe() failed while starting ", args[0]);
   std::fflush(nullptr);
   pid_t pid = ::fork();
-  FSDP_CHECK(pid >= 0, "fork() failed while starting fsdp-run");
+  FSDP_CHECK(pid >= 0, "fork() failed while starting ", args[0]);
   if (pid == 0) {
     ::dup2(fds[1], 1);
     ::close(fds[0]);
@@ -84,28 +82,46 @@ int relaunch(int nproc, const std::vector<std::string>& program_args,
     for (auto& a : args) cargv.push_back(const_cast<char*>(a.c_str()));
     cargv.push_back(nullptr);
     ::execv(cargv[0], cargv.data());
-    std::perror("fsdp-bench: exec fsdp-run");
+    std::perror(("fsdp-bench: exec " + args[0]).c_str());
     ::_exit(127);
   }
   ::close(fds[1]);
   FILE* in = ::fdopen(fds[0], "r");
-  const std::string prefix = "[rank 0] ";
   char* line = nullptr;
   size_t cap = 0;
   for (ssize_t n; (n = ::getline(&line, &cap, in)) > 0;) {
     std::string l(line, static_cast<size_t>(n));
-    if (l.rfind(prefix, 0) == 0) {
-      std::cout << l.substr(prefix.size()) << std::flush;
-      if (on_line) on_line(l.substr(prefix.size()));
-    } else {
-      std::cerr << l << std::flush;
-    }
+    if (!l.empty() && l.back() == '\n') l.pop_back();
+    on_line(l);
   }
   std::free(line);
   std::fclose(in);
   int status = 0;
   ::waitpid(pid, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// Runs `fsdp-run -n N -- <this program> ARGS` and filters its stdout: rank 0's lines go to
+// `on_line` when given, else to stdout; every other line to stderr. Returns fsdp-run's status.
+int relaunch(int nproc, const std::vector<std::string>& program_args,
+             const std::function<void(const std::string&)>& on_line = nullptr) {
+  const std::string dir = self_dir();
+  const std::string runner = dir + "/fsdp-run";
+  FSDP_CHECK(::access(runner.c_str(), X_OK) == 0, "--nproc needs fsdp-run next to fsdp-bench, but ",
+             runner, " is missing; build the fsdp-run target, or launch the ranks yourself: ",
+             "fsdp-run -n ", nproc, " ", dir, "/fsdp-bench ARGS (without --nproc)");
+  std::vector<std::string> args{runner, "-n", std::to_string(nproc), "--", dir + "/fsdp-bench"};
+  args.insert(args.end(), program_args.begin(), program_args.end());
+  const std::string prefix = "[rank 0] ";
+  return run_piped(args, [&](const std::string& l) {
+    if (l.rfind(prefix, 0) != 0) {
+      std::cerr << l << std::endl;
+    } else if (on_line) {
+      on_line(l.substr(prefix.size()));
+    } else {
+      std::cout << l.substr(prefix.size()) << std::endl;
+    }
+  });
 }
 
 void add_comm_options(CLI::App& app, fsdp::bench::CommBenchOptions& o) {
@@ -128,7 +144,12 @@ void add_comm_options(CLI::App& app, fsdp::bench::CommBenchOptions& o) {
 struct TrainCli {
   fsdp::bench::TrainBenchOptions options;
   std::string mode;
-  bool compare = false;
+  bool compare = false, memory_scaling = false, max_model = false, no_torch_ddp = false;
+  int rounds = 3;
+  double memory_mb = 0;
+  std::vector<int> worlds = {1, 2, 4};
+  std::string python = "/usr/bin/python3", torch_ddp_script = FSDP_BENCH_DIR "/torch_ddp.py";
+  CLI::Option* preset_option = nullptr;
   std::vector<std::pair<std::string, CLI::Option*>> sizes;
 
   void add(CLI::App& app) {
@@ -136,10 +157,31 @@ struct TrainCli {
     auto* g = app.add_option_group("train", "Options of --mode and --compare (GPT training)");
     g->add_option("--mode", mode, "train one mode: local, ddp, fsdp, fsdp-noreshard")
         ->check(CLI::IsMember(fsdp::bench::compare_modes()));
-    g->add_flag("--compare", compare, "run all four modes and print a summary line");
-    g->add_option("--preset", o.preset, "default, or mem (parameters and optimizer state dominate)")
-        ->check(CLI::IsMember({"default", "mem"}))
+    g->add_flag(
+        "--compare", compare,
+        "run all four modes and PyTorch's Python DDP, over --rounds rounds, then a summary");
+    g->add_option("--rounds", rounds, "--compare: rounds, the mode order rotated in each")
+        ->check(CLI::Range(1, 100))
         ->capture_default_str();
+    g->add_flag("--no-torch-ddp", no_torch_ddp, "--compare: leave out the Python DDP peer");
+    g->add_option("--python", python, "--compare: python3 with torch for bench/torch_ddp.py")
+        ->capture_default_str();
+    g->add_option("--torch-ddp-script", torch_ddp_script, "--compare: the Python DDP peer")
+        ->capture_default_str();
+    g->add_flag("--memory-scaling", memory_scaling,
+                "peak RSS of fsdp and ddp at each of --worlds (default --preset mem)");
+    g->add_option("--worlds", worlds, "--memory-scaling: world sizes")
+        ->delimiter(',')
+        ->check(CLI::Range(1, 64))
+        ->capture_default_str();
+    g->add_flag("--max-model", max_model,
+                "deepest GPT of --width whose peak RSS per rank fits --memory-mb, ddp and fsdp "
+                "(default --preset mem)");
+    g->add_option("--memory-mb", memory_mb, "--max-model: per-rank budget in MB");
+    preset_option = g->add_option("--preset", o.preset,
+                                  "default, or mem (parameters and optimizer state dominate)")
+                        ->check(CLI::IsMember({"default", "mem"}))
+                        ->capture_default_str();
     for (auto [name, field, help] : {std::tuple{"layers", &o.layers, "transformer blocks"},
                                      std::tuple{"width", &o.width, "embedding width"},
                                      std::tuple{"heads", &o.heads, "attention heads"},
@@ -159,6 +201,7 @@ struct TrainCli {
 
   // After parsing: the preset's sizes, except those given on the command line.
   void resolve() {
+    if ((memory_scaling || max_model) && preset_option->count() == 0) options.preset = "mem";
     std::vector<std::string> given;
     for (auto& [name, opt] : sizes)
       if (opt->count() > 0) given.push_back(name);
@@ -166,9 +209,12 @@ struct TrainCli {
     if (!mode.empty()) options.mode = mode;
   }
 
-  // The arguments that run `mode` with these options in fresh ranks.
-  std::vector<std::string> args_for(const std::string& m, const std::string& trace_dir) const {
-    const auto& o = options;
+  // The arguments that run `mode` with these options (and `layers` blocks when > 0) in fresh
+  // ranks; for "torch-ddp", those of bench/torch_ddp.py.
+  std::vector<std::string> args_for(const std::string& m, const std::string& trace_dir,
+                                    int64_t layers = 0) const {
+    auto o = options;
+    if (layers > 0) o.layers = layers;
     auto num = [](auto v) {
       std::ostringstream s;
       s << v;
@@ -187,25 +233,45 @@ struct TrainCli {
                                   "--bucket-mb", num(o.bucket_mb),
                                   "--lr",        num(o.lr),
                                   "--seed",      num(o.seed)};
+    if (m == "torch-ddp") {
+      a.erase(a.begin(), a.begin() + 4);  // no --mode, no --preset: sizes are explicit
+      return a;
+    }
     if (!trace_dir.empty()) a.insert(a.end(), {"--trace", trace_dir});
     return a;
   }
 };
 
-// --compare --nproc N: each mode in fresh ranks, then the summary from their lines.
-int compare_relaunched(int nproc, const TrainCli& cli) {
-  std::vector<std::string> lines;
-  for (const auto& m : fsdp::bench::compare_modes()) {
-    const std::string trace = cli.options.trace_dir.empty() ? "" : cli.options.trace_dir + "/" + m;
-    const int rc =
-        relaunch(nproc, cli.args_for(m, trace), [&](const std::string& l) { lines.push_back(l); });
-    if (rc != 0) {
-      std::cerr << "fsdp-bench: --compare: mode " << m << " failed with exit status " << rc << "\n";
-      return rc;
-    }
+// The sweeps' runs: fsdp-bench in fresh ranks, and the Python DDP peer.
+fsdp::bench::Launch bench_launch() {
+  return [](int nproc, const std::vector<std::string>& args, std::vector<std::string>& lines) {
+    return relaunch(nproc, args, [&](const std::string& l) { lines.push_back(l); });
+  };
+}
+
+fsdp::bench::Launch torch_launch(const TrainCli& cli) {
+  if (cli.no_torch_ddp) return nullptr;
+  if (::access(cli.python.c_str(), X_OK) != 0 ||
+      ::access(cli.torch_ddp_script.c_str(), R_OK) != 0) {
+    std::cerr << "fsdp-bench: --compare: no Python DDP peer (" << cli.python << " or "
+              << cli.torch_ddp_script << " is missing); fsdp_over_torch_ddp is left out\n";
+    return nullptr;
   }
-  std::cout << fsdp::bench::summarize_compare(lines, std::cerr) << std::endl;
-  return 0;
+  return [&cli](int nproc, const std::vector<std::string>& args, std::vector<std::string>& lines) {
+    std::vector<std::string> argv{cli.python, cli.torch_ddp_script, "--nproc",
+                                  std::to_string(nproc)};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return run_piped(argv, [&](const std::string& l) {
+      if (!l.empty() && l[0] == '{') lines.push_back(l);
+    });
+  };
+}
+
+fsdp::bench::ArgsFor args_for(const TrainCli& cli) {
+  return [&cli](const std::string& m, int64_t layers) {
+    const std::string trace = cli.options.trace_dir.empty() ? "" : cli.options.trace_dir + "/" + m;
+    return cli.args_for(m, trace, layers);
+  };
 }
 
 }  // namespace
@@ -217,7 +283,10 @@ int main(int argc, char** argv) {
       "MiB),\n"
       "              one JSON object per line and size on stdout (nccl-tests conventions).\n"
       "  --mode M    GPT training with AdamW: local, ddp, fsdp or fsdp-noreshard; one JSON line.\n"
-      "  --compare   all four modes, one JSON line each, then a summary line with the ratios.\n"
+      "  --compare   all four modes and PyTorch's Python DDP, one JSON line each, over --rounds\n"
+      "              rounds; then a summary line with the median ratios and their ranges.\n"
+      "  --memory-scaling   fsdp and ddp peak RSS at N=1,2,4 beside 16P/N (--preset mem).\n"
+      "  --max-model --nproc N --memory-mb M   deepest GPT that fits M MB per rank, ddp vs fsdp.\n"
       "Examples:\n"
       "  fsdp-bench --comm --nproc 4\n"
       "  fsdp-bench --compare --nproc 2\n"
@@ -236,16 +305,31 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    const bool training = train.compare || !train.mode.empty();
-    if (comm + training != 1 || (train.compare && !train.mode.empty())) {
-      std::cerr << "fsdp-bench: choose exactly one of --comm, --mode M, --compare (see --help)\n";
+    const bool sweep = train.compare || train.memory_scaling || train.max_model;
+    if (comm + !train.mode.empty() + train.compare + train.memory_scaling + train.max_model != 1) {
+      std::cerr << "fsdp-bench: choose exactly one of --comm, --mode M, --compare, "
+                   "--memory-scaling, --max-model (see --help)\n";
       return 2;
     }
     train.options.warmup = comm_options.warmup;  // one --warmup option serves both
     train.resolve();
-    const bool launch = nproc > 0 && !std::getenv(kChildMarker);
-    if (launch && train.compare) return compare_relaunched(nproc, train);
-    if (launch) return relaunch(nproc, args_without_nproc(argc, argv));
+    const bool child = std::getenv(kChildMarker) != nullptr;
+    if (sweep && !child && (nproc > 0 || !train.compare)) {
+      if (train.compare)
+        return fsdp::bench::compare_rounds({nproc, train.rounds, !train.no_torch_ddp},
+                                           args_for(train), bench_launch(), torch_launch(train),
+                                           std::cout, std::cerr);
+      if (train.memory_scaling)
+        return fsdp::bench::memory_scaling(train.worlds, args_for(train), bench_launch(), std::cout,
+                                           std::cerr);
+      FSDP_CHECK(nproc > 0, "--max-model needs --nproc N (the world size to fit)");
+      return fsdp::bench::max_model(nproc, train.memory_mb, args_for(train), bench_launch(),
+                                    std::cout, std::cerr);
+    }
+    FSDP_CHECK(!train.memory_scaling && !train.max_model,
+               "--memory-scaling and --max-model start their own ranks: run them without a "
+               "launcher");
+    if (nproc > 0 && !child) return relaunch(nproc, args_without_nproc(argc, argv));
     if (comm) return fsdp::bench::run_comm_bench(comm_options);
     if (train.compare) return fsdp::bench::run_train_compare(train.options);
     return fsdp::bench::run_train_bench(train.options);

@@ -8,8 +8,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
+
+#include "sweeps.h"
 
 namespace fsdp::bench {
 namespace {
@@ -81,6 +85,23 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
 }
 
+// Buffers of `op` for a whole buffer of about `bytes` (ws shards of fp32).
+Case make_case(const std::string& op, int64_t bytes, int ws) {
+  Case c;
+  c.op = op;
+  c.shard = std::max<int64_t>(1, bytes / 4 / ws);
+  if (op == "all_gather") {
+    c.in = at::zeros({c.shard}, at::kFloat);
+    c.out = at::zeros({c.shard * ws}, at::kFloat);
+  } else if (op == "reduce_scatter") {
+    c.in = at::zeros({c.shard * ws}, at::kFloat);
+    c.out = at::zeros({c.shard}, at::kFloat);
+  } else {
+    c.in = at::zeros({c.shard * ws}, at::kFloat);
+  }
+  return c;
+}
+
 }  // namespace
 
 int run_comm_bench(const CommBenchOptions& options) {
@@ -97,58 +118,67 @@ int run_comm_bench(const CommBenchOptions& options) {
     std::cerr << "fsdp-bench --comm: " << ws << " rank(s), backend " << comm->backend()
               << ", fp32, sizes " << options.min_bytes << ".." << options.max_bytes << " bytes\n";
 
-  for (const auto& op : options.ops) {
-    for (int64_t bytes = options.min_bytes; bytes <= options.max_bytes; bytes *= options.step) {
-      Case c;
-      c.op = op;
-      c.shard = std::max<int64_t>(1, bytes / 4 / ws);  // whole buffer = ws shards of fp32
-      if (op == "all_gather") {
-        c.in = at::zeros({c.shard}, at::kFloat);
-        c.out = at::zeros({c.shard * ws}, at::kFloat);
-      } else if (op == "reduce_scatter") {
-        c.in = at::zeros({c.shard * ws}, at::kFloat);
-        c.out = at::zeros({c.shard}, at::kFloat);
-      } else {
-        c.in = at::zeros({c.shard * ws}, at::kFloat);
-      }
-      const int64_t actual = case_bytes(c, ws);
+  for (int64_t bytes = options.min_bytes; bytes <= options.max_bytes; bytes *= options.step) {
+    // Every op at this size, its iterations interleaved with the other ops' (op A, op B, op A, ...)
+    // so that load on a shared machine hits all of them alike; paired ratios per iteration below.
+    std::vector<Case> cases;
+    for (const auto& op : options.ops) cases.push_back(make_case(op, bytes, ws));
+    const int64_t actual = case_bytes(cases[0], ws);
+    const int iters = options.iters > 0
+                          ? options.iters
+                          : static_cast<int>(std::clamp<int64_t>((256ll << 20) / actual, 6, 50));
+    for (auto& c : cases) {
       check_once(*comm, c);
-      const int iters = options.iters > 0
-                            ? options.iters
-                            : static_cast<int>(std::clamp<int64_t>((256ll << 20) / actual, 6, 50));
       for (int i = 0; i < options.warmup; ++i) issue(*comm, c).wait();
-
-      // Per iteration: line the ranks up, then time issue..wait. The slowest rank sets the time.
-      auto times = at::empty({iters}, at::kDouble);
-      for (int i = 0; i < iters; ++i) {
+    }
+    // Per iteration: line the ranks up, then time issue..wait. The slowest rank sets the time.
+    auto times = at::empty({static_cast<int64_t>(cases.size()), iters}, at::kDouble);
+    for (int i = 0; i < iters; ++i)
+      for (size_t k = 0; k < cases.size(); ++k) {
         comm->barrier().wait();
         auto t0 = Clock::now();
-        issue(*comm, c).wait();
-        times[i] = std::chrono::duration<double>(Clock::now() - t0).count();
+        issue(*comm, cases[k]).wait();
+        times[k][i] = std::chrono::duration<double>(Clock::now() - t0).count();
       }
-      auto all = at::empty({ws * iters}, at::kDouble);
-      comm->all_gather(all, times).wait();
-      auto slowest = std::get<0>(all.view({ws, iters}).max(0));
-
-      if (rank == 0) {
-        const double f = busbw_factor(op, ws);
-        std::vector<double> bw;
-        for (int i = 0; i < iters; ++i) bw.push_back(actual / slowest[i].item<double>() / 1e9 * f);
-        const double med = median(bw);
-        nlohmann::ordered_json j;
-        j["op"] = op;
-        j["bytes"] = actual;
-        j["world"] = ws;
-        j["busbw_gbps_median"] = round4(med);
-        j["busbw_gbps_min"] = round4(*std::min_element(bw.begin(), bw.end()));
-        j["busbw_gbps_max"] = round4(*std::max_element(bw.begin(), bw.end()));
-        j["algbw_gbps_median"] = round4(med / f);
-        j["time_ms_median"] = round4(actual / (med / f) / 1e6);
-        j["iters"] = iters;
-        j["dtype"] = "float32";
-        j["checked"] = true;
-        std::cout << j.dump() << std::endl;
-      }
+    auto all = at::empty({ws * times.numel()}, at::kDouble);
+    comm->all_gather(all, times.view({-1})).wait();
+    auto slowest = std::get<0>(all.view({ws, -1}).max(0)).view({-1, iters});
+    if (rank != 0) continue;
+    std::map<std::string, std::vector<double>> bus;  // op -> bus bandwidth per iteration
+    for (size_t k = 0; k < cases.size(); ++k) {
+      const auto& c = cases[k];
+      const double f = busbw_factor(c.op, ws);
+      std::vector<double>& bw = bus[c.op];
+      for (int i = 0; i < iters; ++i) bw.push_back(actual / slowest[k][i].item<double>() / 1e9 * f);
+      const double med = median(bw);
+      nlohmann::ordered_json j;
+      j["op"] = c.op;
+      j["bytes"] = actual;
+      j["world"] = ws;
+      j["busbw_gbps_median"] = round4(med);
+      j["busbw_gbps_min"] = round4(*std::min_element(bw.begin(), bw.end()));
+      j["busbw_gbps_max"] = round4(*std::max_element(bw.begin(), bw.end()));
+      j["algbw_gbps_median"] = round4(med / f);
+      j["time_ms_median"] = round4(actual / (med / f) / 1e6);
+      j["iters"] = iters;
+      j["dtype"] = "float32";
+      j["checked"] = true;
+      std::cout << j.dump() << std::endl;
+    }
+    if (bus.count("all_gather") && bus.count("reduce_scatter")) {
+      // Reduce-scatter over all-gather bus bandwidth, paired iteration by iteration.
+      std::vector<double> ratio;
+      for (int i = 0; i < iters; ++i)
+        ratio.push_back(bus["reduce_scatter"][i] / bus["all_gather"][i]);
+      nlohmann::ordered_json j;
+      j["ratio"] = "reduce_scatter_over_all_gather";
+      j["bytes"] = actual;
+      j["world"] = ws;
+      j["busbw_ratio_median"] = round4(median(ratio));
+      j["busbw_ratio_min"] = round4(*std::min_element(ratio.begin(), ratio.end()));
+      j["busbw_ratio_max"] = round4(*std::max_element(ratio.begin(), ratio.end()));
+      j["loadavg_1m"] = load_average()[0];
+      std::cout << j.dump() << std::endl;
     }
   }
   comm->barrier().wait();

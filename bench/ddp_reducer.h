@@ -1,5 +1,16 @@
-// DDP baseline for fsdp-bench: bucketed gradient all-reduce overlapped with backward, the data
-// parallelism a LibTorch user would otherwise write by hand (C++ has no DDP module).
+// DDP baseline for fsdp-bench: PyTorch's own DDP reducer (c10d::Reducer, compiled into LibTorch),
+// driven from C++ the way torch.nn.parallel.DistributedDataParallel drives it in 1.13: buckets from
+// c10d::compute_bucket_assignment_by_size with a 1 MiB first bucket and `bucket_bytes` after it,
+// reversed; before each forward rebuild_buckets() (the first backward's gradient order) and
+// prepare_for_forward(); after it prepare_for_backward({}) (all parameters used). The reducer's
+// AccumulateGrad hooks copy gradients into buckets, all-reduce each complete bucket on the process
+// group (sum, divided by the world size), and its end-of-backward callback writes the mean
+// gradients back, so they are final when loss.backward() returns.
+//
+// c10d::Reducer talks to the c10d process group directly, not through fsdp::Communicator, so its
+// traffic is accounted here: every bucket is all-reduced once per backward (no unused parameters),
+// 2(N-1)/N of its bytes on the wire (ring), and the exposed communication is the time from the
+// last gradient hook to the end of backward (the reducer's wait for the buckets still in flight).
 // Thread-safety: hooks run on the backward thread; used by one training thread.
 #pragma once
 
@@ -7,135 +18,81 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <memory>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <vector>
 
 namespace fsdp::bench {
 
-// ---------------------------------------------------------------------------------------------
-// DDP baseline: bucketed all-reduce overlapped with backward, as c10d::Reducer does it.
-// ---------------------------------------------------------------------------------------------
-
-// Buckets hold parameters in reverse registration order (roughly the order backward produces
-// their gradients). A parameter's AccumulateGrad post hook copies its final gradient into its
-// bucket; a complete bucket is all-reduced at once, in bucket order on every rank (a complete
-// bucket waits for the ones before it, so ranks issue the same collectives in the same order).
-// finish() issues what is left (gradients that never arrived count as zeros), waits, and writes
-// the mean gradients back.
-class BucketReducer {
+class DdpReducer {
  public:
-  BucketReducer(std::vector<at::Tensor> params, std::shared_ptr<Communicator> lane,
-                int64_t bucket_bytes)
-      : params_(std::move(params)), lane_(std::move(lane)) {
-    for (size_t k = params_.size(); k-- > 0;) {
-      const at::Tensor& p = params_[k];
-      if (!p.requires_grad()) continue;
-      const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
-      if (buckets_.empty() || buckets_.back().bytes + bytes > bucket_bytes) buckets_.emplace_back();
-      Bucket& b = buckets_.back();
-      b.slots.push_back({k, b.numel});
-      b.numel += p.numel();
-      b.bytes += bytes;
-    }
-    for (size_t bi = 0; bi < buckets_.size(); ++bi) {
-      Bucket& b = buckets_[bi];
-      b.flat = at::empty({b.numel}, params_[b.slots[0].param].options().requires_grad(false));
-      for (size_t si = 0; si < b.slots.size(); ++si) {
-        auto acc = torch::autograd::impl::grad_accumulator(params_[b.slots[si].param]);
-        // Autograd keeps only a weak reference to the accumulator: hold it, or the hook is lost.
-        hooks_.push_back({acc, acc->add_post_hook(std::make_unique<Hook>(this, bi, si))});
-      }
+  using Clock = std::chrono::steady_clock;
+
+  // `lane` gives the reducer a process group of its own (its collectives, e.g. the bucket rebuild
+  // broadcast, are ordered independently of the training communicator's).
+  DdpReducer(std::vector<at::Tensor> params, const std::shared_ptr<Communicator>& lane,
+             int64_t bucket_bytes)
+      : params_(std::move(params)), world_(lane->size()) {
+    std::vector<bool> sparse(params_.size(), false);
+    auto [indices, limits] = c10d::compute_bucket_assignment_by_size(
+        params_,
+        {static_cast<size_t>(c10d::kDefaultFirstBucketBytes), static_cast<size_t>(bucket_bytes)},
+        sparse);
+    std::reverse(indices.begin(), indices.end());
+    std::reverse(limits.begin(), limits.end());
+    buckets_ = indices.size();
+    reducer_ = std::make_shared<c10d::Reducer>(
+        params_, indices, limits, lane->process_group(), sparse, bucket_bytes,
+        /*find_unused_parameters=*/false, /*gradient_as_bucket_view=*/false,
+        std::unordered_map<size_t, std::string>{}, c10d::kDefaultFirstBucketBytes);
+    for (const auto& p : params_) {
+      bytes_ += p.numel() * static_cast<int64_t>(p.element_size());
+      auto acc = torch::autograd::impl::grad_accumulator(p);
+      // Autograd keeps only a weak reference to the accumulator: hold it, or the hook is lost.
+      hooks_.push_back({acc, acc->add_post_hook(std::make_unique<LastGrad>(this))});
     }
   }
-  ~BucketReducer() {
+  ~DdpReducer() {
     for (auto& [acc, key] : hooks_) acc->del_post_hook(key);
   }
-  BucketReducer(const BucketReducer&) = delete;
-  BucketReducer& operator=(const BucketReducer&) = delete;
+  DdpReducer(const DdpReducer&) = delete;
+  DdpReducer& operator=(const DdpReducer&) = delete;
 
-  size_t bucket_count() const { return buckets_.size(); }
-
-  // Before backward: every slot expects its gradient.
-  void prepare() {
-    for (Bucket& b : buckets_) {
-      b.pending = static_cast<int>(b.slots.size());
-      for (Slot& s : b.slots) s.arrived = false;
-      b.work = Work();
-    }
-    next_ = 0;
+  void before_forward() {
+    reducer_->rebuild_buckets();
+    reducer_->prepare_for_forward();
+  }
+  void before_backward() {
+    reducer_->prepare_for_backward({});
+    last_grad_ = Clock::now();
+  }
+  // After loss.backward(): the seconds backward spent after the last gradient was produced.
+  double after_backward() {
+    return std::chrono::duration<double>(Clock::now() - last_grad_).count();
   }
 
-  // After backward, before the optimizer step.
-  void finish() {
-    trace::Span span("ddp.finish", "wait");
-    for (; next_ < buckets_.size(); ++next_) {
-      Bucket& b = buckets_[next_];
-      for (Slot& s : b.slots)
-        if (!s.arrived) b.flat.narrow(0, s.offset, params_[s.param].numel()).zero_();
-      b.work = lane_->all_reduce(b.flat, ReduceOp::kAvg);
-    }
-    for (Bucket& b : buckets_) {
-      b.work.wait();
-      for (const Slot& s : b.slots) {
-        at::Tensor p = params_[s.param];
-        auto mean = b.flat.narrow(0, s.offset, p.numel()).view(p.sizes());
-        if (p.grad().defined()) {
-          p.mutable_grad().copy_(mean);
-        } else {
-          p.mutable_grad() = mean.clone();
-        }
-      }
-    }
-  }
+  size_t bucket_count() const { return buckets_; }
+  // Bytes this rank puts on the wire per backward (ring all-reduce of every bucket once).
+  int64_t bytes_per_step() const { return world_ > 1 ? 2 * bytes_ * (world_ - 1) / world_ : 0; }
 
  private:
-  struct Slot {
-    size_t param;    // index into params_
-    int64_t offset;  // element offset in the bucket's flat buffer
-    bool arrived = false;
-  };
-  struct Bucket {
-    std::vector<Slot> slots;
-    int64_t numel = 0, bytes = 0;
-    at::Tensor flat;  // (numel,) gradients in, mean gradients out
-    int pending = 0;
-    Work work;
-  };
-  // One-line adapter: the gradient of params_[slot] is final.
-  struct Hook : torch::autograd::FunctionPostHook {
-    Hook(BucketReducer* r, size_t b, size_t s) : reducer(r), bucket(b), slot(s) {}
+  struct LastGrad : torch::autograd::FunctionPostHook {
+    explicit LastGrad(DdpReducer* r) : reducer(r) {}
     torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                               const torch::autograd::variable_list&) override {
-      reducer->on_grad_ready(bucket, slot);
+      reducer->last_grad_ = Clock::now();
       return outputs;
     }
-    BucketReducer* reducer;
-    size_t bucket, slot;
+    DdpReducer* reducer;
   };
 
-  void on_grad_ready(size_t bi, size_t si) {
-    Bucket& b = buckets_[bi];
-    Slot& s = b.slots[si];
-    if (s.arrived || bi < next_) return;  // a second accumulation in one backward: too late
-    const at::Tensor& p = params_[s.param];
-    auto dst = b.flat.narrow(0, s.offset, p.numel());
-    if (p.grad().defined()) {
-      dst.copy_(p.grad().reshape({-1}));
-    } else {
-      dst.zero_();
-    }
-    s.arrived = true;
-    --b.pending;
-    while (next_ < buckets_.size() && buckets_[next_].pending == 0) {
-      buckets_[next_].work = lane_->all_reduce(buckets_[next_].flat, ReduceOp::kAvg);
-      ++next_;
-    }
-  }
-
   std::vector<at::Tensor> params_;
-  std::shared_ptr<Communicator> lane_;
-  std::vector<Bucket> buckets_;
-  size_t next_ = 0;  // first bucket not yet issued in this backward
+  int world_;
+  size_t buckets_ = 0;
+  int64_t bytes_ = 0;
+  std::shared_ptr<c10d::Reducer> reducer_;
+  Clock::time_point last_grad_{};
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
 };
 

@@ -3,10 +3,10 @@
 //
 //   local           every rank trains its own copy with no communication at all: the compute floor
 //                   (all ranks run at once, so they share the machine as in the other modes)
-//   ddp             replicated parameters; gradients all-reduced (mean) in ~25 MB buckets in
-//   reverse
-//                   parameter order, each issued from AccumulateGrad post hooks as soon as the
-//                   bucket is complete (in bucket order), waited before the optimizer step
+//   ddp             replicated parameters; PyTorch's DDP reducer (c10d::Reducer,
+//   bench/ddp_reducer.h)
+//                   all-reduces the mean gradients in 25 MB buckets (1 MB first) from
+//                   AccumulateGrad hooks, overlapped with backward, as torch's Python DDP does
 //   fsdp            fully_shard on every block and the root, reshard after forward (ZeRO-3)
 //   fsdp-noreshard  the same without resharding the blocks after forward (ZeRO-2-like)
 //

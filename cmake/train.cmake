@@ -13,11 +13,11 @@ add_library(fsdp_train_base STATIC
   src/train/progress.cpp
   src/train/schedule.cpp
 )
-target_include_directories(fsdp_train_base PUBLIC ${CMAKE_SOURCE_DIR}/src ${CMAKE_SOURCE_DIR}/include)
+target_include_directories(fsdp_train_base PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
 target_link_libraries(fsdp_train_base
   PUBLIC nlohmann_json::nlohmann_json
   PRIVATE CLI11::CLI11 PkgConfig::TOMLPP)
-target_compile_definitions(fsdp_train_base PRIVATE FSDP_SOURCE_DIR="${CMAKE_SOURCE_DIR}")
+target_compile_definitions(fsdp_train_base PRIVATE FSDP_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 
 add_library(fsdp_train STATIC src/train/trainer.cpp)
 target_link_libraries(fsdp_train PUBLIC fsdp_train_base fsdp_models)

@@ -64,7 +64,8 @@ std::string scratch_dir(const std::string& name) {
 }
 
 TEST(BenchCompare, PrintsEveryModeAndASaneSummary) {
-  auto r = fsdp::testing::run_process(tiny({"--compare"}), std::chrono::seconds(90));
+  auto r =
+      fsdp::testing::run_process(tiny({"--compare", "--rounds", "2"}), std::chrono::seconds(240));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::map<std::string, json> modes;
   json summary;
@@ -72,7 +73,6 @@ TEST(BenchCompare, PrintsEveryModeAndASaneSummary) {
     if (j.contains("mode")) modes[j["mode"]] = j;
     if (j.contains("summary")) summary = j;
   }
-  ASSERT_EQ(modes.size(), 4u) << r.output;
   for (const char* m : {"local", "ddp", "fsdp", "fsdp-noreshard"}) {
     ASSERT_TRUE(modes.count(m)) << "no line for " << m << "\n" << r.output;
     const json& j = modes[m];
@@ -107,11 +107,61 @@ TEST(BenchCompare, PrintsEveryModeAndASaneSummary) {
   EXPECT_NEAR(modes["fsdp"]["loss"].get<double>(), modes["ddp"]["loss"].get<double>(), 1e-3);
 
   ASSERT_FALSE(summary.is_null()) << r.output;
-  for (const char* key :
-       {"fsdp_over_local", "fsdp_over_ddp", "noreshard_over_ddp", "fsdp_mem_over_ddp"})
-    EXPECT_GT(summary[key].get<double>(), 0) << key << ": " << summary.dump();
+  EXPECT_EQ(summary["rounds"], 2) << summary.dump();
+  std::vector<std::string> keys = {"fsdp_over_local", "fsdp_over_ddp", "noreshard_over_ddp",
+                                   "fsdp_mem_over_ddp"};
+  // PyTorch's Python DDP on the same model and batches, when /usr/bin/python3 has torch.
+  if (modes.count("torch-ddp")) {
+    keys.push_back("fsdp_over_torch_ddp");
+    EXPECT_NEAR(modes["torch-ddp"]["loss_step1"].get<double>(),
+                modes["ddp"]["loss_step1"].get<double>(), 1e-4)
+        << "bench/torch_ddp.py must build the same model and batches";
+    EXPECT_NEAR(modes["torch-ddp"]["loss"].get<double>(), modes["ddp"]["loss"].get<double>(), 1e-3);
+  }
+  // Each ratio: the median over the rounds, inside its [min, max].
+  for (const auto& key : keys) {
+    const double v = summary[key].get<double>();
+    EXPECT_GT(v, 0) << key << ": " << summary.dump();
+    EXPECT_LE(summary[key + "_range"][0].get<double>(), v) << key;
+    EXPECT_GE(summary[key + "_range"][1].get<double>(), v) << key;
+  }
+  EXPECT_EQ(summary["loadavg_start"].size(), 3u) << summary.dump();
   EXPECT_TRUE(summary["checks_passed"].get<bool>()) << r.output;
   EXPECT_EQ(r.output.find("WARNING"), std::string::npos) << r.output;
+}
+
+// --memory-scaling: fsdp and ddp at each world size, a Markdown table and a summary whose 16P/N
+// column follows the parameter count.
+TEST(BenchMemoryScaling, PrintsTheTableForEachWorldSize) {
+  auto argv = tiny({"--memory-scaling", "--worlds", "1,2"});
+  argv.erase(argv.begin() + 1, argv.begin() + 3);  // no --nproc: the sweep chooses the ranks
+  auto r = fsdp::testing::run_process(argv, std::chrono::seconds(120));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  json summary;
+  int runs = 0;
+  for (auto& j : json_lines(r.output)) {
+    if (j.contains("mode")) ++runs;
+    if (j.contains("summary")) summary = j;
+  }
+  EXPECT_EQ(runs, 4) << r.output;
+  ASSERT_EQ(summary["summary"], "memory-scaling") << r.output;
+  ASSERT_EQ(summary["rows"].size(), 2u) << r.output;
+  const double p = summary["params"].get<double>();
+  for (const auto& row : summary["rows"]) {
+    const int n = row["world"];
+    EXPECT_NEAR(row["states_16p_over_n_mb"].get<double>(), 16 * p / n / (1 << 20), 0.1);
+    EXPECT_GT(row["fsdp_mb"].get<double>(), 0);
+    EXPECT_GT(row["ddp_mb"].get<double>(), 0);
+  }
+  EXPECT_NE(r.output.find("| N | fsdp MB | ddp MB | 16P/N MB | fsdp/ddp |"), std::string::npos);
+}
+
+TEST(BenchMaxModel, NeedsABudgetAndAWorldSize) {
+  auto r = fsdp::testing::run_process(
+      {fsdp::testing::bin_dir() + "/fsdp-bench", "--max-model", "--nproc", "2"},
+      std::chrono::seconds(30));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--max-model needs --memory-mb M > 0"), std::string::npos) << r.output;
 }
 
 // Names of the complete ("X") events of one rank's trace, and the track of each.

@@ -1,8 +1,8 @@
 # Checkpoint tests (label checkpoint). The format test needs no FSDP core.
 fsdp_add_test(safetensors_test LABEL checkpoint SOURCES safetensors_test.cpp LIBS fsdp_safetensors)
-target_compile_definitions(safetensors_test PRIVATE FSDP_SOURCE_DIR="${CMAKE_SOURCE_DIR}")
+target_compile_definitions(safetensors_test PRIVATE FSDP_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 
 # Sharded checkpoints through fully_shard (multi-rank).
 fsdp_add_test(checkpoint_test LABEL checkpoint PCH torch SOURCES checkpoint_test.cpp
               LIBS fsdp_checkpoint fsdp_models)
-target_compile_definitions(checkpoint_test PRIVATE FSDP_SOURCE_DIR="${CMAKE_SOURCE_DIR}")
+target_compile_definitions(checkpoint_test PRIVATE FSDP_SOURCE_DIR="${PROJECT_SOURCE_DIR}")

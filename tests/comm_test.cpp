@@ -128,6 +128,46 @@ TEST_P(CollectivesTest, EveryOpAndDtypeMatchesReference) {
 INSTANTIATE_TEST_SUITE_P(WorldSize, CollectivesTest, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
+// fp32/fp64 reduce-scatter runs as a pipelined ring (src/comm/ring_reduce_scatter.h). Blocks of
+// 70001 elements travel in 4 pieces per step (0.28 MB fp32, 0.56 MB fp64), the last one short; world
+// sizes 2-4 take 1-3 steps. Two rings are in flight at once (one with a caller's scratch buffer),
+// and the sums must be exact and land on the right rank.
+class RingReduceScatterTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RingReduceScatterTest, PipelinedRingSumsExactlyInEveryPiece) {
+  run_ranks(GetParam(), [](Rank& r) {
+    auto c = r.world();
+    const int ws = c->size();
+    const int64_t n = 70001;
+    for (at::ScalarType t : {at::kFloat, at::kDouble}) {
+      check_reduce_scatter(*c, t, n, ReduceOp::kSum);
+      check_reduce_scatter(*c, t, n, ReduceOp::kAvg);
+      // Two in flight, waited in reverse order; the second with a scratch buffer.
+      std::vector<at::Tensor> ins, outs, expected;
+      for (int k = 0; k < 2; ++k) {
+        std::vector<at::Tensor> blocks;
+        for (int q = 0; q < ws; ++q) {
+          auto in = exact_sum_values(ws * n, seed_of(10 + k, t, q, n), t);
+          if (q == c->rank()) ins.push_back(in);
+          blocks.push_back(in.narrow(0, c->rank() * n, n));
+        }
+        expected.push_back(reduce_reference(blocks, ReduceOp::kSum, t));
+        outs.push_back(at::empty({n}, at::TensorOptions(t)));
+      }
+      auto scratch = at::empty({ws * n}, at::TensorOptions(t));
+      auto first = c->reduce_scatter(outs[0], ins[0], ReduceOp::kSum);
+      auto second = c->reduce_scatter(outs[1], ins[1], ReduceOp::kSum, scratch);
+      second.wait();
+      first.wait();
+      for (int k = 0; k < 2; ++k)
+        EXPECT_TRUE(bit_equal(outs[k], expected[k])) << describe("ring in flight", t, n, ws) << k;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSize, RingReduceScatterTest, ::testing::Values(2, 3, 4),
+                         [](const auto& info) { return "ws" + std::to_string(info.param); });
+
 TEST(CommTest, CollectivesRunWhileComputeRuns) {
   run_ranks(2, [](Rank& r) {
     auto c = r.world();
@@ -241,6 +281,34 @@ TEST(CommTest, MissingPeerCollectiveTimesOutWithCommError) {
 }
 
 // The explicit-timeout overload reports its own limit.
+// The ring's point-to-point waits time out like the collectives, with the same message.
+TEST(CommTest, MissingPeerRingReduceScatterTimesOutWithCommError) {
+  RunOptions opt;
+  opt.collective_timeout_s = 2;
+  run_ranks(
+      2,
+      [](Rank& r) {
+        auto c = r.world();
+        if (c->rank() == 1) {
+          std::this_thread::sleep_for(3500ms);  // alive, connected, silent until rank 0 gave up
+          return;
+        }
+        auto out = at::empty({1024}, at::kFloat);
+        auto work = c->reduce_scatter(out, at::ones({2048}, at::kFloat), ReduceOp::kSum);
+        auto start = Clock::now();
+        try {
+          work.wait();
+          ADD_FAILURE() << "wait() returned although rank 1 never issued the reduce-scatter";
+        } catch (const CommError& e) {
+          const std::string m = e.what();
+          EXPECT_TRUE(contains(m, "reduce_scatter of 8192 bytes")) << m;
+          EXPECT_TRUE(contains(m, "within 2 s")) << m;
+        }
+        EXPECT_LT(seconds_since(start), 5.0);
+      },
+      opt);
+}
+
 TEST(CommTest, WaitWithExplicitTimeoutNamesIt) {
   RunOptions opt;
   opt.collective_timeout_s = 2;

@@ -25,6 +25,9 @@ class Work;
 }  // namespace c10d
 
 namespace fsdp {
+namespace detail {
+class RingReduceScatter;
+}  // namespace detail
 
 enum class ReduceOp {
   kSum,  // element-wise sum over ranks
@@ -101,6 +104,10 @@ class Communicator {
   // The split named `name`, created on first use and shared afterwards (collective on first use).
   std::shared_ptr<Communicator> lane(const std::string& name);
 
+  // The c10d process group underneath, for c10d facilities that take one (e.g. c10d::Reducer);
+  // collectives issued on it bypass this communicator's checks, timeouts and statistics.
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+
   const CommStats& stats() const { return *stats_; }
   // This communicator's statistics plus those of every lane split from it.
   CommStats total_stats() const;
@@ -121,6 +128,7 @@ class Communicator {
   int splits_ = 0;
   std::map<std::string, std::shared_ptr<Communicator>> lanes_;
   std::shared_ptr<CommStats> stats_ = std::make_shared<CommStats>();
+  std::unique_ptr<detail::RingReduceScatter> ring_;  // reduce_scatter's pipelined ring, lazily
 };
 
 }  // namespace fsdp

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "compat.h"
+#include "ring_reduce_scatter.h"
 
 namespace fsdp {
 
@@ -209,6 +210,14 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
     received = scratch.view({-1});
   } else {
     received = at::empty_like(input.view({-1}));
+  }
+  if (detail::RingReduceScatter::supports(input)) {  // sums overlap the transfer
+    if (!ring_) ring_ = std::make_unique<detail::RingReduceScatter>(pg_);
+    stats_->bytes_sent += nbytes(output) * (ws - 1);
+    return make_work({ring_->run(output.view({-1}), input.view({-1}), received, timeout_)},
+                     "reduce_scatter", nbytes(input), [output, op, ws] {
+                       if (op == ReduceOp::kAvg) output.div_(ws);
+                     });
   }
   auto work = compat::exchange_blocks(*pg_, as_wire(received, backend_),
                                       as_wire(input.view({-1}), backend_));

@@ -1,0 +1,101 @@
+#!/usr/bin/python3
+"""Markdown tables for README.md and docs/performance.md from fsdp-bench's JSON lines (stdin).
+
+  build/bin/fsdp-bench --compare --nproc 2 | tee compare.jsonl | python3 bench/tables.py
+  build/bin/fsdp-bench --comm --nproc 2 --ops all_gather,reduce_scatter | python3 bench/tables.py
+
+Understands the mode lines and the summary of --compare (per mode: the median over rounds of each
+round's figures; ratios: median [min, max] over rounds), the rows of --memory-scaling and
+--max-model, and --comm's bandwidth and ratio lines. Standard library only.
+"""
+import json
+import statistics
+import sys
+
+
+def fmt(x, nd=2):
+    return f"{x:.{nd}f}"
+
+
+def main():
+    modes, summaries, comm, ratios = {}, [], {}, {}
+    for line in sys.stdin:
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        j = json.loads(line)
+        if "summary" in j:
+            summaries.append(j)
+        elif "mode" in j:
+            modes.setdefault(j["mode"], []).append(j)
+        elif "ratio" in j:
+            ratios[(j["world"], j["bytes"])] = j
+        elif "op" in j:
+            comm[(j["world"], j["bytes"], j["op"])] = j
+    if modes and any(s["summary"] == "compare" for s in summaries):
+        print("| mode | step s, median of rounds [min, max of rounds] | tokens/s/rank | exposed comm s/step"
+              " | MB sent/step | peak RSS MB |")
+        print("|---|---|---|---|---|---|")
+        for m, runs in modes.items():
+            med = [r["step_s_median"] for r in runs]
+            print(f"| `{m}` | {fmt(statistics.median(med))} [{fmt(min(med))}, {fmt(max(med))}] | "
+                  f"{fmt(statistics.median(r['tokens_per_s_per_rank'] for r in runs), 1)} | "
+                  f"{fmt(statistics.median(r.get('exposed_comm_s', 0) for r in runs), 3)} | "
+                  f"{fmt(statistics.median(r.get('bytes_sent_per_step', 0) for r in runs) / 1e6, 1)} | "
+                  f"{fmt(statistics.median(r['peak_rss_mb'] for r in runs), 0)} |")
+        print()
+    for s in summaries:
+        if s["summary"] == "compare":
+            print(f"| ratio (N={s['world']}, {s['rounds']} rounds) | median [min, max] | target |")
+            print("|---|---|---|")
+            targets = {k.split("<=")[0]: (k.split("<=")[1], v) for k, v in s["targets_met"].items()}
+            for k, v in s.items():
+                if "_over_" in k and not k.endswith("_range"):
+                    lo, hi = s[k + "_range"]
+                    t = targets.get(k)
+                    goal = f"<= {t[0]}: {'met' if t[1] else 'missed'}" if t else ""
+                    print(f"| `{k}` | {fmt(v)} [{fmt(lo)}, {fmt(hi)}] | {goal} |")
+            print(f"\nload average (1, 5, 15 min): {s['loadavg_start']} at the start, "
+                  f"{s['loadavg_end']} at the end\n")
+        elif s["summary"] == "memory-scaling":
+            print(f"| N | fsdp MB | ddp MB | 16P/N MB | fsdp/ddp |  ({s['params'] / 1e6:.1f} M parameters)")
+            print("|---|---|---|---|---|")
+            for r in s["rows"]:
+                print(f"| {r['world']} | {fmt(r['fsdp_mb'], 0)} | {fmt(r['ddp_mb'], 0)} | "
+                      f"{fmt(r['states_16p_over_n_mb'], 0)} | {fmt(r['fsdp_over_ddp'])} |")
+            print(f"\nload average: {s['loadavg_start']} -> {s['loadavg_end']}\n")
+        elif s["summary"] == "max-model":
+            print(f"| N={s['world']}, {s['memory_mb']:.0f} MB per rank | layers | parameters | "
+                  "peak RSS MB |")
+            print("|---|---|---|---|")
+            for m in ("ddp", "fsdp"):
+                r = s[m]
+                print(f"| `{m}` | {r['layers']} | {r['params'] / 1e6:.1f} M | "
+                      f"{fmt(r.get('peak_rss_mb', 0), 0)} |")
+            print(f"\nfsdp/ddp trainable parameters: {s.get('fsdp_params_over_ddp')}; load average: "
+                  f"{s['loadavg_start']} -> {s['loadavg_end']}\n")
+    if comm:
+        worlds = sorted({w for w, _, _ in comm})
+        sizes = sorted({b for _, b, _ in comm})
+        ops = [o for o in ("all_gather", "reduce_scatter", "all_reduce") if any(k[2] == o for k in comm)]
+        head = [f"N={w} {o}" for w in worlds for o in ops]
+        if ratios:
+            head += [f"N={w} rs/ag" for w in worlds]
+        print("| bytes | " + " | ".join(head) + " |")
+        print("|---|" + "---|" * len(head))
+        for b in sizes:
+            cells = []
+            for w in worlds:
+                for o in ops:
+                    j = comm.get((w, b, o))
+                    cells.append(f"{j['busbw_gbps_median']:.2f}" if j else "")
+            for w in worlds if ratios else []:
+                r = ratios.get((w, b))
+                cells.append(f"{r['busbw_ratio_median']:.2f} [{r['busbw_ratio_min']:.2f}, "
+                             f"{r['busbw_ratio_max']:.2f}]" if r else "")
+            label = f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+            print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

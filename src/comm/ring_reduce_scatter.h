@@ -1,0 +1,72 @@
+// Reduce-scatter as a pipelined ring over the process group's point-to-point send/recv.
+//
+// Rank r sends to r+1 and receives from r-1. In step s (0 .. N-2) it forwards the partial sum of
+// block (r-1-s) and receives the partial sum of block (r-2-s), to which it adds its own input; the
+// last step delivers block r, summed over all ranks, straight into the output. Each step's block
+// travels in pieces: every receive is posted up front, and a piece is summed and forwarded as soon
+// as it arrives, so the sums overlap the transfer of the following pieces instead of following the
+// whole exchange (alltoall + sum, docs/bench_comm.md). Same bytes on the wire as the alltoall:
+// (N-1)/N of the input per rank.
+//
+// One worker thread per RingReduceScatter runs the rings in the order they were issued, so every
+// rank posts the same point-to-point operations in the same order (tags are unique per ring).
+// Thread-safety: run() may be called from one thread at a time; the returned Work may be waited
+// from any thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+namespace c10d {
+class ProcessGroup;
+class Work;
+}  // namespace c10d
+
+namespace fsdp::detail {
+
+class RingReduceScatter {
+ public:
+  // Each step's block travels in pieces of at most kMaxPieceBytes, and in at least
+  // kMinPiecesPerStep pieces of kMinPieceBytes or more, so even a 256 KiB block overlaps its sums.
+  static constexpr int64_t kMaxPieceBytes = 1 << 20;
+  static constexpr int64_t kMinPieceBytes = 64 << 10;
+  static constexpr int64_t kMinPiecesPerStep = 4;
+
+  explicit RingReduceScatter(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+  // Rings already running finish (each bounded by its timeout); queued ones fail.
+  ~RingReduceScatter();
+  RingReduceScatter(const RingReduceScatter&) = delete;
+  RingReduceScatter& operator=(const RingReduceScatter&) = delete;
+
+  // Whether run() handles this input: CPU tensors of a dtype summed exactly as the alltoall path
+  // sums it (fp32, fp64; low precision accumulates in fp32 there, so it stays on that path).
+  static bool supports(const at::Tensor& input);
+
+  // REQUIRES: supports(input); output (n), input (N*n) and scratch (at least (N-2)*n, or
+  // undefined: allocated) flat, contiguous, one dtype. output = sum over ranks of block `rank` of
+  // each rank's input. The inputs must stay alive and unchanged until the Work completes. Every
+  // wait on a peer gives up after `timeout` and fails the Work with the cause.
+  c10::intrusive_ptr<c10d::Work> run(const at::Tensor& output, const at::Tensor& input,
+                                     const at::Tensor& scratch, std::chrono::milliseconds timeout);
+
+ private:
+  struct Job;
+  void worker_loop();
+  void reduce(Job& job);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  uint32_t rings_ = 0;  // rings issued: the tag space of the next one
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  bool stopping_ = false;
+  std::thread worker_;  // started on the first run()
+};
+
+}  // namespace fsdp::detail

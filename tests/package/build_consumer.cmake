@@ -1,0 +1,46 @@
+# Builds and runs examples/consumer as an outside project would (issue 10): cmake -P this file with
+#   -DMODE=install       cmake --install FSDP_BUILD_DIR into WORK_DIR/prefix, then find_package(fsdp)
+#   -DMODE=subdirectory  add_subdirectory(FSDP_SOURCE_DIR); checks no test or program of fsdp-cpp
+#                        was generated
+# and -DFSDP_SOURCE_DIR=... -DFSDP_BUILD_DIR=... -DWORK_DIR=... -DCXX=... -DGENERATOR=...
+# Fails (FATAL_ERROR) naming the step and printing its output.
+function(step what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "consumer (${MODE}): ${what} failed (${rc}):\n${out}\n${err}")
+  endif()
+  set(STEP_OUTPUT "${out}" PARENT_SCOPE)
+endfunction()
+
+file(REMOVE_RECURSE ${WORK_DIR})
+set(consumer_src ${FSDP_SOURCE_DIR}/examples/consumer)
+set(configure ${CMAKE_COMMAND} -S ${consumer_src} -B ${WORK_DIR}/build -G ${GENERATOR}
+              -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX})
+if(MODE STREQUAL "install")
+  step("cmake --install" ${CMAKE_COMMAND} --install ${FSDP_BUILD_DIR} --prefix ${WORK_DIR}/prefix)
+  foreach(f include/fsdp/fsdp.h include/fsdp/checkpoint.h lib/cmake/fsdp/fsdpConfig.cmake
+            lib/cmake/fsdp/fsdpConfigVersion.cmake lib/cmake/fsdp/fsdpTargets.cmake)
+    if(NOT EXISTS ${WORK_DIR}/prefix/${f})
+      message(FATAL_ERROR "consumer (install): ${f} was not installed under ${WORK_DIR}/prefix")
+    endif()
+  endforeach()
+  # Only the prefix: the package must find LibTorch itself.
+  step("configure (find_package)" ${configure} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+elseif(MODE STREQUAL "subdirectory")
+  step("configure (add_subdirectory)" ${configure} -DFSDP_SOURCE_DIR=${FSDP_SOURCE_DIR})
+  if(EXISTS ${WORK_DIR}/build/fsdp-cpp/tests OR EXISTS ${WORK_DIR}/build/fsdp-cpp/bin)
+    message(FATAL_ERROR "consumer (subdirectory): fsdp-cpp generated its tests or programs in "
+                        "a subproject; they must be built only when top-level or asked for")
+  endif()
+else()
+  message(FATAL_ERROR "MODE must be install or subdirectory, not '${MODE}'")
+endif()
+step("build" ${CMAKE_COMMAND} --build ${WORK_DIR}/build --target consumer -j 2)
+step("run" ${WORK_DIR}/build/consumer ${WORK_DIR}/ckpt)
+if(NOT STEP_OUTPUT MATCHES "consumer ok: loss [0-9.e+-]+, saved .*step_00000000")
+  message(FATAL_ERROR "consumer (${MODE}): unexpected output:\n${STEP_OUTPUT}")
+endif()
+if(NOT EXISTS ${WORK_DIR}/ckpt/step_00000000/index.json)
+  message(FATAL_ERROR "consumer (${MODE}): the checkpoint index was not written")
+endif()
+message(STATUS "consumer (${MODE}): ${STEP_OUTPUT}")
