@@ -32,7 +32,9 @@ enum class ReduceOp {
 };
 
 // Handle to an in-flight collective. wait() completes it (running any local post-processing such
-// as the sum of a reduce-scatter) and rethrows its failure. Waiting twice is a no-op.
+// as the sum of a reduce-scatter) and rethrows its failure. Waiting again after a success is a
+// no-op; after a failure or a timeout every later wait() rethrows the same CommError (the
+// collective is lost: its buffers hold nothing usable).
 class Work {
  public:
   Work() = default;
@@ -59,6 +61,15 @@ struct CommStats {
     wait_seconds += o.wait_seconds;
     return *this;
   }
+};
+
+// Who a rank is, as published at the rendezvous: used to name the peer in failure messages (the
+// rank whose process has died, the host behind an address in a transport error).
+struct PeerInfo {
+  int rank = 0;
+  std::string host;     // hostname
+  std::string address;  // the address its transport advertises
+  int64_t pid = 0;
 };
 
 class Communicator {
@@ -101,6 +112,10 @@ class Communicator {
   // The split named `name`, created on first use and shared afterwards (collective on first use).
   std::shared_ptr<Communicator> lane(const std::string& name);
 
+  // The ranks' identities (from init_process_group; empty for a hand-built communicator).
+  void set_peers(std::vector<PeerInfo> peers);
+  const std::vector<PeerInfo>& peers() const { return *peers_; }
+
   const CommStats& stats() const { return *stats_; }
   // This communicator's statistics plus those of every lane split from it.
   CommStats total_stats() const;
@@ -121,6 +136,7 @@ class Communicator {
   int splits_ = 0;
   std::map<std::string, std::shared_ptr<Communicator>> lanes_;
   std::shared_ptr<CommStats> stats_ = std::make_shared<CommStats>();
+  std::shared_ptr<const std::vector<PeerInfo>> peers_ = std::make_shared<std::vector<PeerInfo>>();
 };
 
 }  // namespace fsdp

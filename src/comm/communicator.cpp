@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "compat.h"
+#include "failure.h"
 
 namespace fsdp {
 
@@ -21,8 +22,11 @@ struct Work::Impl {
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<CommStats> stats;
   int64_t issued_us = 0;
+  std::shared_ptr<const std::vector<PeerInfo>> peers;
+  int rank = 0;
   std::mutex mu;
   bool done = false;
+  std::string error;  // set by a failed wait; every later wait rethrows it
 };
 
 void Work::wait() {
@@ -32,6 +36,7 @@ void Work::wait() {
 void Work::wait(std::chrono::milliseconds timeout) {
   if (!impl_) return;
   std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->error.empty()) throw CommError(impl_->error);
   if (impl_->done) return;
   const int64_t start = trace::now_us();
   struct Account {  // charged however the wait ends
@@ -49,11 +54,12 @@ void Work::wait(std::chrono::milliseconds timeout) {
     } catch (const std::exception& e) {
       std::string cause = e.what();
       cause = cause.substr(0, cause.find('\n'));
-      impl_->done = true;  // the collective is lost; waiting again must not hang
-      throw CommError(detail::cat(
-          impl_->what, " did not complete within ", timeout.count() / 1000.0, " s: ", cause,
-          ". A peer rank may have died, hung, or issued a different collective; every rank must "
-          "issue the same collectives in the same order (raise the limit with FSDP_TIMEOUT_S)."));
+      // The collective is lost: waiting again must neither hang nor pass as a success.
+      impl_->done = true;
+      impl_->error =
+          detail::describe_failure(impl_->what, cause, (trace::now_us() - impl_->issued_us) * 1e-6,
+                                   timeout, *impl_->peers, impl_->rank);
+      throw CommError(impl_->error);
     }
   }
   impl_->done = true;
@@ -136,6 +142,8 @@ Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, 
   impl->op = op;
   impl->lane = name_;
   impl->issued_us = trace::now_us();
+  impl->peers = peers_;
+  impl->rank = rank_;
   impl->what = detail::cat(op, " of ", bytes, " bytes on communicator '", name_, "' (rank ", rank_,
                            " of ranks 0..", size_ - 1, ")");
   stats_->collectives++;
@@ -263,7 +271,13 @@ std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
   std::string prefix = detail::cat(name_, "/", name, "#", splits_++);
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
   auto pg = compat::make_process_group(store, rank_, size_, timeout_, backend_, bind_host_);
-  return std::make_shared<Communicator>(pg, store_, backend_, timeout_, prefix, bind_host_);
+  auto c = std::make_shared<Communicator>(pg, store_, backend_, timeout_, prefix, bind_host_);
+  c->peers_ = peers_;
+  return c;
+}
+
+void Communicator::set_peers(std::vector<PeerInfo> peers) {
+  peers_ = std::make_shared<const std::vector<PeerInfo>>(std::move(peers));
 }
 
 CommStats Communicator::total_stats() const {
