@@ -141,6 +141,21 @@ TEST(CommFailureTest, DeadPeerIsNamedAtOnceAndSigpipeCannotKill) {
         EXPECT_TRUE(contains(first, "has exited")) << first;
         EXPECT_FALSE(contains(first, "did not complete within")) << first;
         std::printf("rank 0 saw: %s\n", first.c_str());
+        // The group is broken: a later collective fails at once, pointing at the first error,
+        // instead of waiting out its own timeout (and the communicator's teardown joins nothing).
+        auto later = c->all_reduce(at::ones({4}, at::kFloat), ReduceOp::kSum);
+        const auto t = Clock::now();
+        try {
+          later.wait();
+          ADD_FAILURE() << "a collective of a broken group completed";
+        } catch (const CommError& e) {
+          EXPECT_TRUE(contains(e.what(), "all_reduce of 16 bytes")) << e.what();
+          EXPECT_TRUE(contains(e.what(),
+                               "cannot complete: an earlier collective of this group "
+                               "failed (all_gather of 8388608 bytes"))
+              << e.what();
+        }
+        EXPECT_LT(seconds_since(t), 1.0);
       },
       opt);
   if (in_rank_process()) return;

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -114,7 +115,8 @@ struct RankProc {
   double exit_s = -1;  // seconds after the cut
 };
 
-pid_t spawn(const std::string& ns, int rank, const std::string& log, const std::string& exe) {
+pid_t spawn(const std::string& ns, int rank, const std::string& log, const std::string& exe,
+            const std::map<std::string, std::string>& env = {}) {
   const std::string filter =
       "--gtest_filter=" +
       std::string(::testing::UnitTest::GetInstance()->current_test_info()->test_suite_name()) +
@@ -135,6 +137,7 @@ pid_t spawn(const std::string& ns, int rank, const std::string& log, const std::
     ::setenv("OMP_NUM_THREADS", "1", 1);
     ::unsetenv("FSDP_SOCKET_IFNAME");
     ::unsetenv("GLOO_SOCKET_IFNAME");
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
     ::execlp("ip", "ip", "netns", "exec", ns.c_str(), exe.c_str(), filter.c_str(), nullptr);
     ::_exit(127);
   }

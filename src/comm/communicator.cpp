@@ -2,6 +2,7 @@
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
 
+#include <map>
 #include <mutex>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -10,6 +11,32 @@
 #include "failure.h"
 
 namespace fsdp {
+
+// ---------------------------------------------------------------------------------------------
+// Broken groups
+// ---------------------------------------------------------------------------------------------
+// Once a collective of a world (or of a lane split from it) has failed, the group is broken: Gloo
+// 1.13 cannot abort, so every collective still queued or in flight would wait out its own full
+// timeout, one after the other (an exit took 2-5x the limit). Later waits fail at once instead,
+// and a broken communicator's process group is left undestroyed (its worker threads would be
+// joined mid-collective); the process is expected to exit. Keyed by the world's store, which the
+// world and all its lanes share.
+namespace {
+std::mutex g_broken_mu;
+std::map<const c10d::Store*, std::string>& broken_groups() {
+  static auto* groups = new std::map<const c10d::Store*, std::string>();  // never destroyed
+  return *groups;
+}
+std::string broken_reason(const c10d::Store* group) {
+  std::lock_guard<std::mutex> lock(g_broken_mu);
+  auto it = broken_groups().find(group);
+  return it == broken_groups().end() ? std::string() : it->second;
+}
+void mark_broken(const c10d::Store* group, const std::string& why) {
+  std::lock_guard<std::mutex> lock(g_broken_mu);
+  broken_groups().emplace(group, why);
+}
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Work
@@ -24,6 +51,7 @@ struct Work::Impl {
   int64_t issued_us = 0;
   std::shared_ptr<const std::vector<PeerInfo>> peers;
   int rank = 0;
+  const c10d::Store* group = nullptr;  // the world's store: identifies the world and its lanes
   std::mutex mu;
   bool done = false;
   std::string error;  // set by a failed wait; every later wait rethrows it
@@ -38,6 +66,13 @@ void Work::wait(std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->error.empty()) throw CommError(impl_->error);
   if (impl_->done) return;
+  if (std::string first = broken_reason(impl_->group); !first.empty()) {
+    impl_->done = true;
+    impl_->error =
+        detail::cat(impl_->what, " cannot complete: an earlier collective of this group failed (",
+                    first.substr(0, first.find(':')), "); see that error");
+    throw CommError(impl_->error);
+  }
   const int64_t start = trace::now_us();
   struct Account {  // charged however the wait ends
     Work::Impl& w;
@@ -59,6 +94,7 @@ void Work::wait(std::chrono::milliseconds timeout) {
       impl_->error =
           detail::describe_failure(impl_->what, cause, (trace::now_us() - impl_->issued_us) * 1e-6,
                                    timeout, *impl_->peers, impl_->rank);
+      mark_broken(impl_->group, impl_->error);
       throw CommError(impl_->error);
     }
   }
@@ -130,7 +166,10 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
   size_ = pg_->getSize();
 }
 
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  // See "Broken groups": joining Gloo's workers mid-collective would wait out their timeouts.
+  if (!broken_reason(store_.get()).empty()) (void)pg_.release();
+}
 
 Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::string op,
                              int64_t bytes, std::function<void()> finish) {
@@ -144,6 +183,7 @@ Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, 
   impl->issued_us = trace::now_us();
   impl->peers = peers_;
   impl->rank = rank_;
+  impl->group = store_.get();
   impl->what = detail::cat(op, " of ", bytes, " bytes on communicator '", name_, "' (rank ", rank_,
                            " of ranks 0..", size_ - 1, ")");
   stats_->collectives++;
