@@ -4,7 +4,7 @@
 #   fuzz_index        the checkpoint index parser (fuzz/fuzz_index.cpp)
 # Usage: scripts/fuzz.sh [seconds per target, default 120] [target...]
 # Needs clang (14+) with its libFuzzer runtime (Debian: clang-14 + libclang-rt-14-dev); the parsers
-# are torch-free, so nothing else is linked. Findings (crash-*, leak-*, timeout-*) are written to
+# are torch-free, so only libxxhash is linked. Findings (crash-*, leak-*, timeout-*) are written to
 # build-fuzz/findings/; the script exits non-zero when a target finds one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,12 +16,13 @@ CXX="${FUZZ_CXX:-$(command -v clang++-14 || command -v clang++)}"
 OUT=build-fuzz
 mkdir -p "$OUT/findings"
 FLAGS=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Iinclude)
-SRCS=(src/checkpoint/safetensors.cpp src/checkpoint/index.cpp)
+SRCS=(src/checkpoint/safetensors.cpp src/checkpoint/index.cpp src/checkpoint/strict_json.cpp
+      src/checkpoint/hex.cpp src/checkpoint/atomic_file.cpp)
 declare -A SEEDS=([fuzz_safetensors]=fuzz/corpus/safetensors [fuzz_index]=fuzz/corpus/index)
 status=0
 for t in "${TARGETS[@]}"; do
   echo "== building $t with $CXX"
-  "$CXX" "${FLAGS[@]}" "fuzz/$t.cpp" "${SRCS[@]}" -o "$OUT/$t"
+  "$CXX" "${FLAGS[@]}" "fuzz/$t.cpp" "${SRCS[@]}" -lxxhash -o "$OUT/$t"
   mkdir -p "$OUT/corpus-$t"
   echo "== running $t for ${SECS}s"
   # New inputs go to build-fuzz/corpus-<t>; the checked-in seeds are read only.

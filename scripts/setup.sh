@@ -3,7 +3,7 @@
 # Quick (a dpkg query) when everything is present.
 set -euo pipefail
 pkgs=(cmake ninja-build g++ lld libtorch-dev libgloo-dev libopenblas0-openmp libgtest-dev
-      nlohmann-json3-dev libcli11-dev libtomlplusplus-dev)
+      nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libxxhash-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

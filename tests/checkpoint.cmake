@@ -6,3 +6,7 @@ target_compile_definitions(safetensors_test PRIVATE FSDP_SOURCE_DIR="${PROJECT_S
 fsdp_add_test(checkpoint_test LABEL checkpoint PCH torch SOURCES checkpoint_test.cpp
               LIBS fsdp_checkpoint fsdp_models)
 target_compile_definitions(checkpoint_test PRIVATE FSDP_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+
+# The shared file helpers: hex, strict JSON, atomic writes (torch-free).
+fsdp_add_test(fileio_test LABEL checkpoint SOURCES fileio_test.cpp LIBS fsdp_io)
+target_include_directories(fileio_test PRIVATE ${PROJECT_SOURCE_DIR}/src)

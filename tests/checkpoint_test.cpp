@@ -4,9 +4,11 @@
 // independent Python reader on a consolidated file.
 #include <fsdp/checkpoint.h>
 #include <fsdp/fsdp.h>
+#include <fsdp/hex.h>
 #include <fsdp/models/gpt.h>
 #include <fsdp/safetensors_torch.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -255,6 +257,94 @@ TEST(Checkpoint, InterruptedSaveLeavesPreviousLoadable) {
   if (!in_rank_process()) fs::remove_all(dir);
 }
 
+// ---- a damaged newest checkpoint is reported, temporaries of killed saves, retention ----
+// A pid that no process holds: a child that has exited and been reaped.
+int dead_pid() {
+  pid_t pid = ::fork();
+  if (pid == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return pid;
+}
+
+TEST(CheckpointScan, DamagedNewestIsReportedStaleTemporariesGoRetentionKeepsNewest) {
+  const std::string dir = test_dir();
+  run_ranks(
+      2,
+      [&](Rank& r) {
+        auto& comm = *r.world();
+        Trainee run(r);
+        ck::TrainState s;
+        for (int step = 1; step <= 3; ++step) {
+          s.step = step;
+          ck::save(dir, run.root, run.optim.get(), s, comm);
+        }
+        const std::string s1 = dir + "/step_00000001", s2 = dir + "/step_00000002",
+                          s3 = dir + "/step_00000003", s4 = dir + "/step_00000004";
+        const std::string dead_tmp = s2 + "/rank1.safetensors.tmp." + std::to_string(dead_pid());
+        const std::string live_tmp = s2 + "/rank0.safetensors.tmp." + std::to_string(::getppid());
+        if (r.rank == 0) {
+          // The newest checkpoint's index is cut short (a torn copy, a bad disk).
+          fs::resize_file(s3 + "/index.json", fs::file_size(s3 + "/index.json") / 2);
+          std::ofstream(dead_tmp) << "killed save";
+          std::ofstream(live_tmp) << "a save in progress";
+        }
+        comm.barrier().wait();
+
+        // Reported by name and reason before the fallback; the reason is there for the trainer.
+        std::vector<std::string> lines;
+        auto got = ck::latest(dir, [&](const std::string& l) { lines.push_back(l); });
+        EXPECT_EQ(got, s2);
+        ASSERT_EQ(lines.size(), 1u);
+        EXPECT_NE(lines[0].find("checkpoint '" + s3 + "' is unusable (damaged: "),
+                  std::string::npos)
+            << lines[0];
+        EXPECT_NE(lines[0].find("not valid JSON"), std::string::npos) << lines[0];
+        EXPECT_NE(lines[0].find("falling back to '" + s2 + "'"), std::string::npos) << lines[0];
+        auto scan = ck::scan(dir);
+        ASSERT_EQ(scan.skipped.size(), 1u);
+        EXPECT_EQ(scan.skipped[0].path, s3);
+        EXPECT_EQ(ck::defect(s2), std::nullopt);
+        EXPECT_NE(ck::defect(s3)->find("damaged: "), std::string::npos);
+        EXPECT_NE(ck::defect(dir + "/step_00000009")->find("incomplete: no index.json"),
+                  std::string::npos);
+
+        comm.barrier().wait();  // rank 0's next save starts step 4's directory at once
+
+        // The next save clears the temporaries of dead writers only.
+        s.step = 4;
+        ck::save(dir, run.root, run.optim.get(), s, comm);
+        EXPECT_FALSE(fs::exists(dead_tmp));
+        EXPECT_TRUE(fs::exists(live_tmp));
+        comm.barrier().wait();
+
+        // Keep the newest two complete: step 1 goes; damaged step 3 is newer than step 2, kept.
+        if (r.rank == 0) {
+          fs::remove(live_tmp);
+          EXPECT_EQ(ck::keep_last(dir, 2), std::vector<std::string>{s1});
+          EXPECT_TRUE(fs::exists(s2) && fs::exists(s3) && fs::exists(s4));
+          EXPECT_EQ(ck::keep_last(dir, 1), (std::vector<std::string>{s2, s3}));
+          EXPECT_EQ(ck::latest(dir), s4);
+          expect_error([&] { ck::keep_last(dir, 0); }, {"keep = 0 must be at least 1"});
+        }
+        comm.barrier().wait();
+      },
+      with_dir(dir));
+  if (!in_rank_process()) fs::remove_all(dir);
+}
+
+TEST(CheckpointScan, OnlyADamagedCheckpointIsReportedNotCalledMissing) {
+  const std::string dir = test_dir();
+  fs::create_directories(dir + "/step_00000005");
+  std::ofstream(dir + "/step_00000005/index.json") << "{\"format\": \"fsdp-cpp-checkpoint\"";
+  std::vector<std::string> lines;
+  EXPECT_EQ(ck::latest(dir, [&](const std::string& l) { lines.push_back(l); }), std::nullopt);
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("step_00000005' is unusable (damaged: "), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("no older complete checkpoint"), std::string::npos) << lines[0];
+  fs::remove_all(dir);
+}
+
 // ---- hostile checkpoints, through load on every rank ----
 TEST(CheckpointHostile, CorruptTruncatedMissingMismatched) {
   const std::string dir = test_dir();
@@ -379,8 +469,9 @@ TEST(Checkpoint, PythonReaderReadsConsolidatedFile) {
   }
   std::ifstream in(dir + "/full.safetensors", std::ios::binary);
   std::string bytes((std::istreambuf_iterator<char>(in)), {});
-  EXPECT_NE(res.output.find("xxh64 " + st::to_hex64(st::xxh64(bytes.data(), bytes.size()))),
-            std::string::npos)
+  EXPECT_NE(
+      res.output.find("xxh64 " + fsdp::hex::encode_u64(st::xxh64(bytes.data(), bytes.size()))),
+      std::string::npos)
       << res.output;
   fs::remove_all(dir);
 }

@@ -1,6 +1,15 @@
 # Communicator, rendezvous and launcher tests (label comm).
 fsdp_add_test(comm_test LABEL comm PCH core
-  SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/comm_test.cpp ${CMAKE_CURRENT_SOURCE_DIR}/rendezvous_test.cpp)
+  SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/comm_test.cpp ${CMAKE_CURRENT_SOURCE_DIR}/rendezvous_test.cpp
+          ${CMAKE_CURRENT_SOURCE_DIR}/comm_failure_test.cpp)
+# comm_failure_test checks the internal failure texts and address choice (src/comm/*.h).
+target_include_directories(comm_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
 fsdp_add_test(launcher_test LABEL comm PCH core
   SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/launcher_test.cpp)
 add_dependencies(launcher_test fsdp-run)
+# fsdp-example under Debian's torchrun (skipped without python3-torch).
+fsdp_add_test(torchrun_test LABEL comm PCH core SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/torchrun_test.cpp)
+add_dependencies(torchrun_test fsdp-example)
+# Two network namespaces and a veth pair: training across them, then a cut link (root only).
+fsdp_add_test(netns_test LABEL comm PCH torch SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/netns_test.cpp
+              LIBS fsdp fsdp_models)

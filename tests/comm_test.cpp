@@ -275,7 +275,19 @@ TEST(CommTest, MissingPeerCollectiveTimesOutWithCommError) {
           EXPECT_TRUE(contains(m, "FSDP_TIMEOUT_S")) << m;
         }
         EXPECT_LT(seconds_since(start), 5.0);
-        work.wait();  // a lost collective does not hang a second wait
+        // A lost collective neither hangs a second wait nor passes as a success (issue 9 item 8):
+        // every later wait rethrows the same error.
+        for (int again = 0; again < 2; ++again) {
+          auto t = Clock::now();
+          try {
+            work.wait();
+            ADD_FAILURE() << "a second wait() after a timeout returned as if it succeeded";
+          } catch (const CommError& e) {
+            EXPECT_TRUE(contains(e.what(), "all_gather of 8192 bytes")) << e.what();
+            EXPECT_TRUE(contains(e.what(), "within 2 s")) << e.what();
+          }
+          EXPECT_LT(seconds_since(t), 0.5);
+        }
       },
       opt);
 }

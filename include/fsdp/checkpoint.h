@@ -8,7 +8,8 @@
 //          DIR/step_<8-digit step>/index.json            (written last; its presence = complete)
 //
 // Thread-safety: save/load/init_from are collectives (every rank calls them in the same order, from
-// the thread that trains); latest/consolidate are local and may run on any thread.
+// the thread that trains); defect/scan/latest/keep_last/remove_stale_temporaries/consolidate are
+// local and may run on any thread.
 #pragma once
 
 #include <fsdp/checkpoint_index.h>
@@ -17,6 +18,7 @@
 #include <fsdp/fully_shard.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -34,9 +36,39 @@ namespace fsdp::checkpoint {
 std::string save(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                  const TrainState& state, Communicator& comm);
 
-// The newest complete checkpoint under `dir` (a step_* directory whose index.json is present and
-// parses), or nullopt. Incomplete saves (no index) are skipped.
-std::optional<std::string> latest(const std::string& dir);
+// Why the step directory `ckpt_dir` cannot be loaded ("incomplete: no index.json ...", the index's
+// parse error, a rank file missing or of the wrong size), or nullopt when it looks complete.
+// Cheap: parses the index and stats the files; load() verifies the checksums.
+std::optional<std::string> defect(const std::string& ckpt_dir);
+
+// A step directory passed over, and why.
+struct Skipped {
+  std::string path;
+  std::string reason;  // defect()'s text
+};
+struct Scan {
+  std::optional<std::string> latest;  // the newest step directory without a defect
+  std::vector<Skipped> skipped;       // newest first: every step directory newer than `latest`
+};
+// Examines the step_* directories of `dir`, newest first, down to the first without a defect.
+Scan scan(const std::string& dir);
+
+// scan(dir).latest, after reporting every newer step directory it passes over ("checkpoint
+// 'DIR/step_..' is unusable (reason); falling back to ..."), one line each through `report`
+// (default: stderr). A damaged newest checkpoint is never skipped silently.
+std::optional<std::string> latest(const std::string& dir,
+                                  const std::function<void(const std::string&)>& report = nullptr);
+
+// Retention: removes every complete checkpoint of `dir` but the newest `keep`, and incomplete or
+// damaged step directories older than the oldest one kept (never a newer one: it may be a save in
+// progress, or the evidence of a failure). Returns the removed directories, oldest first. Local:
+// call it on one rank, between saves. REQUIRES: keep >= 1.
+std::vector<std::string> keep_last(const std::string& dir, int keep);
+
+// Removes the "<file>.tmp.<pid>" temporaries of killed saves (the pid is not a live process on this
+// host) in `dir` and its step directories; returns their paths. save() does this on rank 0 before
+// any rank writes. REQUIRES: no save into `dir` in progress on another host.
+std::vector<std::string> remove_stale_temporaries(const std::string& dir);
 
 // Collective: loads `ckpt_dir` (a step_* directory) into the sharded model and optimizer at any
 // world size. Verifies the checksum of every file it reads, dtype/shape against the model, and

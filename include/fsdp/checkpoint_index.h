@@ -72,8 +72,4 @@ std::string index_to_json(const Index& index);
 // The file name of rank k's shards.
 std::string rank_file_name(int rank);
 
-std::string to_hex(const std::string& bytes);
-// Decodes even-length hex; throws naming `what` otherwise.
-std::string from_hex(const std::string& hex, const std::string& what);
-
 }  // namespace fsdp::checkpoint

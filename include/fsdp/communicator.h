@@ -35,7 +35,9 @@ enum class ReduceOp {
 };
 
 // Handle to an in-flight collective. wait() completes it (running any local post-processing such
-// as the sum of a reduce-scatter) and rethrows its failure. Waiting twice is a no-op.
+// as the sum of a reduce-scatter) and rethrows its failure. Waiting again after a success is a
+// no-op; after a failure or a timeout every later wait() rethrows the same CommError (the
+// collective is lost: its buffers hold nothing usable).
 class Work {
  public:
   Work() = default;
@@ -62,6 +64,15 @@ struct CommStats {
     wait_seconds += o.wait_seconds;
     return *this;
   }
+};
+
+// Who a rank is, as published at the rendezvous: used to name the peer in failure messages (the
+// rank whose process has died, the host behind an address in a transport error).
+struct PeerInfo {
+  int rank = 0;
+  std::string host;     // hostname
+  std::string address;  // the address its transport advertises
+  int64_t pid = 0;
 };
 
 class Communicator {
@@ -107,6 +118,9 @@ class Communicator {
   // The c10d process group underneath, for c10d facilities that take one (e.g. c10d::Reducer);
   // collectives issued on it bypass this communicator's checks, timeouts and statistics.
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+  // The ranks' identities (from init_process_group; empty for a hand-built communicator).
+  void set_peers(std::vector<PeerInfo> peers);
+  const std::vector<PeerInfo>& peers() const { return *peers_; }
 
   const CommStats& stats() const { return *stats_; }
   // This communicator's statistics plus those of every lane split from it.
@@ -129,6 +143,7 @@ class Communicator {
   std::map<std::string, std::shared_ptr<Communicator>> lanes_;
   std::shared_ptr<CommStats> stats_ = std::make_shared<CommStats>();
   std::unique_ptr<detail::RingReduceScatter> ring_;  // reduce_scatter's pipelined ring, lazily
+  std::shared_ptr<const std::vector<PeerInfo>> peers_ = std::make_shared<std::vector<PeerInfo>>();
 };
 
 }  // namespace fsdp

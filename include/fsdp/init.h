@@ -19,6 +19,11 @@ struct RendezvousInfo {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   std::string source = "none";  // "torchrun", "openmpi", "slurm" or "none" (single rank)
+  // torchrun's elastic agent already serves a TCPStore at MASTER_ADDR:MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects to it as a client, under the key
+  // prefix "/worker/attempt_<restart_count>" like PyTorch's env:// rendezvous.
+  bool agent_store = false;
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: the attempt of a --max_restarts job
 };
 
 // Reads the rendezvous from an environment lookup (getenv by default). Throws fsdp::Error naming
@@ -30,10 +35,20 @@ struct InitOptions {
   // Collective and rendezvous timeout; FSDP_TIMEOUT_S overrides the default when not set here.
   std::optional<std::chrono::milliseconds> timeout;
   std::string backend = "auto";  // "gloo", "nccl" (LibTorch with CUDA only), or "auto"
+  // While the rendezvous waits, SIGINT/SIGTERM/SIGHUP end the process at once (the shell sees
+  // 128 + signal, 130 for Ctrl-C) whatever handler the program installed; the program's handlers
+  // are restored afterwards. false leaves the signals alone.
+  bool exit_on_signal_during_rendezvous = true;
 };
 
-// Connects this process to its peers: a TCPStore served by rank 0 at MASTER_ADDR:MASTER_PORT, then
-// a process group. A single rank when no launcher variables are set.
+// Connects this process to its peers: a TCPStore at MASTER_ADDR:MASTER_PORT (served by rank 0, or
+// under torchrun by its agent), then a process group. A single rank when no launcher variables are
+// set.
+// Process setup: SIGPIPE is ignored (unless the program set a handler), so that a write to a dead
+// peer's socket fails with an error naming it instead of killing this rank silently.
+// Network: each rank advertises the address of its interface named by FSDP_SOCKET_IFNAME (or
+// GLOO_SOCKET_IFNAME), else of the interface that routes to MASTER_ADDR (127.0.0.1 when MASTER_ADDR
+// is loopback), never the hostname's address (Debian maps it to 127.0.1.1).
 std::shared_ptr<Communicator> init_process_group(const InitOptions& options = {});
 
 // The timeout in effect: options, else FSDP_TIMEOUT_S, else 300 s.

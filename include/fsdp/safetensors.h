@@ -13,7 +13,7 @@
 // offsets that overlap, leave gaps or run past the data section. After a successful parse every
 // offset of the header lies inside the file, so reads derived from it cannot go out of bounds.
 //
-// Checksums: XXH64 (seed 0, the xxHash 64-bit spec, implemented here) of the whole file, and of
+// Checksums: XXH64 (seed 0, the xxHash 64-bit spec, from libxxhash) of the whole file, and of
 // each block of block_bytes bytes (the last block may be short), so that a reader can verify the
 // byte ranges it reads without reading the whole file.
 //
@@ -28,6 +28,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+struct XXH64_state_s;  // <xxhash.h>
 
 namespace fsdp::safetensors {
 
@@ -79,6 +81,7 @@ ByteRange row_range(const Header& h, const TensorMeta& t, int64_t row_begin, int
                     const std::string& source);
 
 // ---- checksums ----
+// Streaming XXH64 (Debian's libxxhash).
 class Xxh64 {
  public:
   explicit Xxh64(uint64_t seed = 0);
@@ -86,15 +89,12 @@ class Xxh64 {
   uint64_t digest() const;
 
  private:
-  uint64_t v_[4];
-  uint64_t total_ = 0;
-  uint8_t buf_[32];
-  size_t buf_len_ = 0;
-  uint64_t seed_;
+  struct FreeState {
+    void operator()(XXH64_state_s* s) const;
+  };
+  std::unique_ptr<XXH64_state_s, FreeState> state_;
 };
 uint64_t xxh64(const void* data, size_t len, uint64_t seed = 0);
-std::string to_hex64(uint64_t v);                          // 16 lowercase hex digits
-std::optional<uint64_t> from_hex64(const std::string& s);  // exactly 16 hex digits
 
 struct Checksums {
   uint64_t file_bytes = 0;
@@ -159,15 +159,14 @@ struct TensorView {
   uint64_t bytes = 0;
 };
 
-// Writes `tensors` (in the given order) and `metadata` to `path` atomically: a temporary file in
-// the same directory, fsync, rename over `path`, fsync of the directory. Validates names (unique,
-// non-empty, not "__metadata__"), dtypes and sizes first. Returns the checksums of what it wrote.
+// Writes `tensors` (in the given order) and `metadata` to `path` atomically (fsdp/atomic_file.h: a
+// temporary file in the same directory, fsync, rename over `path`, fsync of the directory).
+// Validates names (unique, non-empty, not "__metadata__"), dtypes and sizes first. Returns the
+// checksums of what it wrote.
 Checksums write(const std::string& path, const std::vector<TensorView>& tensors,
                 const std::map<std::string, std::string>& metadata = {},
                 uint64_t block_bytes = kDefaultBlockBytes);
 
-// Writes `text` to `path` atomically (same protocol as write()).
-void write_text_atomic(const std::string& path, const std::string& text);
 // Reads a whole small file (at most max_bytes, else an error naming it).
 std::string read_text(const std::string& path, uint64_t max_bytes);
 

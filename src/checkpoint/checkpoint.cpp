@@ -1,11 +1,13 @@
 // Sharded checkpoints over fully_shard: save / latest / load / consolidate / init_from.
 // [Note: checkpoint atomicity] Each rank renames its file into place, then rank 0 renames the index
-// last; a step directory without a parseable index is incomplete and latest() skips it. Every step
-// that can fail on one rank ends in agree(), so all ranks raise together instead of one rank
-// waiting in the next collective. Format and schema: docs/checkpoint.md.
+// last; a step directory without a parseable index is incomplete and latest() reports and skips it.
+// Every step that can fail on one rank ends in agree(), so all ranks raise together instead of one
+// rank waiting in the next collective. Format and schema: docs/checkpoint.md.
 #include <ATen/ATen.h>
 #include <c10/util/C++17.h>
+#include <fsdp/atomic_file.h>
 #include <fsdp/checkpoint.h>
+#include <fsdp/hex.h>
 #include <fsdp/safetensors_torch.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -163,10 +165,10 @@ json local_manifest(const std::vector<st::TensorView>& views,
                     const std::vector<bool>& replicated, const st::Checksums& sums) {
   json m;
   m["bytes"] = sums.file_bytes;
-  m["xxh64"] = st::to_hex64(sums.xxh64);
+  m["xxh64"] = hex::encode_u64(sums.xxh64);
   m["block_bytes"] = sums.block_bytes;
   json blocks = json::array();
-  for (auto b : sums.blocks) blocks.push_back(st::to_hex64(b));
+  for (auto b : sums.blocks) blocks.push_back(hex::encode_u64(b));
   m["block_xxh64"] = blocks;
   m["tensors"] = json::array();
   for (size_t i = 0; i < views.size(); ++i) {
@@ -191,10 +193,10 @@ Index build_index(const std::vector<std::string>& manifests, const std::string& 
     FileEntry f;
     f.name = rank_file_name(static_cast<int>(r));
     f.sums.file_bytes = m["bytes"].get<uint64_t>();
-    f.sums.xxh64 = *st::from_hex64(m["xxh64"].get<std::string>());
+    f.sums.xxh64 = *hex::decode_u64(m["xxh64"].get<std::string>());
     f.sums.block_bytes = m["block_bytes"].get<uint64_t>();
     for (const auto& b : m["block_xxh64"])
-      f.sums.blocks.push_back(*st::from_hex64(b.get<std::string>()));
+      f.sums.blocks.push_back(*hex::decode_u64(b.get<std::string>()));
     idx.files.push_back(std::move(f));
     for (const auto& t : m["tensors"]) {
       auto name = t["name"].get<std::string>();
@@ -451,9 +453,11 @@ std::string save(const std::string& dir, const FSDPModule& root, torch::optim::O
 
   // 1. Rank 0 prepares the directory and withdraws an older index of the same step, so that a
   //    half-rewritten step can never look complete.
+  //    Temporaries of killed saves go too: no rank writes before this step's agreement.
   agree(comm, rank != 0 ? std::string() : capture([&] {
           fs::create_directories(ckpt);
           fs::remove(fs::path(ckpt) / kIndexFile);
+          remove_stale_temporaries(dir);
         }),
         "save");
 
@@ -511,38 +515,10 @@ std::string save(const std::string& dir, const FSDPModule& root, torch::optim::O
     Index idx = build_index(manifests, kind_name(kind), state, ckpt);
     std::string text = index_to_json(idx);
     parse_index(text, ckpt + "/" + kIndexFile);  // what we write must pass our own validation
-    st::write_text_atomic(ckpt + "/" + kIndexFile, text);
+    write_text_atomic(ckpt + "/" + kIndexFile, text);
   });
   agree(comm, error, "save");
   return ckpt;
-}
-
-std::optional<std::string> latest(const std::string& dir) {
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) return std::nullopt;
-  std::vector<std::pair<int64_t, std::string>> steps;
-  for (const auto& ent : fs::directory_iterator(dir, ec)) {
-    std::string name = ent.path().filename().string();
-    if (name.rfind("step_", 0) != 0 || name.size() <= 5 || name.size() > 5 + 18) continue;
-    if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      continue;
-    steps.emplace_back(std::stoll(name.substr(5)), ent.path().string());
-  }
-  std::sort(steps.rbegin(), steps.rend());
-  for (const auto& [step, path] : steps) {
-    try {
-      Index idx = parse_index(st::read_text(path + "/" + kIndexFile, kMaxIndexBytes), path);
-      bool ok = true;
-      for (const auto& f : idx.files) {
-        auto p = fs::path(path) / f.name;
-        ok = ok && fs::is_regular_file(p, ec) && fs::file_size(p, ec) == f.sums.file_bytes;
-      }
-      if (ok) return path;
-    } catch (const Error&) {
-      // incomplete or damaged: try the previous one
-    }
-  }
-  return std::nullopt;
 }
 
 TrainState load(const std::string& ckpt_dir, const FSDPModule& root, torch::optim::Optimizer* opt,

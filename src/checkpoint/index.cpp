@@ -1,10 +1,13 @@
 // index.json: validation of untrusted index text, and its serialisation. Torch-free (fuzzed alone).
 #include <fsdp/checkpoint_index.h>
 #include <fsdp/error.h>
+#include <fsdp/hex.h>
 
 #include <algorithm>
 #include <limits>
 #include <set>
+
+#include "strict_json.h"
 
 namespace fsdp::checkpoint {
 
@@ -57,7 +60,7 @@ std::string get_str(const json& v, const std::string& source, const std::string&
 }
 
 uint64_t get_hex64(const json& v, const std::string& source, const std::string& what) {
-  auto x = safetensors::from_hex64(get_str(v, source, what));
+  auto x = hex::decode_u64(get_str(v, source, what));
   if (!x) fail(source, cat(what, " is not 16 hex digits"));
   return *x;
 }
@@ -72,63 +75,12 @@ const IndexEntry* Index::find(const std::string& name) const {
   return it != tensors.end() && it->name == name ? &*it : nullptr;
 }
 
-std::string to_hex(const std::string& bytes) {
-  static const char* kHex = "0123456789abcdef";
-  std::string s;
-  s.reserve(bytes.size() * 2);
-  for (unsigned char c : bytes) {
-    s.push_back(kHex[c >> 4]);
-    s.push_back(kHex[c & 15]);
-  }
-  return s;
-}
-
-std::string from_hex(const std::string& hex, const std::string& what) {
-  if (hex.size() % 2 != 0) throw Error(cat(what, ": hex string of odd length ", hex.size()));
-  auto digit = [&](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    throw Error(cat(what, ": '", c, "' is not a hex digit"));
-  };
-  std::string out(hex.size() / 2, '\0');
-  for (size_t i = 0; i < out.size(); ++i) {
-    out[i] = static_cast<char>(digit(hex[2 * i]) * 16 + digit(hex[2 * i + 1]));
-  }
-  return out;
-}
-
 Index parse_index(const std::string& text, const std::string& source) {
   if (text.size() > kMaxIndexBytes) {
     fail(source, cat(text.size(), " bytes, over the cap of ", kMaxIndexBytes));
   }
-  json j;
-  bool too_deep = false;
-  std::vector<std::set<std::string>> keys;  // per open object/array: keys seen (duplicates)
-  std::string duplicate;
-  auto cb = [&](int, json::parse_event_t ev, json& parsed) {
-    using E = json::parse_event_t;
-    if (ev == E::object_start || ev == E::array_start) {
-      keys.emplace_back();
-      if (keys.size() > 16) too_deep = true;
-    } else if (ev == E::object_end || ev == E::array_end) {
-      if (!keys.empty()) keys.pop_back();
-    } else if (ev == E::key && !keys.empty() && duplicate.empty() &&
-               !keys.back().insert(parsed.get<std::string>()).second) {
-      duplicate = parsed.get<std::string>();
-    }
-    // Discarding (false) stops building the DOM below the depth limit; parsing stays iterative.
-    return keys.size() <= 16;
-  };
-  try {
-    j = json::parse(text, cb, /*allow_exceptions=*/true);
-  } catch (const json::exception& e) {
-    fail(source,
-         cat("not valid JSON: ", e.what(), "; the save was interrupted or the file is corrupt"));
-  }
-  if (!duplicate.empty())
-    fail(source, cat("the key ", shown(duplicate), " appears twice in one object"));
-  if (too_deep) fail(source, "nests deeper than 16 levels; not an fsdp-cpp index");
+  // 16 levels: the trainer's "extra" object nests a little; the schema itself needs 4.
+  json j = detail::parse_json_strict(text, 16, cat("checkpoint index '", source, "'"));
   if (!j.is_object()) fail(source, "not a JSON object");
   Index idx;
   if (get_str(field(j, "format", source, ""), source, "format") != kFormatName) {
@@ -155,12 +107,14 @@ Index parse_index(const std::string& text, const std::string& source) {
   idx.state.step = get_int(field(j, "step", source, ""), 0, kI64Max, source, "step");
   idx.state.data_position =
       get_int(field(j, "data_position", source, ""), 0, kI64Max, source, "data_position");
-  try {
-    idx.state.rng_state = from_hex(
-        get_str(field(j, "rng_state_hex", source, ""), source, "rng_state_hex"), "rng_state_hex");
-  } catch (const Error& e) {
-    fail(source, e.what());
+  const std::string rng_hex =
+      get_str(field(j, "rng_state_hex", source, ""), source, "rng_state_hex");
+  auto rng = hex::decode(rng_hex);
+  if (!rng) {
+    fail(source, cat("rng_state_hex (", rng_hex.size(),
+                     " characters) is not hex: an even number of digits 0-9a-f is expected"));
   }
+  idx.state.rng_state = *rng;
   if (j.contains("extra")) idx.state.extra = j["extra"];
   if (get_str(field(j, "checksum", source, ""), source, "checksum") != "xxh64") {
     fail(source, "checksum algorithm is not 'xxh64'");
@@ -282,16 +236,16 @@ std::string index_to_json(const Index& idx) {
   j["optimizer"] = idx.optimizer;
   j["step"] = idx.state.step;
   j["data_position"] = idx.state.data_position;
-  j["rng_state_hex"] = to_hex(idx.state.rng_state);
+  j["rng_state_hex"] = hex::encode(idx.state.rng_state);
   if (!idx.state.extra.is_null()) j["extra"] = idx.state.extra;
   j["checksum"] = "xxh64";
   j["files"] = json::array();
   for (const auto& f : idx.files) {
     json blocks = json::array();
-    for (uint64_t b : f.sums.blocks) blocks.push_back(safetensors::to_hex64(b));
+    for (uint64_t b : f.sums.blocks) blocks.push_back(hex::encode_u64(b));
     j["files"].push_back({{"name", f.name},
                           {"bytes", f.sums.file_bytes},
-                          {"xxh64", safetensors::to_hex64(f.sums.xxh64)},
+                          {"xxh64", hex::encode_u64(f.sums.xxh64)},
                           {"block_bytes", f.sums.block_bytes},
                           {"block_xxh64", blocks}});
   }

@@ -1,10 +1,13 @@
-// safetensors format: hardened header parser, verified range reader, atomic writer, XXH64.
+// safetensors format: hardened header parser, verified range reader, checksummed writer.
 // See include/fsdp/safetensors.h for the contract and docs/checkpoint.md for the format.
 #include <fcntl.h>
+#include <fsdp/atomic_file.h>
 #include <fsdp/error.h>
+#include <fsdp/hex.h>
 #include <fsdp/safetensors.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -12,6 +15,8 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+
+#include "strict_json.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "fsdp safetensors I/O copies tensor bytes as they are: little-endian hosts only");
@@ -43,52 +48,6 @@ uint64_t load_le64(const uint8_t* p) {
   uint64_t v = 0;
   for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
   return v;
-}
-
-// ---- JSON with duplicate-key and depth checks ----
-// nlohmann::json keeps the last of duplicate keys silently; the format forbids duplicates, and a
-// parser that picks one of two differing entries is how two readers come to disagree.
-nlohmann::json parse_json_strict(const char* begin, const char* end, const std::string& source,
-                                 const std::string& what) {
-  std::vector<std::set<std::string>> keys;  // one set per open object; nullopt-like for arrays
-  std::vector<bool> is_object;
-  auto cb = [&](int /*depth*/, nlohmann::json::parse_event_t ev, nlohmann::json& parsed) {
-    using E = nlohmann::json::parse_event_t;
-    switch (ev) {
-      case E::object_start:
-      case E::array_start:
-        is_object.push_back(ev == E::object_start);
-        keys.emplace_back();
-        if (static_cast<int>(is_object.size()) > kMaxJsonDepth) {
-          fail(source, cat(what, " nests deeper than ", kMaxJsonDepth,
-                           " levels; the format needs 3 - the file is not a valid ", what));
-        }
-        break;
-      case E::object_end:
-      case E::array_end:
-        if (!keys.empty()) {
-          keys.pop_back();
-          is_object.pop_back();
-        }
-        break;
-      case E::key:
-        if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second) {
-          fail(source, cat(what, " has the key ", shown(parsed.get<std::string>()),
-                           " twice; duplicate names are forbidden (the file is corrupt or "
-                           "crafted)"));
-        }
-        break;
-      case E::value:
-        break;
-    }
-    return true;
-  };
-  try {
-    return nlohmann::json::parse(begin, end, cb, /*allow_exceptions=*/true,
-                                 /*ignore_comments=*/false);
-  } catch (const nlohmann::json::exception& e) {
-    fail(source, cat(what, " is not valid JSON: ", e.what()));
-  }
 }
 
 bool checked_mul(uint64_t a, uint64_t b, uint64_t* out) {
@@ -208,36 +167,6 @@ void pread_all(int fd, void* dst, uint64_t len, uint64_t offset, const std::stri
   }
 }
 
-void write_all(int fd, const void* src, uint64_t len, const std::string& path) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  while (len > 0) {
-    ssize_t n = ::write(fd, p, std::min<uint64_t>(len, 1ull << 30));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail(path, cat("write failed: ", errno_text(), " (disk full or read-only?)"));
-    p += n;
-    len -= static_cast<uint64_t>(n);
-  }
-}
-
-std::string dir_of(const std::string& path) {
-  auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
-void fsync_dir(const std::string& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) fail(dir, cat("cannot open directory to fsync it: ", errno_text()));
-  int rc = ::fsync(fd);
-  int err = errno;
-  ::close(fd);
-  if (rc != 0) {
-    errno = err;
-    fail(dir, cat("fsync of the directory failed: ", errno_text()));
-  }
-}
-
 // Streams bytes to a file while computing the whole-file and per-block XXH64.
 class HashingWriter {
  public:
@@ -279,30 +208,6 @@ class HashingWriter {
   Xxh64 block_;
   Checksums sums_;
 };
-
-// Writes through `body` into a temporary file next to `path`, then fsync + rename + dir fsync.
-template <class Body>
-void atomic_write(const std::string& path, Body&& body) {
-  std::string tmp = cat(path, ".tmp.", ::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0)
-    fail(tmp, cat("cannot create: ", errno_text(), "; check the directory exists and is writable"));
-  try {
-    body(fd, tmp);
-    if (::fsync(fd) != 0) fail(tmp, cat("fsync failed: ", errno_text()));
-    int rc = ::close(fd);
-    fd = -1;
-    if (rc != 0) fail(tmp, cat("close failed: ", errno_text()));
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      fail(path, cat("rename from '", tmp, "' failed: ", errno_text()));
-    }
-  } catch (...) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  fsync_dir(dir_of(path));
-}
 
 }  // namespace
 
@@ -366,7 +271,8 @@ Header parse_header(const uint8_t* prefix, size_t prefix_len, uint64_t file_size
   if (begin[0] != '{') {
     fail(source, "header does not start with '{'; this is not a safetensors file");
   }
-  auto j = parse_json_strict(begin, begin + h.header_bytes, source, "header");
+  auto j = detail::parse_json_strict(std::string_view(begin, h.header_bytes), kMaxJsonDepth,
+                                     cat("safetensors file '", source, "': header"));
   if (!j.is_object()) fail(source, "header is not a JSON object");
   for (auto it = j.begin(); it != j.end(); ++it) {
     if (it.key() == "__metadata__") {
@@ -426,141 +332,20 @@ ByteRange row_range(const Header& h, const TensorMeta& t, int64_t row_begin, int
 }
 
 // ---------------------------------------------------------------------------------------------
-// XXH64 (xxHash spec, 64-bit variant)
+// XXH64: Debian's libxxhash
 // ---------------------------------------------------------------------------------------------
-namespace {
-constexpr uint64_t kP1 = 0x9E3779B185EBCA87ull;
-constexpr uint64_t kP2 = 0xC2B2AE3D27D4EB4Full;
-constexpr uint64_t kP3 = 0x165667B19E3779F9ull;
-constexpr uint64_t kP4 = 0x85EBCA77C2B2AE63ull;
-constexpr uint64_t kP5 = 0x27D4EB2F165667C5ull;
-inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-inline uint64_t rd64(const uint8_t* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
-inline uint32_t rd32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-inline uint64_t round1(uint64_t acc, uint64_t in) {
-  acc += in * kP2;
-  acc = rotl(acc, 31);
-  return acc * kP1;
-}
-inline uint64_t merge(uint64_t acc, uint64_t v) {
-  acc ^= round1(0, v);
-  return acc * kP1 + kP4;
-}
-}  // namespace
+void Xxh64::FreeState::operator()(XXH64_state_s* s) const { XXH64_freeState(s); }
 
-Xxh64::Xxh64(uint64_t seed) : seed_(seed) {
-  v_[0] = seed + kP1 + kP2;
-  v_[1] = seed + kP2;
-  v_[2] = seed;
-  v_[3] = seed - kP1;
+Xxh64::Xxh64(uint64_t seed) : state_(XXH64_createState()) {
+  FSDP_CHECK(state_ != nullptr, "XXH64_createState: out of memory");
+  XXH64_reset(state_.get(), seed);
 }
 
-void Xxh64::update(const void* data, size_t len) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  total_ += len;
-  if (buf_len_ + len < 32) {
-    if (len) std::memcpy(buf_ + buf_len_, p, len);
-    buf_len_ += len;
-    return;
-  }
-  if (buf_len_ > 0) {
-    size_t take = 32 - buf_len_;
-    std::memcpy(buf_ + buf_len_, p, take);
-    for (int i = 0; i < 4; ++i) v_[i] = round1(v_[i], rd64(buf_ + 8 * i));
-    p += take;
-    len -= take;
-    buf_len_ = 0;
-  }
-  while (len >= 32) {
-    v_[0] = round1(v_[0], rd64(p));
-    v_[1] = round1(v_[1], rd64(p + 8));
-    v_[2] = round1(v_[2], rd64(p + 16));
-    v_[3] = round1(v_[3], rd64(p + 24));
-    p += 32;
-    len -= 32;
-  }
-  if (len) std::memcpy(buf_, p, len);
-  buf_len_ = len;
-}
+void Xxh64::update(const void* data, size_t len) { XXH64_update(state_.get(), data, len); }
 
-uint64_t Xxh64::digest() const {
-  uint64_t h;
-  if (total_ >= 32) {
-    h = rotl(v_[0], 1) + rotl(v_[1], 7) + rotl(v_[2], 12) + rotl(v_[3], 18);
-    for (int i = 0; i < 4; ++i) h = merge(h, v_[i]);
-  } else {
-    h = seed_ + kP5;
-  }
-  h += total_;
-  const uint8_t* p = buf_;
-  size_t len = buf_len_;
-  while (len >= 8) {
-    h ^= round1(0, rd64(p));
-    h = rotl(h, 27) * kP1 + kP4;
-    p += 8;
-    len -= 8;
-  }
-  if (len >= 4) {
-    h ^= static_cast<uint64_t>(rd32(p)) * kP1;
-    h = rotl(h, 23) * kP2 + kP3;
-    p += 4;
-    len -= 4;
-  }
-  while (len > 0) {
-    h ^= (*p) * kP5;
-    h = rotl(h, 11) * kP1;
-    ++p;
-    --len;
-  }
-  h ^= h >> 33;
-  h *= kP2;
-  h ^= h >> 29;
-  h *= kP3;
-  h ^= h >> 32;
-  return h;
-}
+uint64_t Xxh64::digest() const { return XXH64_digest(state_.get()); }
 
-uint64_t xxh64(const void* data, size_t len, uint64_t seed) {
-  Xxh64 s(seed);
-  s.update(data, len);
-  return s.digest();
-}
-
-std::string to_hex64(uint64_t v) {
-  static const char* kHex = "0123456789abcdef";
-  std::string s(16, '0');
-  for (int i = 15; i >= 0; --i) {
-    s[i] = kHex[v & 15];
-    v >>= 4;
-  }
-  return s;
-}
-
-std::optional<uint64_t> from_hex64(const std::string& s) {
-  if (s.size() != 16) return std::nullopt;
-  uint64_t v = 0;
-  for (char c : s) {
-    int d;
-    if (c >= '0' && c <= '9')
-      d = c - '0';
-    else if (c >= 'a' && c <= 'f')
-      d = c - 'a' + 10;
-    else if (c >= 'A' && c <= 'F')
-      d = c - 'A' + 10;
-    else
-      return std::nullopt;
-    v = (v << 4) | static_cast<uint64_t>(d);
-  }
-  return v;
-}
+uint64_t xxh64(const void* data, size_t len, uint64_t seed) { return XXH64(data, len, seed); }
 
 // ---------------------------------------------------------------------------------------------
 // File
@@ -641,10 +426,11 @@ void File::verify_block(uint64_t block, const std::string& what) {
     for (size_t i = 0; i < held.size() && i < 8; ++i)
       holds += (holds.empty() ? "" : ", ") + ("tensor " + held[i]);
     if (held.size() > 8) holds += cat(" and ", held.size() - 8, " more tensors");
-    fail(path_, cat("checksum mismatch in block ", block, " (bytes [", start, ", ", start + len,
-                    "), holding ", holds, ") while reading ", what, ": xxh64 ", to_hex64(got),
-                    ", the index says ", to_hex64(sums_->blocks[block]),
-                    "; the file is corrupt - restore it or use an older checkpoint"));
+    fail(path_,
+         cat("checksum mismatch in block ", block, " (bytes [", start, ", ", start + len,
+             "), holding ", holds, ") while reading ", what, ": xxh64 ", hex::encode_u64(got),
+             ", the index says ", hex::encode_u64(sums_->blocks[block]),
+             "; the file is corrupt - restore it or use an older checkpoint"));
   }
   verified_[block] = true;
 }
@@ -691,8 +477,8 @@ void File::verify_all() {
     off += len;
   }
   if (whole.digest() != sums_->xxh64) {
-    fail(path_, cat("checksum mismatch: xxh64 of the file is ", to_hex64(whole.digest()),
-                    ", the index says ", to_hex64(sums_->xxh64),
+    fail(path_, cat("checksum mismatch: xxh64 of the file is ", hex::encode_u64(whole.digest()),
+                    ", the index says ", hex::encode_u64(sums_->xxh64),
                     "; the file is corrupt - restore it or use an older checkpoint"));
   }
 }
@@ -751,11 +537,6 @@ Checksums write(const std::string& path, const std::vector<TensorView>& tensors,
     sums = w.finish();
   });
   return sums;
-}
-
-void write_text_atomic(const std::string& path, const std::string& text) {
-  atomic_write(
-      path, [&](int fd, const std::string& tmp) { write_all(fd, text.data(), text.size(), tmp); });
 }
 
 std::string read_text(const std::string& path, uint64_t max_bytes) {

@@ -2,14 +2,42 @@
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
 
+#include <map>
 #include <mutex>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "compat.h"
 #include "ring_reduce_scatter.h"
+#include "failure.h"
 
 namespace fsdp {
+
+// ---------------------------------------------------------------------------------------------
+// Broken groups
+// ---------------------------------------------------------------------------------------------
+// Once a collective of a world (or of a lane split from it) has failed, the group is broken: Gloo
+// 1.13 cannot abort, so every collective still queued or in flight would wait out its own full
+// timeout, one after the other (an exit took 2-5x the limit). Later waits fail at once instead,
+// and a broken communicator's process group is left undestroyed (its worker threads would be
+// joined mid-collective); the process is expected to exit. Keyed by the world's store, which the
+// world and all its lanes share.
+namespace {
+std::mutex g_broken_mu;
+std::map<const c10d::Store*, std::string>& broken_groups() {
+  static auto* groups = new std::map<const c10d::Store*, std::string>();  // never destroyed
+  return *groups;
+}
+std::string broken_reason(const c10d::Store* group) {
+  std::lock_guard<std::mutex> lock(g_broken_mu);
+  auto it = broken_groups().find(group);
+  return it == broken_groups().end() ? std::string() : it->second;
+}
+void mark_broken(const c10d::Store* group, const std::string& why) {
+  std::lock_guard<std::mutex> lock(g_broken_mu);
+  broken_groups().emplace(group, why);
+}
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Work
@@ -22,8 +50,12 @@ struct Work::Impl {
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<CommStats> stats;
   int64_t issued_us = 0;
+  std::shared_ptr<const std::vector<PeerInfo>> peers;
+  int rank = 0;
+  const c10d::Store* group = nullptr;  // the world's store: identifies the world and its lanes
   std::mutex mu;
   bool done = false;
+  std::string error;  // set by a failed wait; every later wait rethrows it
 };
 
 void Work::wait() {
@@ -33,7 +65,15 @@ void Work::wait() {
 void Work::wait(std::chrono::milliseconds timeout) {
   if (!impl_) return;
   std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->error.empty()) throw CommError(impl_->error);
   if (impl_->done) return;
+  if (std::string first = broken_reason(impl_->group); !first.empty()) {
+    impl_->done = true;
+    impl_->error =
+        detail::cat(impl_->what, " cannot complete: an earlier collective of this group failed (",
+                    first.substr(0, first.find(':')), "); see that error");
+    throw CommError(impl_->error);
+  }
   const int64_t start = trace::now_us();
   struct Account {  // charged however the wait ends
     Work::Impl& w;
@@ -50,11 +90,13 @@ void Work::wait(std::chrono::milliseconds timeout) {
     } catch (const std::exception& e) {
       std::string cause = e.what();
       cause = cause.substr(0, cause.find('\n'));
-      impl_->done = true;  // the collective is lost; waiting again must not hang
-      throw CommError(detail::cat(
-          impl_->what, " did not complete within ", timeout.count() / 1000.0, " s: ", cause,
-          ". A peer rank may have died, hung, or issued a different collective; every rank must "
-          "issue the same collectives in the same order (raise the limit with FSDP_TIMEOUT_S)."));
+      // The collective is lost: waiting again must neither hang nor pass as a success.
+      impl_->done = true;
+      impl_->error =
+          detail::describe_failure(impl_->what, cause, (trace::now_us() - impl_->issued_us) * 1e-6,
+                                   timeout, *impl_->peers, impl_->rank);
+      mark_broken(impl_->group, impl_->error);
+      throw CommError(impl_->error);
     }
   }
   impl_->done = true;
@@ -125,7 +167,10 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
   size_ = pg_->getSize();
 }
 
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  // See "Broken groups": joining Gloo's workers mid-collective would wait out their timeouts.
+  if (!broken_reason(store_.get()).empty()) (void)pg_.release();
+}
 
 Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::string op,
                              int64_t bytes, std::function<void()> finish) {
@@ -137,6 +182,9 @@ Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, 
   impl->op = op;
   impl->lane = name_;
   impl->issued_us = trace::now_us();
+  impl->peers = peers_;
+  impl->rank = rank_;
+  impl->group = store_.get();
   impl->what = detail::cat(op, " of ", bytes, " bytes on communicator '", name_, "' (rank ", rank_,
                            " of ranks 0..", size_ - 1, ")");
   stats_->collectives++;
@@ -272,7 +320,13 @@ std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
   std::string prefix = detail::cat(name_, "/", name, "#", splits_++);
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
   auto pg = compat::make_process_group(store, rank_, size_, timeout_, backend_, bind_host_);
-  return std::make_shared<Communicator>(pg, store_, backend_, timeout_, prefix, bind_host_);
+  auto c = std::make_shared<Communicator>(pg, store_, backend_, timeout_, prefix, bind_host_);
+  c->peers_ = peers_;
+  return c;
+}
+
+void Communicator::set_peers(std::vector<PeerInfo> peers) {
+  peers_ = std::make_shared<const std::vector<PeerInfo>>(std::move(peers));
 }
 
 CommStats Communicator::total_stats() const {

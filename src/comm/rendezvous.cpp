@@ -1,6 +1,8 @@
 #include <fsdp/error.h>
 #include <fsdp/init.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <thread>
@@ -8,7 +10,10 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "address.h"
 #include "compat.h"
+#include "failure.h"
+#include "signals.h"
 
 namespace fsdp {
 namespace {
@@ -39,9 +44,8 @@ std::string rendezvous_error(const RendezvousInfo& info, std::chrono::millisecon
 
 // Every rank checks in on the store and waits until all have, so a missing rank is reported as
 // such on every rank that did join, after `timeout`, before any process group is built.
-void wait_for_all(c10d::Store& store, const RendezvousInfo& info,
-                  std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+void wait_for_all(c10d::Store& store, const RendezvousInfo& info, std::chrono::milliseconds timeout,
+                  std::chrono::steady_clock::time_point deadline) {
   const std::string key = "fsdp/rendezvous/joined";
   try {
     int64_t joined = store.add(key, 1);
@@ -61,8 +65,52 @@ void wait_for_all(c10d::Store& store, const RendezvousInfo& info,
   }
 }
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+// Every rank publishes who it is (host, advertised address, pid) and reads everyone's: failure
+// messages name the rank behind a dead process or an address. All ranks have joined already.
+std::vector<PeerInfo> exchange_peers(c10d::Store& store, const RendezvousInfo& info,
+                                     const std::string& address, std::chrono::milliseconds timeout,
+                                     std::chrono::steady_clock::time_point deadline) {
+  auto key = [](int r) { return detail::cat("fsdp/rendezvous/peer/", r); };
+  const std::string mine = detail::cat(detail::this_host(), "\n", address, "\n", ::getpid());
+  std::vector<PeerInfo> peers(info.world_size);
+  try {
+    store.set(key(info.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+    std::vector<std::string> keys;
+    for (int r = 0; r < info.world_size; ++r) keys.push_back(key(r));
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    store.wait(keys, std::max(left, std::chrono::milliseconds(1)));
+    for (int r = 0; r < info.world_size; ++r) {
+      auto bytes = store.get(keys[r]);
+      std::string text(bytes.begin(), bytes.end());
+      const auto a = text.find('\n'), b = text.find('\n', a + 1);
+      peers[r].rank = r;
+      peers[r].host = text.substr(0, a);
+      peers[r].address = text.substr(a + 1, b - a - 1);
+      peers[r].pid = std::atoll(text.substr(b + 1).c_str());
+    }
+  } catch (const std::exception& e) {
+    throw CommError(rendezvous_error(info, timeout, "exchanging the ranks' addresses", e.what()));
+  }
+  return peers;
+}
+
+// The process group could not connect although every rank reached the store: the advertised
+// addresses are the suspects, not MASTER_ADDR.
+std::string peer_connect_error(const RendezvousInfo& info, std::chrono::milliseconds timeout,
+                               const std::vector<PeerInfo>& peers, std::string what) {
+  what = what.substr(0, what.find('\n'));
+  std::string addrs;
+  for (const auto& p : peers)
+    addrs +=
+        detail::cat(addrs.empty() ? "" : ", ", "rank ", p.rank, " ", p.address, " (", p.host, ")");
+  return detail::cat(
+      "rendezvous failed for rank ", info.rank, " of ", info.world_size, " within ",
+      timeout.count() / 1000.0, " s (connecting to its peers): ", what,
+      ". Every rank reached the store at ", info.master_addr, ":", info.master_port,
+      ", but not each other: check that each advertised address is reachable from the other hosts "
+      "(",
+      addrs, "); choose the interface with FSDP_SOCKET_IFNAME and let no firewall block the ports");
 }
 
 }  // namespace
@@ -104,6 +152,12 @@ RendezvousInfo parse_rendezvous_env(const std::function<const char*(const char*)
                "machine)");
   }
   if (const char* p = env("MASTER_PORT")) info.master_port = parse_int("MASTER_PORT", p, 1, 65535);
+  // torchrun (static rendezvous) serves the store itself; PyTorch's own env:// handler compares
+  // the value with "True" exactly.
+  if (const char* a = env("TORCHELASTIC_USE_AGENT_STORE"))
+    info.agent_store = std::string(a) == "True";
+  if (const char* c = env("TORCHELASTIC_RESTART_COUNT"))
+    info.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", c, 0, 1 << 20);
   return info;
 }
 
@@ -125,15 +179,21 @@ std::chrono::milliseconds resolve_timeout(const std::optional<std::chrono::milli
 std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
   const RendezvousInfo info = parse_rendezvous_env();
   const auto timeout = resolve_timeout(options.timeout);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   const std::string backend = compat::resolve_backend(options.backend);
+  detail::ignore_sigpipe();
+  detail::ExitOnSignal interruptible(options.exit_on_signal_during_rendezvous &&
+                                     info.world_size > 1);
   c10::intrusive_ptr<c10d::Store> store;
   std::string bind_host = "127.0.0.1";
+  std::vector<PeerInfo> peers;
   if (info.world_size == 1) {
     store = c10::make_intrusive<c10d::HashStore>();
   } else {
+    bind_host = detail::advertised_address(info.master_addr);
     c10d::TCPStoreOptions o;
     o.port = static_cast<uint16_t>(info.master_port);
-    o.isServer = info.rank == 0;
+    o.isServer = info.rank == 0 && !info.agent_store;
     o.numWorkers = info.world_size;
     o.waitWorkers = false;  // 1.13 stops waiting for missing workers silently; see wait_for_all
     o.timeout = timeout;
@@ -142,8 +202,13 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
     } catch (const std::exception& e) {
       throw CommError(rendezvous_error(info, timeout, "connecting to the store", e.what()));
     }
-    wait_for_all(*store, info, timeout);
-    if (!is_loopback(info.master_addr)) bind_host.clear();  // the default interface
+    if (info.agent_store) {
+      // One key space per attempt: a restarted job must not see the previous attempt's keys.
+      store = c10::make_intrusive<c10d::PrefixStore>(
+          detail::cat("/worker/attempt_", info.restart_count), store);
+    }
+    wait_for_all(*store, info, timeout, deadline);
+    peers = exchange_peers(*store, info, bind_host, timeout, deadline);
   }
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp", store);
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
@@ -153,9 +218,11 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw CommError(rendezvous_error(info, timeout, "connecting to its peers", e.what()));
+    throw CommError(peer_connect_error(info, timeout, peers, e.what()));
   }
-  return std::make_shared<Communicator>(pg, prefixed, backend, timeout, "world", bind_host);
+  auto comm = std::make_shared<Communicator>(pg, prefixed, backend, timeout, "world", bind_host);
+  comm->set_peers(std::move(peers));
+  return comm;
 }
 
 }  // namespace fsdp

@@ -1,0 +1,122 @@
+#include "failure.h"
+
+#include <fsdp/error.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <regex>
+
+namespace fsdp::detail {
+namespace {
+
+bool has(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
+
+bool process_alive(int64_t pid) {
+  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH;
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+std::string seconds(double s) {
+  std::ostringstream os;
+  os.precision(s < 10 ? 2 : 3);
+  os << s;
+  return os.str();
+}
+
+}  // namespace
+
+std::string this_host() {
+  char buf[256] = {0};
+  if (::gethostname(buf, sizeof buf - 1) != 0) return "?";
+  return buf;
+}
+
+FailureKind classify_failure(const std::string& cause) {
+  if (has(cause, "Connection closed by peer") || has(cause, "closed by peer"))
+    return FailureKind::kPeerClosed;
+  if (has(cause, "Connection reset") || has(cause, "Broken pipe") || has(cause, "EPIPE") ||
+      has(cause, "ECONNRESET"))
+    return FailureKind::kReset;
+  if (has(cause, "Timed out") || has(cause, "timed out") || has(cause, "Timeout") ||
+      has(cause, "timeout"))
+    return FailureKind::kTimeout;
+  return FailureKind::kOther;
+}
+
+Suspects suspect_ranks(const std::string& cause, const std::vector<PeerInfo>& peers, int self,
+                       const std::function<bool(int64_t pid)>& alive) {
+  const auto is_alive = alive ? alive : process_alive;
+  const std::string host = this_host();
+  std::vector<int> dead, by_address;
+  for (const auto& p : peers)
+    if (p.rank != self && p.host == host && p.pid > 0 && !is_alive(p.pid)) dead.push_back(p.rank);
+  if (!dead.empty()) return {dead, true};
+  // Gloo names the remote end of the failed connection as "[address]:port".
+  std::smatch m;
+  if (std::regex_search(cause, m, std::regex("\\[([0-9A-Fa-f.:]+)\\]:[0-9]+"))) {
+    for (const auto& p : peers)
+      if (p.rank != self && p.address == m[1].str()) by_address.push_back(p.rank);
+  }
+  return {by_address, false};
+}
+
+std::string describe_failure(const std::string& what, const std::string& cause, double elapsed_s,
+                             std::chrono::milliseconds timeout, const std::vector<PeerInfo>& peers,
+                             int self, const std::function<bool(int64_t pid)>& alive) {
+  const FailureKind kind = classify_failure(cause);
+  const Suspects suspects = suspect_ranks(cause, peers, self, alive);
+  const auto& ranks = suspects.ranks;
+  const bool one = ranks.size() == 1;
+  std::string who;  // "rank 1 (pid 7 on h)", "ranks 1, 2", "one of ranks 0, 1"
+  if (one) {
+    who = rank_list(ranks);
+    for (const auto& p : peers)
+      if (p.rank == ranks[0]) who += cat(" (pid ", p.pid, " on ", p.host, ")");
+  } else if (!ranks.empty()) {
+    who = (suspects.exited ? "" : "one of ") + rank_list(ranks);
+  }
+  const char* verb = one || !suspects.exited ? " has" : " have";
+  const std::string limit = cat(seconds(timeout.count() / 1000.0), " s");
+  std::string out;
+  switch (kind) {
+    case FailureKind::kPeerClosed:
+    case FailureKind::kReset:
+      out =
+          cat(what, " failed after ", seconds(elapsed_s), " s: ",
+              kind == FailureKind::kReset ? "the connection was reset"
+                                          : "the peer closed the "
+                                            "connection",
+              ranks.empty() ? std::string(" (a peer rank's process exited or was killed)")
+                            : cat("; ", who, verb, " exited"),
+              ". Check ", ranks.empty() ? std::string("the other ranks'") : rank_list(ranks) + "'s",
+              " output for the error that stopped it; no message there means it was killed (the "
+              "OOM killer: dmesg; a launcher or scheduler limit).");
+      break;
+    case FailureKind::kTimeout:
+      out = cat(what, " did not complete within ", limit, ": no peer connection failed, ",
+                ranks.empty() ? std::string("so a peer rank is hung, slower than the limit, "
+                                            "unreachable (the network between the hosts), or "
+                                            "issued a different collective")
+                              : cat(who, verb, " exited without closing its connections"),
+                ". Every rank must issue the same collectives in the same order; check the other "
+                "ranks' output, and raise the limit with FSDP_TIMEOUT_S if a step legitimately "
+                "takes longer.");
+      break;
+    case FailureKind::kOther:
+      out = cat(what, " failed after ", seconds(elapsed_s), " s (limit ", limit, ")",
+                ranks.empty() ? std::string() : cat("; ", who, verb, " exited"),
+                ". Check every rank's output; a peer may have died or issued a different "
+                "collective (every rank must issue the same collectives in the same order).");
+      break;
+  }
+  return cat(out, " [", cause, "]");
+}
+
+}  // namespace fsdp::detail

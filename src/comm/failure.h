@@ -1,0 +1,44 @@
+// Failure messages of collectives: what happened (the peer closed the connection, the connection
+// was reset, a real timeout), which rank it points at where that can be known, and what to check.
+// Internal to src/comm. Thread-safety: pure functions (alive() probes processes).
+#pragma once
+
+#include <fsdp/communicator.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+enum class FailureKind {
+  kPeerClosed,  // the peer closed its socket: its process exited (or closed the group)
+  kReset,       // connection reset / broken pipe: the peer process died mid-transfer
+  kTimeout,     // the limit passed with every connection intact
+  kOther,       // any other transport or backend error
+};
+
+// Classifies a backend (Gloo) error text.
+FailureKind classify_failure(const std::string& cause);
+
+// The ranks a failure points at: the peers on this host whose process no longer exists (exited =
+// true); else the peers whose advertised address appears in `cause` ("[10.0.0.2]:4242"), one of
+// which closed the connection. Never `self`.
+struct Suspects {
+  std::vector<int> ranks;
+  bool exited = false;  // confirmed: their processes are gone
+};
+Suspects suspect_ranks(const std::string& cause, const std::vector<PeerInfo>& peers, int self,
+                       const std::function<bool(int64_t pid)>& alive);
+
+// The whole message for a failed wait of `what` ("all_gather of 8192 bytes on communicator
+// 'world' (rank 0 of ranks 0..1)") after `elapsed_s`, with limit `timeout`.
+std::string describe_failure(const std::string& what, const std::string& cause, double elapsed_s,
+                             std::chrono::milliseconds timeout, const std::vector<PeerInfo>& peers,
+                             int self, const std::function<bool(int64_t pid)>& alive = nullptr);
+
+// This host's name (gethostname), as PeerInfo::host holds it.
+std::string this_host();
+
+}  // namespace fsdp::detail

@@ -1,0 +1,251 @@
+// How ranks fail, by message: a dead peer is named and reported as such (not as a timeout), a
+// failed Work rethrows on every wait, SIGPIPE cannot kill a rank, Ctrl-C ends a rendezvous, and
+// the advertised address is chosen from the route or the named interface. Failure texts are
+// checked on generated Gloo-style causes, and on real ranks.
+#include <ATen/ATen.h>
+#include <fsdp/communicator.h>
+#include <fsdp/error.h>
+#include <fsdp/init.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "comm/address.h"
+#include "comm/failure.h"
+#include "harness.h"
+
+namespace fsdp::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+std::vector<PeerInfo> three_peers(const std::string& host_of_2) {
+  return {{0, detail::this_host(), "10.1.0.1", 100},
+          {1, detail::this_host(), "10.1.0.1", 101},
+          {2, host_of_2, "10.1.0.2", 102}};
+}
+
+// ---- failure texts on generated causes ----
+TEST(CommFailureText, ClassifiesGlooCauses) {
+  using K = detail::FailureKind;
+  const std::map<std::string, K> cases = {
+      {"[gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.1.0.2]:4242",
+       K::kPeerClosed},
+      {"[gloo/transport/tcp/pair.cc:575] Read error [10.1.0.2]:4242: Connection reset by peer",
+       K::kReset},
+      {"[gloo/transport/tcp/pair.cc:589] Write error [10.1.0.2]:4242: Broken pipe", K::kReset},
+      {"[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 2000ms for recv operation",
+       K::kTimeout},
+      {"Operation timed out!", K::kTimeout},
+      {"Gloo: something else went wrong", K::kOther},
+  };
+  for (const auto& [cause, kind] : cases)
+    EXPECT_EQ(static_cast<int>(detail::classify_failure(cause)), static_cast<int>(kind)) << cause;
+}
+
+TEST(CommFailureText, DeadLocalPeerIsNamedWithPidAndHost) {
+  auto peers = three_peers("elsewhere");
+  auto alive = [](int64_t pid) { return pid != 101; };  // rank 1's process is gone
+  const std::string what = "all_gather of 64 bytes on communicator 'world' (rank 0 of ranks 0..2)";
+  auto m = detail::describe_failure(what, "Connection closed by peer [10.1.0.1]:5000", 0.21, 20s,
+                                    peers, 0, alive);
+  EXPECT_TRUE(contains(m, what + " failed after 0.21 s: the peer closed the connection")) << m;
+  EXPECT_TRUE(contains(m, "rank 1 (pid 101 on " + detail::this_host() + ") has exited")) << m;
+  EXPECT_TRUE(contains(m, "Check rank 1's output")) << m;
+  EXPECT_TRUE(contains(m, "OOM killer")) << m;
+  EXPECT_FALSE(contains(m, "did not complete within")) << m;  // not a timeout
+  m = detail::describe_failure(what, "Read error [10.1.0.1]:5000: Connection reset by peer", 0.5,
+                               20s, peers, 0, alive);
+  EXPECT_TRUE(contains(m, "the connection was reset; rank 1")) << m;
+}
+
+TEST(CommFailureText, RemotePeerIsNamedByItsAddress) {
+  auto peers = three_peers("otherhost");
+  auto all_alive = [](int64_t) { return true; };
+  auto m =
+      detail::describe_failure("broadcast of 8 bytes", "Connection closed by peer [10.1.0.2]:7",
+                               1.5, 20s, peers, 0, all_alive);
+  EXPECT_TRUE(contains(m, "rank 2 (pid 102 on otherhost) has exited")) << m;
+  // Two ranks behind one address, both alive: both are named, neither is blamed alone.
+  m = detail::describe_failure("broadcast of 8 bytes", "Connection closed by peer [10.1.0.1]:7",
+                               1.5, 20s, peers, 2, all_alive);
+  EXPECT_TRUE(contains(m, "one of ranks 0, 1 has exited")) << m;
+  // Nothing known: no rank is made up.
+  m = detail::describe_failure("barrier", "Connection closed by peer [10.9.9.9]:7", 1.5, 20s, peers,
+                               0, all_alive);
+  EXPECT_TRUE(contains(m, "a peer rank's process exited or was killed")) << m;
+  EXPECT_FALSE(contains(m, "rank 1")) << m;
+}
+
+TEST(CommFailureText, RealTimeoutSaysSoAndWhatToCheck) {
+  auto m = detail::describe_failure("all_reduce of 800 bytes", "Operation timed out!", 2.0, 2000ms,
+                                    three_peers("h"), 0, [](int64_t) { return true; });
+  EXPECT_TRUE(contains(m, "all_reduce of 800 bytes did not complete within 2 s")) << m;
+  EXPECT_TRUE(contains(m, "no peer connection failed")) << m;
+  EXPECT_TRUE(contains(m, "same collectives in the same order")) << m;
+  EXPECT_TRUE(contains(m, "FSDP_TIMEOUT_S")) << m;
+}
+
+// ---- real ranks ----
+// Rank 1 dies right after the rendezvous while rank 0 moves 4 MB: rank 0 gets a CommError at once
+// (not after the 30 s limit) naming rank 1 as exited, and is not killed by SIGPIPE.
+TEST(CommFailureTest, DeadPeerIsNamedAtOnceAndSigpipeCannotKill) {
+  RunOptions opt;
+  opt.collective_timeout_s = 30;
+  opt.expect_failure = true;
+  auto res = run_ranks(
+      2,
+      [](Rank& r) {
+        auto c = r.world();
+        struct sigaction sa {};
+        ::sigaction(SIGPIPE, nullptr, &sa);
+        EXPECT_EQ(sa.sa_handler, SIG_IGN) << "init_process_group must ignore SIGPIPE";
+        c->barrier().wait();
+        if (c->rank() == 1) ::_exit(3);
+        auto start = Clock::now();
+        auto in = at::ones({1 << 20}, at::kFloat);
+        auto out = at::empty({2 << 20}, at::kFloat);
+        std::string first;
+        for (int i = 0; i < 50 && first.empty(); ++i) {
+          auto work = c->all_gather(out, in);
+          try {
+            work.wait();
+          } catch (const CommError& e) {
+            first = e.what();
+            // Every later wait rethrows the same error.
+            try {
+              work.wait();
+              ADD_FAILURE() << "second wait() after a failure returned";
+            } catch (const CommError& again) {
+              EXPECT_EQ(std::string(again.what()), first);
+            }
+          }
+        }
+        ASSERT_FALSE(first.empty()) << "no error although rank 1 exited";
+        EXPECT_LT(seconds_since(start), 10.0) << first;
+        EXPECT_TRUE(contains(first, "rank 1 (pid ")) << first;
+        EXPECT_TRUE(contains(first, "has exited")) << first;
+        EXPECT_FALSE(contains(first, "did not complete within")) << first;
+        std::printf("rank 0 saw: %s\n", first.c_str());
+        // The group is broken: a later collective fails at once, pointing at the first error,
+        // instead of waiting out its own timeout (and the communicator's teardown joins nothing).
+        auto later = c->all_reduce(at::ones({4}, at::kFloat), ReduceOp::kSum);
+        const auto t = Clock::now();
+        try {
+          later.wait();
+          ADD_FAILURE() << "a collective of a broken group completed";
+        } catch (const CommError& e) {
+          EXPECT_TRUE(contains(e.what(), "all_reduce of 16 bytes")) << e.what();
+          EXPECT_TRUE(contains(e.what(),
+                               "cannot complete: an earlier collective of this group "
+                               "failed (all_gather of 8388608 bytes"))
+              << e.what();
+        }
+        EXPECT_LT(seconds_since(t), 1.0);
+      },
+      opt);
+  if (in_rank_process()) return;
+  EXPECT_EQ(res.exit_codes[1], 3) << res.output[1];
+  EXPECT_EQ(res.exit_codes[0], 0) << "rank 0 (128+13 = SIGPIPE):\n" << res.output[0];
+  EXPECT_TRUE(contains(res.output[0], "rank 0 saw:")) << res.output[0];
+}
+
+std::atomic<int> g_flag_signal{0};
+void flag_only(int sig) { g_flag_signal = sig; }
+
+// A program that turns SIGINT into a flag (as fsdp-train does) is still interrupted during the
+// rendezvous: exit status 130 at once, not after the 30 s limit. Its handler is back afterwards.
+TEST(CommFailureTest, CtrlCDuringRendezvousExits130) {
+  RunOptions opt;
+  opt.collective_timeout_s = 30;
+  opt.expect_failure = true;
+  auto res = run_ranks(
+      2,
+      [](Rank& r) {
+        if (r.rank == 1) return;  // never joins: rank 0 waits for it
+        struct sigaction sa {};
+        sa.sa_handler = flag_only;
+        ::sigaction(SIGINT, &sa, nullptr);
+        std::thread([] {
+          std::this_thread::sleep_for(700ms);
+          ::kill(::getpid(), SIGINT);
+        }).detach();
+        r.world();
+        ADD_FAILURE() << "rendezvous returned without rank 1";
+      },
+      opt);
+  if (in_rank_process()) return;
+  EXPECT_EQ(res.exit_codes[0], 128 + SIGINT) << res.output[0];
+  EXPECT_TRUE(contains(res.output[0], "fsdp: interrupted during the rendezvous")) << res.output[0];
+  EXPECT_FALSE(res.timed_out);
+}
+
+TEST(CommFailureTest, ProgramSignalHandlersAreRestoredAfterRendezvous) {
+  run_ranks(2, [](Rank& r) {
+    struct sigaction sa {};
+    sa.sa_handler = flag_only;
+    ::sigaction(SIGTERM, &sa, nullptr);
+    r.world()->barrier().wait();
+    struct sigaction now {};
+    ::sigaction(SIGTERM, nullptr, &now);
+    EXPECT_EQ(now.sa_handler, &flag_only);
+    ::raise(SIGTERM);  // the program's own handler again: a flag, no exit
+    EXPECT_EQ(g_flag_signal.load(), SIGTERM);
+    // Each rank advertised loopback (MASTER_ADDR is 127.0.0.1) and knows its peers.
+    ASSERT_EQ(r.world()->peers().size(), 2u);
+    for (const auto& p : r.world()->peers()) {
+      EXPECT_EQ(p.address, "127.0.0.1");
+      EXPECT_GT(p.pid, 0);
+    }
+    EXPECT_EQ(r.world()->peers()[r.rank].pid, ::getpid());
+  });
+}
+
+// ---- the advertised address ----
+using Env = std::map<std::string, std::string>;
+std::function<const char*(const char*)> lookup(const Env& env) {
+  return [&env](const char* k) -> const char* {
+    auto it = env.find(k);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+}
+
+TEST(AdvertisedAddress, LoopbackMasterInterfaceOrRoute) {
+  Env none;
+  EXPECT_EQ(detail::advertised_address("127.0.0.1", lookup(none)), "127.0.0.1");
+  EXPECT_EQ(detail::advertised_address("localhost", lookup(none)), "127.0.0.1");
+  // A non-loopback spelling of this host: the address of the interface that routes to it.
+  EXPECT_EQ(detail::route_address("127.0.0.1"), "127.0.0.1");
+  Env lo{{"FSDP_SOCKET_IFNAME", "lo"}};
+  EXPECT_EQ(detail::advertised_address("10.0.0.1", lookup(lo)), "127.0.0.1");
+  Env gloo{{"GLOO_SOCKET_IFNAME", "lo"}};
+  EXPECT_EQ(detail::advertised_address("10.0.0.1", lookup(gloo)), "127.0.0.1");
+}
+
+TEST(AdvertisedAddress, UnknownInterfaceAndUnresolvableMasterAreNamed) {
+  Env bad{{"FSDP_SOCKET_IFNAME", "nosuch0"}};
+  expect_error([&] { detail::advertised_address("10.0.0.1", lookup(bad)); },
+               {"FSDP_SOCKET_IFNAME=nosuch0 names no interface", "lo (127.0.0.1)"});
+  Env gbad{{"GLOO_SOCKET_IFNAME", "nosuch1"}};
+  expect_error([&] { detail::advertised_address("10.0.0.1", lookup(gbad)); },
+               {"GLOO_SOCKET_IFNAME=nosuch1"});
+  expect_error([] { detail::route_address("no-such-host.invalid"); },
+               {"MASTER_ADDR=no-such-host.invalid cannot be resolved"});
+}
+
+}  // namespace
+}  // namespace fsdp::testing
