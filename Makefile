@@ -4,12 +4,17 @@ BUILD   ?= build
 JOBS    ?= $(shell nproc)
 CTEST_J ?= 2
 
-.PHONY: all setup configure build run test sanitize fuzz format clean
+.PHONY: all setup setup-test configure build run test sanitize fuzz format clean
 
 all: build
 
 setup:
 	@scripts/setup.sh
+
+# What only the tests use: Debian's python3-torch (torchrun, the Python DDP peer and oracle),
+# iproute2 (the two-namespace test).
+setup-test:
+	@scripts/setup.sh --test
 
 $(BUILD)/build.ninja: | setup
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release
@@ -23,7 +28,7 @@ build: configure
 run: build
 	$(BUILD)/bin/fsdp-train
 
-test: build
+test: build setup-test
 	cd $(BUILD) && ctest --output-on-failure -j $(CTEST_J) --timeout 600
 
 # The test suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/.

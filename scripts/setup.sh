@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Installs the Debian packages fsdp-cpp builds with, only those that are missing.
-# Quick (a dpkg query) when everything is present.
+# Installs the Debian packages fsdp-cpp builds with, only those that are missing; with --test also
+# those only the test suite uses (python3-torch: torchrun and the Python peers; iproute2: the
+# two-namespace test). Quick (a dpkg query) when everything is present.
 set -euo pipefail
 pkgs=(cmake ninja-build g++ lld libtorch-dev libgloo-dev libopenblas0-openmp libgtest-dev
       nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libxxhash-dev)
+[ "${1:-}" = "--test" ] && pkgs=(python3-torch iproute2)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
