@@ -4,3 +4,6 @@ fsdp_add_test(comm_test LABEL comm PCH core
 fsdp_add_test(launcher_test LABEL comm PCH core
   SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/launcher_test.cpp)
 add_dependencies(launcher_test fsdp-run)
+# fsdp-example under Debian's torchrun (skipped without python3-torch).
+fsdp_add_test(torchrun_test LABEL comm PCH core SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/torchrun_test.cpp)
+add_dependencies(torchrun_test fsdp-example)

@@ -47,6 +47,20 @@ TEST(RendezvousEnvTest, Torchrun) {
   EXPECT_EQ(i.master_port, 29611);
 }
 
+TEST(RendezvousEnvTest, TorchrunAgentStoreAndAttempt) {
+  Env env{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}};
+  EXPECT_FALSE(parse(env).agent_store);  // fsdp-run, mpirun, srun: rank 0 serves the store
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  env["TORCHELASTIC_RESTART_COUNT"] = "3";
+  auto i = parse(env);
+  EXPECT_TRUE(i.agent_store);
+  EXPECT_EQ(i.restart_count, 3);
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "False";  // PyTorch compares with "True" exactly
+  EXPECT_FALSE(parse(env).agent_store);
+  env["TORCHELASTIC_RESTART_COUNT"] = "again";
+  EXPECT_HAS(error_of(env), "TORCHELASTIC_RESTART_COUNT='again' is not an integer");
+}
+
 TEST(RendezvousEnvTest, OpenMpi) {
   auto i = parse({{"OMPI_COMM_WORLD_RANK", "2"},
                   {"OMPI_COMM_WORLD_SIZE", "8"},

@@ -19,6 +19,11 @@ struct RendezvousInfo {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   std::string source = "none";  // "torchrun", "openmpi", "slurm" or "none" (single rank)
+  // torchrun's elastic agent already serves a TCPStore at MASTER_ADDR:MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects to it as a client, under the key
+  // prefix "/worker/attempt_<restart_count>" like PyTorch's env:// rendezvous.
+  bool agent_store = false;
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: the attempt of a --max_restarts job
 };
 
 // Reads the rendezvous from an environment lookup (getenv by default). Throws fsdp::Error naming
@@ -32,8 +37,9 @@ struct InitOptions {
   std::string backend = "auto";  // "gloo", "nccl" (LibTorch with CUDA only), or "auto"
 };
 
-// Connects this process to its peers: a TCPStore served by rank 0 at MASTER_ADDR:MASTER_PORT, then
-// a process group. A single rank when no launcher variables are set.
+// Connects this process to its peers: a TCPStore at MASTER_ADDR:MASTER_PORT (served by rank 0, or
+// under torchrun by its agent), then a process group. A single rank when no launcher variables are
+// set.
 std::shared_ptr<Communicator> init_process_group(const InitOptions& options = {});
 
 // The timeout in effect: options, else FSDP_TIMEOUT_S, else 300 s.

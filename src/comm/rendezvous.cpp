@@ -104,6 +104,12 @@ RendezvousInfo parse_rendezvous_env(const std::function<const char*(const char*)
                "machine)");
   }
   if (const char* p = env("MASTER_PORT")) info.master_port = parse_int("MASTER_PORT", p, 1, 65535);
+  // torchrun (static rendezvous) serves the store itself; PyTorch's own env:// handler compares
+  // the value with "True" exactly.
+  if (const char* a = env("TORCHELASTIC_USE_AGENT_STORE"))
+    info.agent_store = std::string(a) == "True";
+  if (const char* c = env("TORCHELASTIC_RESTART_COUNT"))
+    info.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", c, 0, 1 << 20);
   return info;
 }
 
@@ -133,7 +139,7 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
   } else {
     c10d::TCPStoreOptions o;
     o.port = static_cast<uint16_t>(info.master_port);
-    o.isServer = info.rank == 0;
+    o.isServer = info.rank == 0 && !info.agent_store;
     o.numWorkers = info.world_size;
     o.waitWorkers = false;  // 1.13 stops waiting for missing workers silently; see wait_for_all
     o.timeout = timeout;
@@ -141,6 +147,11 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
       store = c10::make_intrusive<c10d::TCPStore>(info.master_addr, o);
     } catch (const std::exception& e) {
       throw CommError(rendezvous_error(info, timeout, "connecting to the store", e.what()));
+    }
+    if (info.agent_store) {
+      // One key space per attempt: a restarted job must not see the previous attempt's keys.
+      store = c10::make_intrusive<c10d::PrefixStore>(
+          detail::cat("/worker/attempt_", info.restart_count), store);
     }
     wait_for_all(*store, info, timeout);
     if (!is_loopback(info.master_addr)) bind_host.clear();  // the default interface
