@@ -88,12 +88,12 @@ void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
 }
 
-// Peak FLOP/s of this rank's threads: the fastest of about 0.3 s of 512x512 fp32 matrix
+// Peak FLOP/s of this rank's threads: the fastest of about 0.3 s of 256x256 fp32 matrix
 // products (the fastest, not the mean, so that time the cores spent on other processes does not
-// count).
+// count; small enough, about 33 MFLOP, to run within one scheduler slice on a loaded machine).
 double measure_peak_flops() {
   torch::NoGradGuard no_grad;
-  const int64_t n = 512;
+  const int64_t n = 256;
   const auto a = torch::randn({n, n}), b = torch::randn({n, n});
   auto c = torch::mm(a, b);  // warm-up
   double best = INFINITY;
