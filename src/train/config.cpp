@@ -125,39 +125,7 @@ struct App {
   std::string config_file;
 };
 
-void add_options(App& a, TrainConfig& c) {
-  CLI::App& app = a.app;
-  app.option_defaults()->always_capture_default()->multi_option_policy(
-      CLI::MultiOptionPolicy::TakeLast);
-  app.footer(
-      "A --config FILE (.json or .toml) holds the same keys as the long flags, e.g. "
-      "{\"steps\": 500, \"data-order\": \"sequential\"}; flags on the command line win. "
-      "Details: docs/trainer.md.");
-  app.set_version_flag("--version", "fsdp-train 0.1");
-  app.add_option("--config", a.config_file,
-                 "JSON or TOML file of settings (same keys as the flags)");
-
-  app.add_option("--nproc", c.nproc, "local ranks to start when no launcher variables are set")
-      ->group("Processes");
-  app.add_option("--threads", c.threads, "intra-op threads per rank (0 = cores / local ranks)")
-      ->group("Processes");
-  app.add_flag("--no-shard", c.no_shard,
-               "train in one process with plain LibTorch, no fsdp-cpp (the parity reference)")
-      ->group("Processes");
-  app.add_flag("--reshard-after-forward,!--no-reshard-after-forward", c.reshard_after_forward,
-               "blocks free their gathered parameters after forward and gather again in backward "
-               "(default on; off: keep them until after backward, ZeRO-2-like)")
-      ->group("Processes");
-
-  app.add_option("--layers", c.layers, "transformer blocks")->group("Model");
-  app.add_option("--heads", c.heads, "attention heads per block")->group("Model");
-  app.add_option("--width", c.width, "embedding width (n_embd), divisible by --heads")
-      ->group("Model");
-  app.add_option("--seq", c.seq, "context length in tokens")->group("Model");
-  app.add_option("--vocab", c.vocab,
-                 "vocabulary size (256 for text; a .bin file needs its tokenizer's, e.g. 50257)")
-      ->group("Model");
-
+void add_training_options(CLI::App& app, TrainConfig& c) {
   app.add_option("--steps", c.steps, "total optimizer steps")->group("Optimisation");
   app.add_option("--batch", c.batch, "global batch in sequences, split evenly over the ranks")
       ->group("Optimisation");
@@ -188,7 +156,9 @@ void add_options(App& a, TrainConfig& c) {
                  "(docs/trainer.md)")
       ->check(CLI::IsMember({"random", "sequential"}))
       ->group("Data");
+}
 
+void add_output_options(CLI::App& app, TrainConfig& c) {
   app.add_option("--eval-every", c.eval_every,
                  "validation loss every k steps and after the last (0: never)")
       ->group("Evaluation");
@@ -222,6 +192,42 @@ void add_options(App& a, TrainConfig& c) {
   app.add_option("--init-from", c.init_from,
                  "full safetensors file (e.g. a consolidated checkpoint) to initialise from")
       ->group("Checkpoints");
+}
+
+void add_options(App& a, TrainConfig& c) {
+  CLI::App& app = a.app;
+  app.option_defaults()->always_capture_default()->multi_option_policy(
+      CLI::MultiOptionPolicy::TakeLast);
+  app.footer(
+      "A --config FILE (.json or .toml) holds the same keys as the long flags, e.g. "
+      "{\"steps\": 500, \"data-order\": \"sequential\"}; flags on the command line win. "
+      "Details: docs/trainer.md.");
+  app.set_version_flag("--version", "fsdp-train 0.1");
+  app.add_option("--config", a.config_file,
+                 "JSON or TOML file of settings (same keys as the flags)");
+
+  app.add_option("--nproc", c.nproc, "local ranks to start when no launcher variables are set")
+      ->group("Processes");
+  app.add_option("--threads", c.threads, "intra-op threads per rank (0 = cores / local ranks)")
+      ->group("Processes");
+  app.add_flag("--no-shard", c.no_shard,
+               "train in one process with plain LibTorch, no fsdp-cpp (the parity reference)")
+      ->group("Processes");
+  app.add_flag("--reshard-after-forward,!--no-reshard-after-forward", c.reshard_after_forward,
+               "blocks free their gathered parameters after forward and gather again in backward "
+               "(default on; off: keep them until after backward, ZeRO-2-like)")
+      ->group("Processes");
+
+  app.add_option("--layers", c.layers, "transformer blocks")->group("Model");
+  app.add_option("--heads", c.heads, "attention heads per block")->group("Model");
+  app.add_option("--width", c.width, "embedding width (n_embd), divisible by --heads")
+      ->group("Model");
+  app.add_option("--seq", c.seq, "context length in tokens")->group("Model");
+  app.add_option("--vocab", c.vocab,
+                 "vocabulary size (256 for text; a .bin file needs its tokenizer's, e.g. 50257)")
+      ->group("Model");
+  add_training_options(app, c);
+  add_output_options(app, c);
 }
 
 // Sets one option from text as if it came from a config file.
