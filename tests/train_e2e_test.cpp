@@ -543,6 +543,29 @@ TEST(TrainE2E, TorchrunRestartContinuesFromTheCheckpoint) {
   EXPECT_EQ(losses(dir), losses(ref));  // same world size: exactly the uninterrupted run's
 }
 
+// An allocation that fails despite the up-front bounds (here: a 1.2 GB address-space limit) is an
+// error naming the settings behind it, not a raw allocator message.
+TEST(TrainE2E, AllocationFailureNamesTheSettings) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP()
+      << "an address-space limit cannot work under AddressSanitizer (it reserves terabytes)";
+#endif
+  const auto dir = scratch_dir("oom");
+  const auto r = fsdp::testing::run_process(
+      {"/bin/bash", "-c",
+       "ulimit -v 1200000 && exec " + fsdp::testing::bin_dir() +
+           "/fsdp-train --no-shard --layers 1 --width 512 --heads 8 --seq 64 --batch 512 "
+           "--steps 2 --quiet --sample-tokens 0 --eval-every 0 --peak-tflops 1 --run-dir " +
+           dir},
+      std::chrono::seconds(90));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("ran out of memory"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--batch 512 / 1 ranks / --grad-accum 1 = 512 rows x --seq 64 x --width "
+                          "512 x --layers 1: lower them"),
+            std::string::npos)
+      << r.output;
+}
+
 // Each bad input: non-zero exit, the message, and no rank output (fails before ranks start).
 TEST(TrainE2E, BadInputFailsBeforeAnyRankStarts) {
   const auto dir = scratch_dir("bad");
