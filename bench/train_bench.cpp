@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "ddp_reducer.h"
+#include "train/model_setup.h"
 
 namespace fsdp::bench {
 namespace {
@@ -41,44 +42,30 @@ struct Trainer {
   int64_t params = 0, block_params = 0;  // of the full model
 };
 
-models::GPTConfig gpt_config(const TrainBenchOptions& o) {
-  models::GPTConfig c;
-  c.vocab_size = 256;
-  c.seq_len = o.seq;
-  c.n_layer = o.layers;
-  c.n_head = o.heads;
-  c.n_embd = o.width;
-  c.validate();
-  return c;
-}
-
 std::unique_ptr<Trainer> build_trainer(const TrainBenchOptions& o,
                                        const std::shared_ptr<Communicator>& comm) {
-  torch::manual_seed(o.seed);  // the same initial weights on every rank and in every mode
+  // The model and AdamW as fsdp-train builds them (train/model_setup.h): the same initial weights
+  // on every rank and in every mode (one seed), weight decay on the 2-D weights only.
+  train::TrainConfig tc;
+  tc.layers = o.layers, tc.heads = o.heads, tc.width = o.width, tc.seq = o.seq;
+  tc.lr = o.lr, tc.seed = o.seed, tc.reshard_after_forward = o.mode == "fsdp";
+  const bool sharded = o.mode == "fsdp" || o.mode == "fsdp-noreshard";
+  auto m = train::build_model(tc, sharded ? comm : nullptr);
   auto t = std::make_unique<Trainer>();
-  t->gpt = fsdp::Sharded<models::GPT>(gpt_config(o));
-  for (const auto& p : t->gpt->parameters()) t->params += p.numel();
+  t->gpt = m->gpt;
+  t->root = m->root;
+  t->params = m->parameter_count;
   for (auto& b : t->gpt->blocks)
     for (const auto& p : b->parameters()) t->block_params += p.numel();
-
-  std::vector<at::Tensor> opt_params;
-  if (o.mode == "fsdp" || o.mode == "fsdp-noreshard") {
-    ShardOptions block_options;
-    block_options.reshard_after_forward = o.mode == "fsdp";
-    t->root = models::shard_gpt(t->gpt, comm, block_options, ShardOptions{});
-    opt_params = t->root.parameters();
-  } else {
-    opt_params = t->gpt->parameters();
-    if (o.mode == "ddp") {
-      // Replicas start equal as a DDP user would make them: broadcast from rank 0.
-      torch::NoGradGuard no_grad;
-      for (auto& p : opt_params) comm->broadcast(p, 0).wait();
-      t->reducer = std::make_unique<DdpReducer>(opt_params, comm->lane("ddp.reducer"),
-                                                static_cast<int64_t>(o.bucket_mb * 1024 * 1024));
-    }
+  if (o.mode == "ddp") {
+    // Replicas start equal as a DDP user would make them: broadcast from rank 0.
+    torch::NoGradGuard no_grad;
+    auto params = t->gpt->parameters();
+    for (auto& p : params) comm->broadcast(p, 0).wait();
+    t->reducer = std::make_unique<DdpReducer>(params, comm->lane("ddp.reducer"),
+                                              static_cast<int64_t>(o.bucket_mb * 1024 * 1024));
   }
-  t->opt = std::make_unique<torch::optim::AdamW>(
-      opt_params, torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
+  t->opt = train::build_optimizer(tc, *m);
   return t;
 }
 

@@ -1,17 +1,23 @@
-# fsdp-train, the reference trainer (issue 5; docs/trainer.md).
-#   fsdp_train_base: settings, data order, schedule, metrics, plot, progress, sampling, launching. No torch
-#                    headers: quick to build, unit-tested on its own.
-#   fsdp_train:      the training loop (torch::nn, optimizers): the one heavy TU, sharing the
-#                    models' precompiled <torch/torch.h>.
+# fsdp-train, the reference trainer (issues 5, 13, 14; docs/trainer.md).
+#   fsdp_train_base:   settings, data, schedule, metrics, plot, progress, sampling, launching, model
+#                      size and memory bounds, summary. No torch headers: quick to build,
+#                      unit-tested on its own.
+#   fsdp_train_resume: which checkpoint a run continues from, its settings, retention (reads
+#                      checkpoint indexes; torch-free headers).
+#   fsdp_train_model:  the model and optimizer, built one way for the trainer and fsdp-bench.
+#   fsdp_train:        the training run (torch::nn, optimizers), sharing the models' precompiled
+#                      <torch/torch.h>.
 add_library(fsdp_train_base STATIC
   src/train/config.cpp
   src/train/data.cpp
   src/train/generate.cpp
   src/train/launch.cpp
   src/train/metrics.cpp
+  src/train/model_size.cpp
   src/train/plot.cpp
   src/train/progress.cpp
   src/train/schedule.cpp
+  src/train/summary.cpp
 )
 target_include_directories(fsdp_train_base PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
 target_link_libraries(fsdp_train_base
@@ -19,8 +25,15 @@ target_link_libraries(fsdp_train_base
   PRIVATE CLI11::CLI11 PkgConfig::TOMLPP)
 target_compile_definitions(fsdp_train_base PRIVATE FSDP_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 
+add_library(fsdp_train_resume STATIC src/train/resume.cpp)
+target_link_libraries(fsdp_train_resume PUBLIC fsdp_train_base fsdp_safetensors)
+
+add_library(fsdp_train_model STATIC src/train/model_setup.cpp)
+target_link_libraries(fsdp_train_model PUBLIC fsdp_train_base fsdp_models)
+target_precompile_headers(fsdp_train_model REUSE_FROM fsdp_models)
+
 add_library(fsdp_train STATIC src/train/trainer.cpp)
-target_link_libraries(fsdp_train PUBLIC fsdp_train_base fsdp_models)
+target_link_libraries(fsdp_train PUBLIC fsdp_train_resume fsdp_train_model)
 target_precompile_headers(fsdp_train REUSE_FROM fsdp_models)
 if(TARGET fsdp_checkpoint)
   target_link_libraries(fsdp_train PUBLIC fsdp_checkpoint)
@@ -32,3 +45,6 @@ target_link_libraries(fsdp-train PRIVATE fsdp_train)
 target_precompile_headers(fsdp-train REUSE_FROM fsdp_models)
 # fsdp-train starts its local ranks through fsdp-run, found next to it.
 add_dependencies(fsdp-train fsdp-run)
+
+# fsdp-bench's training modes build their model and optimizer as the trainer does.
+target_link_libraries(fsdp-bench PRIVATE fsdp_train_model)

@@ -1,12 +1,16 @@
 // Unit tests of fsdp-train's torch-free parts: settings (flags, JSON/TOML files, validation), the
 // data order, the learning-rate schedule, metrics CSV and the SVG plot.
+#include <fsdp/checkpoint_index.h>
 #include <fsdp/error.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <vector>
@@ -15,7 +19,9 @@
 #include "train/data.h"
 #include "train/generate.h"
 #include "train/metrics.h"
+#include "train/model_size.h"
 #include "train/plot.h"
+#include "train/resume.h"
 #include "train/schedule.h"
 
 namespace fsdp::train {
@@ -210,6 +216,56 @@ TEST(Data, ShortCorpusAndMissingFile) {
   EXPECT_NE(msg.find("'/nonexistent/corpus.txt' cannot be opened"), std::string::npos) << msg;
 }
 
+TEST(Data, BinTokensDirectoriesSpecialFilesAndVocab) {
+  // A .bin file: little-endian uint16 tokens, memory-mapped.
+  std::vector<uint16_t> tokens;
+  for (int i = 0; i < 40; ++i) tokens.push_back(static_cast<uint16_t>(1000 + 37 * i));
+  const auto bin = temp_path("tokens.bin");
+  {
+    std::ofstream out(bin, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(tokens.data()), 2 * tokens.size());
+  }
+  const auto c = Corpus::load(bin, 8, 3000);
+  EXPECT_EQ(c.format(), TokenFormat::kUint16);
+  ASSERT_EQ(c.size(), 40);
+  for (int i = 0; i < 40; ++i) EXPECT_EQ(c.token(i), tokens[i]) << i;
+  DataStream s(c, DataOrder::kSequential, 1, 8, 2);
+  std::vector<int64_t> x, y;
+  s.fill(1, 0, 1, x, y);  // window 2: tokens 16..24
+  EXPECT_EQ(x[0], tokens[16]);
+  EXPECT_EQ(y[7], tokens[24]);
+  auto msg = error_of([&] { Corpus::load(bin, 8, 256); });
+  EXPECT_NE(msg.find("holds token 2443, outside --vocab 256"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--vocab 50257"), std::string::npos) << msg;
+  const auto odd = write_file("odd.bin", "abc");
+  msg = error_of([&] { Corpus::load(odd, 1); });
+  EXPECT_NE(msg.find("not a whole number of uint16 tokens"), std::string::npos) << msg;
+  // A directory and a FIFO get the documented messages.
+  const std::string dir = ::testing::TempDir();
+  msg = error_of([&] { Corpus::load(dir, 8); });
+  EXPECT_NE(msg.find("' is a directory; --data takes one file"), std::string::npos) << msg;
+  const auto fifo = temp_path("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  msg = error_of([&] { Corpus::load(fifo, 8); });
+  EXPECT_NE(msg.find("' is a FIFO; --data takes a regular file"), std::string::npos) << msg;
+  msg = error_of([] { Corpus::load("/dev/null", 8); });
+  EXPECT_NE(msg.find("is a character device"), std::string::npos) << msg;
+}
+
+TEST(Data, ValidationSplitIsTheEnd) {
+  std::vector<uint8_t> bytes(1000);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i % 251);
+  const auto c = Corpus::from_bytes(bytes, 16);
+  const auto [train, val] = split_validation(c, 0.1, 16);
+  EXPECT_EQ(train.size(), 900);
+  EXPECT_EQ(val.size(), 100);
+  EXPECT_EQ(val.token(0), 900 % 251);
+  EXPECT_EQ(split_validation(c, 0, 16).second.size(), 0);
+  auto msg = error_of([&] { split_validation(c, 0.01, 16); });
+  EXPECT_NE(msg.find("--val-fraction 0.01 of the 1000 tokens"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("fewer than one sequence"), std::string::npos) << msg;
+}
+
 TEST(Data, SequentialOffsetsAreDocumented) {
   std::vector<uint8_t> bytes(101);
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i);
@@ -266,16 +322,56 @@ TEST(Schedule, WarmupThenCosine) {
   EXPECT_DOUBLE_EQ(no_warmup.at(0), 2.0);
 }
 
-TEST(Metrics, WriteReadAppend) {
+TEST(Schedule, ExtendingContinuesWithoutAJump) {
+  const LrSchedule s{1.0, 10, 110, 0.1};
+  // Resumed at step 60 with twice the steps: the rate at 60 is unchanged, then a cosine to the
+  // floor at the new last step.
+  const LrSchedule e = s.extended(60, 220, 0.1);
+  EXPECT_DOUBLE_EQ(e.at(60), s.at(60));
+  EXPECT_DOUBLE_EQ(e.at(219), 0.1);
+  for (int64_t i = 60; i < 219; ++i) EXPECT_GE(e.at(i), e.at(i + 1)) << i;
+  EXPECT_GT(e.at(100), s.at(100));  // decays more slowly than the original would have
+  // Resuming a finished run: it continues at the floor it had reached.
+  const LrSchedule done = s.extended(110, 150, 0.1);
+  EXPECT_DOUBLE_EQ(done.at(110), 0.1);
+  EXPECT_DOUBLE_EQ(done.at(149), 0.1);
+  // A new floor ratio: from the reached rate to the new floor.
+  const LrSchedule lower = s.extended(60, 110, 0.01);
+  EXPECT_DOUBLE_EQ(lower.at(60), s.at(60));
+  EXPECT_DOUBLE_EQ(lower.at(109), 0.01);
+  // In warmup, or nothing changed: the plain schedule.
+  EXPECT_EQ(s.extended(5, 220, 0.1).restart_step, -1);
+  EXPECT_EQ(s.extended(60, 110, 0.1).restart_step, -1);
+  // Extending twice chains: the second segment starts at the first one's rate.
+  const LrSchedule twice = e.extended(150, 300, 0.1);
+  EXPECT_DOUBLE_EQ(twice.at(150), e.at(150));
+}
+
+TEST(Schedule, LastStepUsesTheFloorOnlyAfterWarmupPlusOne) {
+  EXPECT_DOUBLE_EQ((LrSchedule{1.0, 10, 12, 0.1}.at(11)), 0.1);  // S = W + 2
+  EXPECT_DOUBLE_EQ((LrSchedule{1.0, 10, 11, 0.1}.at(10)), 1.0);  // S = W + 1: the peak
+  EXPECT_DOUBLE_EQ((LrSchedule{1.0, 10, 5, 0.1}.at(4)), 0.5);    // S <= W: still warming up
+}
+
+TEST(Metrics, WriteReadAppendWithValidationAndJsonl) {
   const auto path = temp_path("metrics.csv");
+  temp_files().push_back(jsonl_path(path));
   {
     MetricsWriter w(path, false);
-    for (int64_t s = 1; s <= 5; ++s) w.write({s, 5.0 - s * 0.5, 1e-3, 1000, 0.1, 300});
+    for (int64_t s = 1; s <= 5; ++s) {
+      MetricsRow r{s, 5.0 - s * 0.5, 1e-3, 1000, 0.1, 300};
+      if (s % 2 == 0) r.val_loss = 4.0 - s * 0.1;
+      r.mfu = 0.125;
+      w.write(r);
+    }
   }
   auto rows = read_metrics(path);
   ASSERT_EQ(rows.size(), 5u);
   EXPECT_EQ(rows[4].step, 5);
   EXPECT_DOUBLE_EQ(rows[4].loss, 2.5);
+  EXPECT_TRUE(std::isnan(rows[0].val_loss));
+  EXPECT_DOUBLE_EQ(rows[1].val_loss, 3.8);
+  EXPECT_DOUBLE_EQ(rows[1].mfu, 0.125);
   {
     MetricsWriter w(path, true, 3);  // resumed from the checkpoint at step 3
     w.write({4, 1.25, 1e-3, 1000, 0.1, 300});
@@ -283,19 +379,54 @@ TEST(Metrics, WriteReadAppend) {
   rows = read_metrics(path);
   ASSERT_EQ(rows.size(), 4u);
   EXPECT_DOUBLE_EQ(rows[3].loss, 1.25);
+  // The JSONL stream holds the same rows, val_loss only where evaluated.
+  std::ifstream in(jsonl_path(path));
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_EQ(lines[3]["step"], 4);
+  EXPECT_DOUBLE_EQ(lines[1]["val_loss"].get<double>(), 3.8);
+  EXPECT_FALSE(lines[2].contains("val_loss"));
   EXPECT_GT(peak_rss_mb(), 1.0);
+  // Files of the earlier format (six columns) are still read.
+  const auto old =
+      write_file("old.csv", std::string(kMetricsHeaderV1) + "\n1,5.5,0.001,10,0.1,20\n");
+  rows = read_metrics(old);
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_TRUE(std::isnan(rows[0].val_loss));
+  const auto bad = write_file("bad.csv", std::string(kMetricsHeader) + "\n1,,0.1,1,1,1,,\n");
+  EXPECT_NE(error_of([&] { read_metrics(bad); }).find("line 2"), std::string::npos);
 }
 
-TEST(Plot, SvgHasTheCurve) {
-  std::vector<std::pair<int64_t, double>> pts;
-  for (int64_t s = 1; s <= 50; ++s) pts.emplace_back(s, 5.5 * std::exp(-s / 20.0) + 1.0);
-  pts.emplace_back(51, std::nan(""));
-  const auto svg = loss_curve_svg(pts, {"loss & <curve>", "2 ranks"});
+TEST(Plot, CentredMeanDoesNotLag) {
+  // On a straight line a centred mean equals the line (an EMA would trail it).
+  std::vector<double> line;
+  for (int i = 0; i < 100; ++i) line.push_back(10.0 - 0.05 * i);
+  const auto m = centred_mean(line, 5);
+  for (int i = 0; i < 100; ++i) EXPECT_NEAR(m[i], line[i], 1e-9) << i;
+  const auto flat = centred_mean({1, 3, 5, 7}, 1);  // ends shrink the window: [1], [1 3 5], ...
+  EXPECT_EQ(flat, (std::vector<double>{1, 3, 5, 7}));
+  EXPECT_EQ(centred_mean({0, 3, 0, 3, 0}, 1), (std::vector<double>{0, 1, 2, 1, 0}));
+}
+
+TEST(Plot, SvgHasCurvesLegendAndSecondAxis) {
+  PlotSeries series;
+  for (int64_t s = 1; s <= 50; ++s) {
+    series.loss.emplace_back(s, 5.5 * std::exp(-s / 20.0) + 1.0);
+    series.lr.emplace_back(s, 1e-3);
+    if (s % 10 == 0) series.val_loss.emplace_back(s, 5.6 * std::exp(-s / 20.0) + 1.1);
+  }
+  series.loss.emplace_back(51, std::nan(""));
+  const auto svg = loss_curve_svg(series, {"loss & <curve>", "2 ranks"});
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
-  EXPECT_NE(svg.find("<polyline"), std::string::npos);
   EXPECT_NE(svg.find("loss &amp; &lt;curve&gt;"), std::string::npos);
   EXPECT_EQ(svg.find("nan"), std::string::npos);
+  for (const char* label : {"training loss", "centred mean of 3 steps", "validation loss",
+                            "learning rate (right axis)"})
+    EXPECT_NE(svg.find(label), std::string::npos) << label;
+  EXPECT_NE(svg.find("#d62728"), std::string::npos);     // the validation curve
+  EXPECT_NE(svg.find("rotate(90)"), std::string::npos);  // the right axis title
   const auto path = temp_path("loss.svg");
   write_text_file_atomic(path, svg);
   std::ifstream in(path);
@@ -326,6 +457,173 @@ TEST(Generate, DeterministicAndFollowsTheLogits) {
   o.seed = 2;
   EXPECT_NE(a, generate_text("", o, uniform));
   EXPECT_EQ(printable(std::string("a\x01\n\xff", 4)), "a?\n?");
+}
+
+// ---- resume: fake checkpoints with valid indexes (one rank file of 8 bytes) ----
+
+std::string temp_dir(const std::string& name) {
+  const std::string d = temp_path(name);
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+void fake_checkpoint(const std::string& run_dir, int64_t step, const TrainConfig& cfg,
+                     const LrSchedule& schedule) {
+  char name[32];
+  std::snprintf(name, sizeof name, "/step_%08lld", static_cast<long long>(step));
+  const std::string d = run_dir + name;
+  std::filesystem::create_directories(d);
+  std::ofstream(d + "/rank0.safetensors") << "12345678";
+  checkpoint::Index idx;
+  idx.world_size = 1;
+  checkpoint::FileEntry f;
+  f.name = "rank0.safetensors";
+  f.sums.file_bytes = 8;
+  f.sums.blocks = {0};
+  idx.files.push_back(f);
+  idx.state.step = step;
+  idx.state.data_position = step;
+  idx.state.extra = checkpoint_extra(cfg, schedule);
+  std::ofstream(d + "/index.json") << checkpoint::index_to_json(idx);
+}
+
+TrainConfig parsed(const std::vector<std::string>& args) {
+  std::vector<std::string> argv{"fsdp-train"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return *parse_args(argv).config;
+}
+
+// Cleans up after itself (the temp_files list only removes files).
+struct TempDirs {
+  ~TempDirs() {
+    for (const auto& d : dirs) std::filesystem::remove_all(d);
+  }
+  std::string make(const std::string& name) { return dirs.emplace_back(temp_dir(name)); }
+  std::vector<std::string> dirs;
+};
+
+TEST(Resume, TakesTheSettingsFromTheCheckpointAndExtendsTheSchedule) {
+  TempDirs tmp;
+  const auto run = tmp.make("run_settings");
+  const TrainConfig original = parsed({"--layers", "3", "--width", "48", "--heads", "3", "--steps",
+                                       "30", "--warmup", "5", "--lr", "0.01", "--run-dir", run});
+  fake_checkpoint(run, 30, original, {});
+  // Only --steps given: everything else from the checkpoint.
+  RunPlan plan = plan_run(parsed({"--resume", run, "--steps", "60"}));
+  ASSERT_TRUE(plan.from.has_value());
+  EXPECT_EQ(plan.from->step, 30);
+  EXPECT_EQ(plan.cfg.layers, 3);
+  EXPECT_EQ(plan.cfg.width, 48);
+  EXPECT_EQ(plan.cfg.steps, 60);
+  EXPECT_EQ(plan.cfg.run_dir, run);
+  const LrSchedule before{0.01, 5, 30, 0.1};
+  EXPECT_DOUBLE_EQ(plan.schedule.at(30), before.at(30));  // no jump
+  EXPECT_DOUBLE_EQ(plan.schedule.at(59), 0.001);
+  // The same value of a fixed setting is fine; another one is an error naming it.
+  EXPECT_NO_THROW(plan_run(parsed({"--resume", run, "--layers", "3"})));
+  const auto msg = error_of([&] {
+    plan_run(parsed({"--resume", run, "--layers", "4", "--lr", "0.02", "--steps", "40"}));
+  });
+  EXPECT_NE(msg.find("--layers 4 (the checkpoint has 3)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--lr 0.02 (the checkpoint has 0.01)"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("--steps"), msg.find("--steps, --min-lr-ratio")) << msg;  // steps allowed
+  // A checkpoint written by an extended run keeps its segment when resumed again.
+  const auto run2 = tmp.make("run_chain");
+  TrainConfig extended = plan.cfg;
+  extended.run_dir = run2;
+  fake_checkpoint(run2, 45, extended, plan.schedule);
+  const RunPlan again = plan_run(parsed({"--resume", run2}));
+  EXPECT_EQ(again.schedule.restart_step, 30);
+  EXPECT_DOUBLE_EQ(again.schedule.at(50), plan.schedule.at(50));
+}
+
+TEST(Resume, DamagedLatestIsReportedThenFallsBackButANamedOneNever) {
+  TempDirs tmp;
+  const auto run = tmp.make("run_damaged");
+  const TrainConfig cfg = parsed({"--run-dir", run});
+  fake_checkpoint(run, 2, cfg, {});
+  fake_checkpoint(run, 4, cfg, {});
+  fake_checkpoint(run, 6, cfg, {});
+  std::ofstream(run + "/step_00000006/index.json") << "{\"format\": ";  // truncated
+  std::filesystem::create_directories(run + "/step_00000008");          // a save that died
+  std::filesystem::resize_file(run + "/step_00000004/rank0.safetensors", 3);
+  const RunPlan plan = plan_run(parsed({"--resume", run}));
+  ASSERT_TRUE(plan.from.has_value());
+  EXPECT_EQ(plan.from->checkpoint, run + "/step_00000002");
+  ASSERT_EQ(plan.from->skipped.size(), 3u);
+  EXPECT_NE(plan.from->skipped[0].find("step_00000008 is damaged: incomplete: no index.json"),
+            std::string::npos)
+      << plan.from->skipped[0];
+  EXPECT_NE(plan.from->skipped[1].find("step_00000006 is damaged: checkpoint index"),
+            std::string::npos)
+      << plan.from->skipped[1];
+  EXPECT_NE(plan.from->skipped[2].find("rank0.safetensors has 3 bytes, the index says 8"),
+            std::string::npos)
+      << plan.from->skipped[2];
+  // Named explicitly: an error, no fallback.
+  const auto msg = error_of([&] { plan_run(parsed({"--resume", run + "/step_00000006"})); });
+  EXPECT_NE(msg.find("checkpoint '" + run + "/step_00000006' is damaged"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("there is no fallback"), std::string::npos) << msg;
+  EXPECT_EQ(plan_run(parsed({"--resume", run + "/step_00000002/"})).from->checkpoint,
+            run + "/step_00000002");
+  // Nothing complete at all: the message lists what was skipped.
+  std::filesystem::remove_all(run + "/step_00000002");
+  const auto none = error_of([&] { plan_run(parsed({"--resume", run})); });
+  EXPECT_NE(none.find("holds no complete checkpoint"), std::string::npos) << none;
+  EXPECT_NE(none.find("step_00000006 is damaged"), std::string::npos) << none;
+}
+
+TEST(Resume, AutoStartsWhenEmptyAndResumesOtherwise) {
+  TempDirs tmp;
+  const auto run = tmp.make("run_auto");
+  RunPlan plan = plan_run(parsed({"--resume", "auto", "--run-dir", run, "--steps", "9"}));
+  EXPECT_FALSE(plan.from.has_value());
+  EXPECT_EQ(plan.cfg.steps, 9);
+  fake_checkpoint(run, 4, parsed({"--run-dir", run, "--steps", "9"}), {});
+  plan = plan_run(parsed({"--resume", "auto", "--run-dir", run}));
+  ASSERT_TRUE(plan.from.has_value());
+  EXPECT_EQ(plan.from->step, 4);
+  EXPECT_EQ(plan.cfg.steps, 9);
+  EXPECT_NE(error_of([] {
+              parsed({"--resume", "auto"});
+            }).find("give --run-dir DIR"),
+            std::string::npos);
+}
+
+TEST(Resume, KeepLastRemovesOlderCheckpoints) {
+  TempDirs tmp;
+  const auto run = tmp.make("run_keep");
+  const TrainConfig cfg = parsed({"--run-dir", run});
+  for (int64_t s : {0, 2, 4, 6, 8}) fake_checkpoint(run, s, cfg, {});
+  std::filesystem::create_directories(run + "/step_00000010");  // incomplete, newest: kept
+  std::filesystem::remove(run + "/step_00000002/index.json");   // incomplete, old: removed
+  const auto removed = remove_old_checkpoints(run, 2);
+  EXPECT_EQ(removed, (std::vector<std::string>{run + "/step_00000004", run + "/step_00000002",
+                                               run + "/step_00000000"}));
+  EXPECT_EQ(step_dirs(run),
+            (std::vector<std::string>{run + "/step_00000010", run + "/step_00000008",
+                                      run + "/step_00000006"}));
+  EXPECT_TRUE(remove_old_checkpoints(run, 0).empty());
+}
+
+TEST(Bounds, RefusesARunThatCannotFitNamingTheSetting) {
+  TrainConfig c;
+  // The documented count: 12 L C^2 + 13 L C + (V + T) C + 2 C.
+  EXPECT_DOUBLE_EQ(parameter_count(c), 12.0 * 4 * 128 * 128 + 13.0 * 4 * 128 + 320.0 * 128 + 256);
+  EXPECT_DOUBLE_EQ(flops_per_token(c), 6 * (parameter_count(c) - 64.0 * 128) + 12.0 * 4 * 128 * 64);
+  EXPECT_NO_THROW(check_memory_bounds(c, 2, 2, 4.0 * (1 << 30)));
+  c.layers = 100000000;
+  auto msg = error_of([&] { check_memory_bounds(c, 2, 2, 20.0 * (1 << 30)); });
+  EXPECT_NE(msg.find("--layers 100000000"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("lower --layers or --width"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("MemAvailable"), std::string::npos) << msg;
+  c = TrainConfig{};
+  c.batch = 1000000000;
+  msg = error_of([&] { check_memory_bounds(c, 2, 2, 20.0 * (1 << 30)); });
+  EXPECT_NE(msg.find("lower --batch or --seq, or raise --grad-accum"), std::string::npos) << msg;
+  EXPECT_GT(mem_available_bytes(), 1e8);
 }
 
 }  // namespace

@@ -53,6 +53,17 @@ std::string read_text_file(const std::string& path, const char* what) {
   return ss.str();
 }
 
+// The text CLI11 parses for one JSON setting; throws naming `where` for arrays and objects.
+std::string json_setting_text(const nlohmann::json& value, const std::string& where,
+                              const std::string& key) {
+  if (value.is_string()) return value.get<std::string>();
+  if (value.is_boolean()) return value.get<bool>() ? "true" : "false";
+  if (value.is_number_integer() || value.is_number_unsigned()) return value.dump();
+  if (value.is_number_float()) return format_double(value.get<double>());
+  throw Error(detail::cat(where, ": key '", key, "' has a ", value.type_name(),
+                          " value; every setting is a string, number or boolean"));
+}
+
 // A config file flattened to key -> value text, in file order. Nested tables and arrays are errors:
 // every setting is a scalar.
 std::vector<std::pair<std::string, std::string>> load_config_file(const std::string& path) {
@@ -68,23 +79,8 @@ std::vector<std::pair<std::string, std::string>> load_config_file(const std::str
     }
     FSDP_CHECK(j.is_object(), "config file '", path,
                "' must hold one JSON object of settings, got ", j.type_name());
-    for (const auto& [key, value] : j.items()) {
-      std::string v;
-      if (value.is_string()) {
-        v = value.get<std::string>();
-      } else if (value.is_boolean()) {
-        v = value.get<bool>() ? "true" : "false";
-      } else if (value.is_number_integer() || value.is_number_unsigned()) {
-        v = value.dump();
-      } else if (value.is_number_float()) {
-        v = format_double(value.get<double>());
-      } else {
-        throw Error(detail::cat("config file '", path, "': key '", key, "' has a ",
-                                value.type_name(),
-                                " value; every setting is a string, number or boolean"));
-      }
-      out.emplace_back(key, v);
-    }
+    for (const auto& [key, value] : j.items())
+      out.emplace_back(key, json_setting_text(value, "config file '" + path + "'", key));
   } else if (ext == "toml") {
     toml::table tbl;
     try {
@@ -129,6 +125,75 @@ struct App {
   std::string config_file;
 };
 
+void add_training_options(CLI::App& app, TrainConfig& c) {
+  app.add_option("--steps", c.steps, "total optimizer steps")->group("Optimisation");
+  app.add_option("--batch", c.batch, "global batch in sequences, split evenly over the ranks")
+      ->group("Optimisation");
+  app.add_option("--lr", c.lr, "peak learning rate (after warmup)")->group("Optimisation");
+  app.add_option("--warmup", c.warmup, "linear warmup steps")->group("Optimisation");
+  app.add_option("--min-lr-ratio", c.min_lr_ratio,
+                 "cosine schedule ends at lr * min-lr-ratio at the last step")
+      ->group("Optimisation");
+  app.add_option("--weight-decay", c.weight_decay, "AdamW weight decay (2-D weights only)")
+      ->group("Optimisation");
+  app.add_option("--beta1", c.beta1, "AdamW beta1")->group("Optimisation");
+  app.add_option("--beta2", c.beta2, "AdamW beta2")->group("Optimisation");
+  app.add_option("--eps", c.eps, "AdamW epsilon")->group("Optimisation");
+  app.add_option("--seed", c.seed, "seeds initialisation, data order and sampling")
+      ->group("Optimisation");
+  app.add_option("--grad-accum", c.grad_accum,
+                 "micro-batches per optimizer step (gradient accumulation; the batch is unchanged)")
+      ->group("Optimisation");
+
+  app.add_option("--data", c.data,
+                 "text (one byte per token) or .bin of uint16 tokens (empty: the shipped corpus)")
+      ->group("Data");
+  app.add_option("--val-fraction", c.val_fraction,
+                 "last fraction of the data held out for the validation loss (0: none)")
+      ->group("Data");
+  app.add_option("--data-order", c.data_order,
+                 "random: hashed window offsets; sequential: batch k takes consecutive windows "
+                 "(docs/trainer.md)")
+      ->check(CLI::IsMember({"random", "sequential"}))
+      ->group("Data");
+}
+
+void add_output_options(CLI::App& app, TrainConfig& c) {
+  app.add_option("--eval-every", c.eval_every,
+                 "validation loss every k steps and after the last (0: never)")
+      ->group("Evaluation");
+  app.add_option("--eval-batches", c.eval_batches, "global batches per validation loss")
+      ->group("Evaluation");
+
+  app.add_option("--run-dir", c.run_dir, "output directory (empty: runs/<timestamp>)")
+      ->group("Outputs");
+  app.add_option("--log-every", c.log_every, "plain progress line every k steps (0: ~25 lines)")
+      ->group("Outputs");
+  app.add_flag("--quiet,-q", c.quiet, "no progress output (the summary is still printed)")
+      ->group("Outputs");
+  app.add_option("--sample-tokens", c.sample_tokens, "bytes of text generated at the end (0: none)")
+      ->group("Outputs");
+  app.add_option("--prompt", c.prompt, "prompt of the generated sample")->group("Outputs");
+  app.add_option("--temperature", c.temperature, "sampling temperature of the generated sample")
+      ->group("Outputs");
+  app.add_option("--peak-tflops", c.peak_tflops,
+                 "peak TFLOP/s of one rank for the MFU figure (0: measured once at start)")
+      ->group("Outputs");
+
+  app.add_option("--save-every", c.save_every, "checkpoint every k steps into the run directory")
+      ->group("Checkpoints");
+  app.add_option("--keep-last", c.keep_last,
+                 "keep the newest k checkpoints, remove older ones (0: keep all)")
+      ->group("Checkpoints");
+  app.add_option("--resume", c.resume,
+                 "RUN_DIR: continue from its latest checkpoint with its settings; RUN_DIR/step_K: "
+                 "from that one; auto: --run-dir's latest if it has one, else start")
+      ->group("Checkpoints");
+  app.add_option("--init-from", c.init_from,
+                 "full safetensors file (e.g. a consolidated checkpoint) to initialise from")
+      ->group("Checkpoints");
+}
+
 void add_options(App& a, TrainConfig& c) {
   CLI::App& app = a.app;
   app.option_defaults()->always_capture_default()->multi_option_policy(
@@ -157,53 +222,24 @@ void add_options(App& a, TrainConfig& c) {
   app.add_option("--heads", c.heads, "attention heads per block")->group("Model");
   app.add_option("--width", c.width, "embedding width (n_embd), divisible by --heads")
       ->group("Model");
-  app.add_option("--seq", c.seq, "context length in bytes (tokens)")->group("Model");
+  app.add_option("--seq", c.seq, "context length in tokens")->group("Model");
+  app.add_option("--vocab", c.vocab,
+                 "vocabulary size (256 for text; a .bin file needs its tokenizer's, e.g. 50257)")
+      ->group("Model");
+  add_training_options(app, c);
+  add_output_options(app, c);
+}
 
-  app.add_option("--steps", c.steps, "total optimizer steps")->group("Optimisation");
-  app.add_option("--batch", c.batch, "global batch in sequences, split evenly over the ranks")
-      ->group("Optimisation");
-  app.add_option("--lr", c.lr, "peak learning rate (after warmup)")->group("Optimisation");
-  app.add_option("--warmup", c.warmup, "linear warmup steps")->group("Optimisation");
-  app.add_option("--min-lr-ratio", c.min_lr_ratio,
-                 "cosine schedule ends at lr * min-lr-ratio at the last step")
-      ->group("Optimisation");
-  app.add_option("--weight-decay", c.weight_decay, "AdamW weight decay (2-D weights only)")
-      ->group("Optimisation");
-  app.add_option("--beta1", c.beta1, "AdamW beta1")->group("Optimisation");
-  app.add_option("--beta2", c.beta2, "AdamW beta2")->group("Optimisation");
-  app.add_option("--eps", c.eps, "AdamW epsilon")->group("Optimisation");
-  app.add_option("--seed", c.seed, "seeds initialisation, data order and sampling")
-      ->group("Optimisation");
-
-  app.add_option("--data", c.data, "training text, one byte per token (empty: data/corpus.txt)")
-      ->group("Data");
-  app.add_option("--data-order", c.data_order,
-                 "random: hashed window offsets; sequential: batch k takes consecutive windows "
-                 "(docs/trainer.md)")
-      ->check(CLI::IsMember({"random", "sequential"}))
-      ->group("Data");
-
-  app.add_option("--run-dir", c.run_dir, "output directory (empty: runs/<timestamp>)")
-      ->group("Outputs");
-  app.add_option("--log-every", c.log_every, "plain progress line every k steps (0: ~25 lines)")
-      ->group("Outputs");
-  app.add_flag("--quiet,-q", c.quiet, "no progress output (the summary is still printed)")
-      ->group("Outputs");
-  app.add_option("--sample-tokens", c.sample_tokens, "bytes of text generated at the end (0: none)")
-      ->group("Outputs");
-  app.add_option("--prompt", c.prompt, "prompt of the generated sample")->group("Outputs");
-  app.add_option("--temperature", c.temperature, "sampling temperature of the generated sample")
-      ->group("Outputs");
-
-  app.add_option("--save-every", c.save_every, "checkpoint every k steps into the run directory")
-      ->group("Checkpoints");
-  app.add_option("--resume", c.resume,
-                 "run directory to resume from (its latest complete checkpoint; appends to its "
-                 "metrics.csv)")
-      ->group("Checkpoints");
-  app.add_option("--init-from", c.init_from,
-                 "full safetensors file (e.g. a consolidated checkpoint) to initialise from")
-      ->group("Checkpoints");
+// Sets one option from text as if it came from a config file.
+void set_option(CLI::Option* opt, const std::string& where, const std::string& raw_key,
+                const std::string& value) {
+  opt->clear();
+  opt->add_result(value);
+  try {
+    opt->run_callback();
+  } catch (const CLI::Error& e) {
+    throw Error(detail::cat(where, ": key '", raw_key, "' = '", value, "' is invalid: ", e.what()));
+  }
 }
 
 // Applies the file's settings to the options the command line did not set.
@@ -214,14 +250,7 @@ void apply_config_file(App& a, const std::string& path) {
     FSDP_CHECK(opt != nullptr, "config file '", path, "': unknown key '", raw_key,
                "'; the keys are the long flags of fsdp-train without '--' (see fsdp-train --help)");
     if (opt->count() > 0) continue;  // the command line wins
-    opt->clear();
-    opt->add_result(value);
-    try {
-      opt->run_callback();
-    } catch (const CLI::Error& e) {
-      throw Error(detail::cat("config file '", path, "': key '", raw_key, "' = '", value,
-                              "' is invalid: ", e.what()));
-    }
+    set_option(opt, "config file '" + path + "'", raw_key, value);
   }
 }
 
@@ -242,6 +271,15 @@ void TrainConfig::validate() const {
   positive("seq", seq, "e.g. --seq 64");
   positive("steps", steps, "e.g. --steps 300");
   positive("batch", batch, "e.g. --batch 16");
+  positive("vocab", vocab, "e.g. --vocab 256");
+  positive("grad-accum", grad_accum, "1 = no accumulation");
+  positive("eval-batches", eval_batches, "e.g. --eval-batches 4");
+  FSDP_CHECK(eval_every >= 0, "--eval-every is ", eval_every, "; use 0 (never) or a step count");
+  FSDP_CHECK(keep_last >= 0, "--keep-last is ", keep_last, "; use 0 (keep all) or a count");
+  FSDP_CHECK(val_fraction >= 0 && val_fraction <= 0.5, "--val-fraction is ", val_fraction,
+             "; it must lie in [0, 0.5] (0: no validation split)");
+  FSDP_CHECK(peak_tflops >= 0, "--peak-tflops is ", peak_tflops,
+             "; use 0 (measured) or the peak of one rank");
   FSDP_CHECK(threads >= 0, "--threads is ", threads, "; use 0 (automatic) or a positive count");
   FSDP_CHECK(warmup >= 0, "--warmup is ", warmup, "; use 0 (no warmup) or a positive step count");
   FSDP_CHECK(log_every >= 0, "--log-every is ", log_every,
@@ -268,10 +306,20 @@ void TrainConfig::validate() const {
   FSDP_CHECK(!no_shard || (save_every == 0 && resume.empty() && init_from.empty()),
              "--no-shard runs plain LibTorch without fsdp-cpp, so it has no sharded checkpoints; "
              "drop --save-every/--resume/--init-from, or use --nproc 1 for a one-rank sharded run");
-  FSDP_CHECK(resume.empty() || run_dir.empty() || run_dir == resume, "--resume '", resume,
-             "' and --run-dir '", run_dir,
-             "' differ; a resumed run continues in its own directory: "
-             "drop --run-dir");
+  FSDP_CHECK(resume != "auto" || !run_dir.empty(),
+             "--resume auto continues the run in --run-dir if it holds a checkpoint, else starts "
+             "it there; give --run-dir DIR");
+  if (!resume.empty() && resume != "auto" && !run_dir.empty()) {
+    namespace fs = std::filesystem;
+    const auto norm = [](std::string p) {
+      while (p.size() > 1 && p.back() == '/') p.pop_back();
+      return fs::path(p).lexically_normal().string();
+    };
+    const std::string parent = fs::path(norm(resume)).parent_path().string();
+    FSDP_CHECK(norm(run_dir) == norm(resume) || norm(run_dir) == parent, "--resume '", resume,
+               "' and --run-dir '", run_dir,
+               "' differ; a resumed run continues in its own directory: drop --run-dir");
+  }
   FSDP_CHECK(resume.empty() || init_from.empty(), "--resume '", resume, "' and --init-from '",
              init_from, "' both given; a resumed run already has its weights: drop --init-from");
 }
@@ -280,6 +328,11 @@ void TrainConfig::validate_world(int world_size) const {
   FSDP_CHECK(batch % world_size == 0, "--batch ", batch, " is not divisible by the ", world_size,
              " ranks; the global batch is split evenly: use a multiple of ", world_size,
              " (e.g. --batch ", (batch / world_size + 1) * world_size, ") or another --nproc");
+  const int64_t split = world_size * grad_accum;
+  FSDP_CHECK(batch % split == 0, "--batch ", batch, " is not divisible by ", world_size,
+             " ranks x --grad-accum ", grad_accum, " = ", split,
+             " micro-batches; use a multiple of ", split, " (e.g. --batch ",
+             (batch / split + 1) * split, ") or another --grad-accum");
 }
 
 std::string TrainConfig::to_json() const {
@@ -292,6 +345,7 @@ std::string TrainConfig::to_json() const {
   j["heads"] = heads;
   j["width"] = width;
   j["seq"] = seq;
+  j["vocab"] = vocab;
   j["steps"] = steps;
   j["batch"] = batch;
   j["lr"] = lr;
@@ -302,15 +356,21 @@ std::string TrainConfig::to_json() const {
   j["beta2"] = beta2;
   j["eps"] = eps;
   j["seed"] = seed;
+  j["grad-accum"] = grad_accum;
   j["data"] = data;
   j["data-order"] = data_order;
+  j["val-fraction"] = val_fraction;
+  j["eval-every"] = eval_every;
+  j["eval-batches"] = eval_batches;
   j["run-dir"] = run_dir;
   j["log-every"] = log_every;
   j["quiet"] = quiet;
   j["sample-tokens"] = sample_tokens;
   j["prompt"] = prompt;
   j["temperature"] = temperature;
+  j["peak-tflops"] = peak_tflops;
   j["save-every"] = save_every;
+  j["keep-last"] = keep_last;
   j["resume"] = resume;
   j["init-from"] = init_from;
   return j.dump(2) + "\n";
@@ -349,6 +409,50 @@ ParseResult parse_args(int argc, const char* const* argv) {
   c.validate();
   r.config = std::move(c);
   return r;
+}
+
+const std::vector<std::string>& resumable_keys() {
+  // World size, schedule end, evaluation, logging and outputs: none changes the model, the
+  // optimizer state or the training stream (grad-accum splits the same batch differently).
+  static const std::vector<std::string> keys = {
+      "nproc",      "threads",      "reshard-after-forward",
+      "steps",      "min-lr-ratio", "grad-accum",
+      "eval-every", "eval-batches", "run-dir",
+      "log-every",  "quiet",        "sample-tokens",
+      "prompt",     "temperature",  "peak-tflops",
+      "save-every", "keep-last",    "resume",
+      "init-from",  "data"};
+  return keys;
+}
+
+TrainConfig merge_settings(const std::string& saved_json, const TrainConfig& given,
+                           const std::vector<std::string>& overrides) {
+  nlohmann::json merged;
+  try {
+    merged = nlohmann::json::parse(saved_json);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw Error(detail::cat("saved settings are not valid JSON: ", e.what()));
+  }
+  FSDP_CHECK(merged.is_object(), "saved settings must be one JSON object, got ",
+             merged.type_name());
+  const nlohmann::json mine = nlohmann::json::parse(given.to_json());
+  for (const auto& key : overrides)
+    if (mine.contains(key)) merged[key] = mine[key];
+  TrainConfig c;
+  App a;
+  add_options(a, c);
+  const char* argv0[] = {"fsdp-train"};
+  a.app.parse(1, argv0);
+  for (const auto& [raw_key, value] : merged.items()) {
+    const std::string key = normalise_key(raw_key);
+    CLI::Option* opt = a.app.get_option_no_throw("--" + key);
+    FSDP_CHECK(opt != nullptr, "saved settings: unknown key '", raw_key,
+               "' (written by another version of fsdp-train?)");
+    set_option(opt, "saved settings", raw_key, json_setting_text(value, "saved settings", key));
+  }
+  c.explicit_keys = given.explicit_keys;
+  c.config_file = given.config_file;
+  return c;
 }
 
 std::string default_data_path() {

@@ -24,6 +24,7 @@ struct TrainConfig {
   int64_t heads = 4;
   int64_t width = 128;  // n_embd
   int64_t seq = 64;     // context length T
+  int64_t vocab = 256;  // tokens; a text corpus is bytes (256), a .bin file needs its tokenizer's
   // ---- optimisation ----
   int64_t steps = 300;
   int64_t batch = 16;         // global batch in sequences, split evenly over ranks
@@ -35,9 +36,15 @@ struct TrainConfig {
   double beta2 = 0.95;
   double eps = 1e-8;
   uint64_t seed = 1337;
+  int64_t grad_accum =
+      1;  // micro-batches per optimizer step (batch / ranks / grad_accum rows each)
   // ---- data ----
   std::string data;                   // empty = the shipped corpus (data/corpus.txt)
   std::string data_order = "random";  // "random" or "sequential" (docs/trainer.md, Data order)
+  double val_fraction = 0.05;         // the last fraction of the corpus is held out for evaluation
+  // ---- evaluation ----
+  int64_t eval_every = 50;   // validation loss every k steps and after the last; 0 = never
+  int64_t eval_batches = 4;  // global batches of the validation split per evaluation
   // ---- outputs ----
   std::string run_dir;    // empty = runs/<timestamp>
   int64_t log_every = 0;  // plain progress line every k steps; 0 = about 25 lines per run
@@ -45,9 +52,12 @@ struct TrainConfig {
   int64_t sample_tokens = 200;  // bytes generated at the end; 0 = none
   std::string prompt = "And God said";
   double temperature = 0.8;
+  double peak_tflops = 0;  // peak FLOP/s per rank for MFU (TFLOP/s); 0 = measured at start
   // ---- checkpoints (issue 6) ----
   int64_t save_every = 0;  // 0 = never
-  std::string resume;      // run directory to resume from (its latest complete checkpoint)
+  int64_t keep_last = 0;   // keep the newest k checkpoints, remove older ones; 0 = keep all
+  std::string resume;      // RUN_DIR (its latest checkpoint), RUN_DIR/step_K (that one), or
+                           // "auto" (--run-dir's latest checkpoint if it has one, else start)
   std::string init_from;   // full safetensors file to initialise the model from
   // ---- bookkeeping ----
   std::string config_file;                 // --config, for the record
@@ -61,7 +71,17 @@ struct TrainConfig {
   void validate_world(int world_size) const;
   // The resolved settings as JSON text with the same keys (loadable again with --config).
   std::string to_json() const;
+  // Local ranks x micro-batch rows: the rows of one micro-batch on one rank.
+  int64_t micro_batch(int world_size) const { return batch / world_size / grad_accum; }
 };
+
+// The settings of `saved` (a to_json() object, e.g. a checkpoint's) with the keys in
+// `overrides` taken from `given` instead. Throws fsdp::Error naming an unknown key or bad value.
+TrainConfig merge_settings(const std::string& saved_json, const TrainConfig& given,
+                           const std::vector<std::string>& overrides);
+// Keys a resumed run may change (docs/trainer.md, "Resuming"); the others come from the
+// checkpoint, and giving another value for them is an error.
+const std::vector<std::string>& resumable_keys();
 
 // Outcome of parse_args: either a config to run, or a message to print and an exit code
 // (--help, --version, or a usage error). Usage errors are also thrown as fsdp::Error by validate().

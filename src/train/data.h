@@ -1,39 +1,71 @@
-// Byte-level training data: the corpus as tokens (one byte = one token, vocabulary 256) and the
-// window offsets of every sequence of every step, a pure function of (seed, step, row) so that any
-// rank, any world size and an external reference replay the same stream (docs/trainer.md, "Data
-// order"). Free of torch headers. Thread-safety: a loaded Corpus is immutable.
+// Training data of fsdp-train: the corpus as tokens, memory-mapped, and the window offsets of every
+// sequence of every step, a pure function of (seed, step, row) so that any rank, any world size
+// and an external reference replay the same stream (docs/trainer.md, "Data").
+//
+// Two formats, chosen by the file's extension: text (any other extension; every byte is one
+// token, vocabulary 256) and `.bin` (nanoGPT's format: little-endian uint16 tokens, no header).
+// The last `val_fraction` of the tokens are held out for evaluation (split_validation).
+// Free of torch headers. Thread-safety: a loaded Corpus is immutable; copies share the mapping.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp::train {
 
 enum class DataOrder {
   kRandom,      // offset = mix64(seed, global row index) mod (N - T)
-  kSequential,  // row j of the stream takes window j mod W, starting at byte (j mod W) * T
+  kSequential,  // row j of the stream takes window j mod W, starting at token (j mod W) * T
 };
 
 DataOrder parse_data_order(const std::string& name);  // "random" | "sequential"
 
+enum class TokenFormat {
+  kBytes,   // text: one byte per token
+  kUint16,  // .bin: little-endian uint16 per token
+};
+
 class Corpus {
  public:
-  // Reads the whole file. Throws fsdp::Error naming the file when it is missing, unreadable, or
-  // shorter than seq_len + 1 bytes (one input window plus its shifted target).
-  static Corpus load(const std::string& path, int64_t seq_len);
+  // Memory-maps the file (text, or .bin of uint16 tokens by extension) and checks it: a missing
+  // file, a directory, a special file (FIFO, device, socket), a .bin of odd length, fewer than
+  // seq_len + 1 tokens, or a token >= vocab are errors naming the file and the fix.
+  static Corpus load(const std::string& path, int64_t seq_len, int64_t vocab = 256);
   // For tests: a corpus from memory (same length check).
   static Corpus from_bytes(std::vector<uint8_t> bytes, int64_t seq_len,
                            std::string name = "memory");
+  static Corpus from_tokens(const std::vector<uint16_t>& tokens, int64_t seq_len,
+                            std::string name = "memory");
 
-  int64_t size() const { return static_cast<int64_t>(bytes_.size()); }
-  const std::vector<uint8_t>& bytes() const { return bytes_; }
+  int64_t size() const { return size_; }  // tokens
+  int64_t token(int64_t i) const {
+    return format_ == TokenFormat::kBytes
+               ? data_[i]
+               : static_cast<int64_t>(data_[2 * i] | data_[2 * i + 1] << 8);
+  }
+  TokenFormat format() const { return format_; }
   const std::string& path() const { return path_; }
+  // Tokens [begin, end) of this corpus, sharing its storage.
+  Corpus slice(int64_t begin, int64_t end) const;
+  // The largest token (a full pass; load() uses it for the --vocab check).
+  int64_t max_token() const;
 
  private:
-  std::vector<uint8_t> bytes_;
+  std::shared_ptr<const void> storage_;  // the mapping or the vector that data_ points into
+  const uint8_t* data_ = nullptr;
+  int64_t size_ = 0;
+  TokenFormat format_ = TokenFormat::kBytes;
   std::string path_;
 };
+
+// The training and validation splits: the last floor(size * val_fraction) tokens are the
+// validation split (empty when val_fraction is 0). Throws fsdp::Error naming --val-fraction when a
+// non-empty split is shorter than one sequence, or the training split would be.
+std::pair<Corpus, Corpus> split_validation(const Corpus& corpus, double val_fraction,
+                                           int64_t seq_len);
 
 // Where each sequence of the global batch starts.
 class DataStream {
@@ -41,7 +73,7 @@ class DataStream {
   // REQUIRES: corpus.size() >= seq_len + 1, batch > 0.
   DataStream(const Corpus& corpus, DataOrder order, uint64_t seed, int64_t seq_len, int64_t batch);
 
-  // Byte offset of row `row` (0 <= row < batch) of step `step`; the row reads bytes
+  // Token offset of row `row` (0 <= row < batch) of step `step`; the row reads tokens
   // [offset, offset + seq_len] (inputs are the first seq_len, targets the last seq_len).
   int64_t offset(int64_t step, int64_t row) const;
 

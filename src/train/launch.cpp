@@ -82,12 +82,16 @@ std::string default_run_dir() {
   return dir;
 }
 
-int threads_per_rank(int requested, int world_size) {
-  if (requested > 0) return requested;
+int local_ranks(int world_size) {
   int local = env_int("LOCAL_WORLD_SIZE");
   if (local == 0) local = env_int("OMPI_COMM_WORLD_LOCAL_SIZE");
   if (local == 0) local = env_int("SLURM_NTASKS_PER_NODE");
-  if (local == 0) local = world_size;
+  return local == 0 ? world_size : local;
+}
+
+int threads_per_rank(int requested, int world_size) {
+  if (requested > 0) return requested;
+  const int local = local_ranks(world_size);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, cores / std::max(1, local));
 }

@@ -19,6 +19,10 @@ std::string self_exe_path();
 // "runs/<YYYYmmdd-HHMMSS>" (local time), with "-2", "-3", ... appended when it already exists.
 std::string default_run_dir();
 
+// Ranks on this machine: LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE or SLURM_NTASKS_PER_NODE,
+// else world_size.
+int local_ranks(int world_size);
+
 // Intra-op threads per rank: `requested` when positive, else max(1, cores / local ranks), with the
 // local rank count from LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE or SLURM_NTASKS_PER_NODE.
 int threads_per_rank(int requested, int world_size);

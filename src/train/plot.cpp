@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <sstream>
+#include <tuple>
 
 namespace fsdp::train {
 namespace {
@@ -64,10 +65,11 @@ std::string fmt4(double v) {
 }
 
 std::string polyline(const std::vector<std::pair<double, double>>& xy, const char* stroke,
-                     double width, double opacity) {
+                     double width, double opacity, bool dashed) {
   std::ostringstream os;
   os << "<polyline fill=\"none\" stroke=\"" << stroke << "\" stroke-width=\"" << width
-     << "\" stroke-opacity=\"" << opacity << "\" stroke-linejoin=\"round\" points=\"";
+     << "\" stroke-opacity=\"" << opacity << "\" stroke-linejoin=\"round\""
+     << (dashed ? " stroke-dasharray=\"5,3\"" : "") << " points=\"";
   char buf[48];
   for (const auto& [x, y] : xy) {
     std::snprintf(buf, sizeof buf, "%.1f,%.1f ", x, y);
@@ -79,13 +81,52 @@ std::string polyline(const std::vector<std::pair<double, double>>& xy, const cha
 
 }  // namespace
 
-std::string loss_curve_svg(const std::vector<std::pair<int64_t, double>>& points,
-                           const PlotOptions& o) {
-  std::vector<std::pair<int64_t, double>> pts;
-  for (const auto& p : points)
-    if (std::isfinite(p.second)) pts.push_back(p);
+std::vector<double> centred_mean(const std::vector<double>& values, int64_t half_width) {
+  const auto n = static_cast<int64_t>(values.size());
+  std::vector<double> prefix(values.size() + 1, 0.0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + values[i];
+  std::vector<double> out(values.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t w = std::min({std::max<int64_t>(half_width, 0), i, n - 1 - i});
+    out[i] = (prefix[i + w + 1] - prefix[i - w]) / static_cast<double>(2 * w + 1);
+  }
+  return out;
+}
 
-  const double left = 70, right = 20, top = o.subtitle.empty() ? 40 : 58, bottom = 50;
+namespace {
+
+using Points = std::vector<std::pair<int64_t, double>>;
+
+Points finite(const Points& in) {
+  Points out;
+  for (const auto& p : in)
+    if (std::isfinite(p.second)) out.push_back(p);
+  return out;
+}
+
+std::string legend(double x, double y,
+                   const std::vector<std::tuple<std::string, const char*, double, bool>>& entries) {
+  std::ostringstream os;
+  const double h = 18.0 * static_cast<double>(entries.size()) + 8;
+  os << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"250\" height=\"" << h
+     << "\" fill=\"white\" fill-opacity=\"0.85\" stroke=\"#bbb\"/>\n";
+  double ly = y + 16;
+  for (const auto& [label, colour, width, dashed] : entries) {
+    os << "<line x1=\"" << x + 8 << "\" x2=\"" << x + 36 << "\" y1=\"" << ly - 4 << "\" y2=\""
+       << ly - 4 << "\" stroke=\"" << colour << "\" stroke-width=\"" << width << "\""
+       << (dashed ? " stroke-dasharray=\"5,3\"" : "") << "/>\n";
+    os << "<text x=\"" << x + 44 << "\" y=\"" << ly << "\">" << escape_xml(label) << "</text>\n";
+    ly += 18;
+  }
+  return os.str();
+}
+
+}  // namespace
+
+std::string loss_curve_svg(const PlotSeries& series, const PlotOptions& o) {
+  const Points pts = finite(series.loss), val = finite(series.val_loss), lr = finite(series.lr);
+  const double left = 70, right = lr.empty() ? 20 : 75, top = o.subtitle.empty() ? 40 : 58,
+               bottom = 50;
   const double pw = o.width - left - right, ph = o.height - top - bottom;
   std::ostringstream os;
   os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << o.width << "\" height=\""
@@ -106,15 +147,20 @@ std::string loss_curve_svg(const std::vector<std::pair<int64_t, double>>& points
   double x0 = static_cast<double>(pts.front().first), x1 = static_cast<double>(pts.back().first);
   if (x1 <= x0) x1 = x0 + 1;
   double y0 = pts.front().second, y1 = y0;
-  for (const auto& p : pts) {
-    y0 = std::min(y0, p.second);
-    y1 = std::max(y1, p.second);
-  }
+  for (const Points* s : {&pts, &val})
+    for (const auto& p : *s) {
+      y0 = std::min(y0, p.second);
+      y1 = std::max(y1, p.second);
+    }
   const double pad = std::max((y1 - y0) * 0.05, 1e-3);
   y0 = std::max(0.0, y0 - pad);
   y1 += pad;
+  double lr1 = 0;
+  for (const auto& p : lr) lr1 = std::max(lr1, p.second);
+  lr1 = lr1 > 0 ? lr1 * 1.05 : 1.0;
   auto sx = [&](double x) { return left + (x - x0) / (x1 - x0) * pw; };
   auto sy = [&](double y) { return top + (1.0 - (y - y0) / (y1 - y0)) * ph; };
+  auto sy_lr = [&](double y) { return top + (1.0 - y / lr1) * ph; };
 
   // Grid, ticks and labels.
   for (double t : nice_ticks(y0, y1, 6)) {
@@ -129,28 +175,56 @@ std::string loss_curve_svg(const std::vector<std::pair<int64_t, double>>& points
     os << "<text x=\"" << sx(t) << "\" y=\"" << top + ph + 18 << "\" text-anchor=\"middle\">"
        << fmt(t) << "</text>\n";
   }
+  if (!lr.empty()) {
+    for (double t : nice_ticks(0, lr1, 5))
+      os << "<text x=\"" << left + pw + 6 << "\" y=\"" << sy_lr(t) + 4 << "\" fill=\"#2ca02c\">"
+         << fmt(t) << "</text>\n";
+    os << "<text transform=\"translate(" << o.width - 10 << "," << top + ph / 2
+       << ") rotate(90)\" text-anchor=\"middle\" fill=\"#2ca02c\">learning rate</text>\n";
+  }
   os << "<rect x=\"" << left << "\" y=\"" << top << "\" width=\"" << pw << "\" height=\"" << ph
      << "\" fill=\"none\" stroke=\"#888\"/>\n";
   os << "<text x=\"" << left + pw / 2 << "\" y=\"" << o.height - 10
      << "\" text-anchor=\"middle\">step</text>\n";
   os << "<text transform=\"translate(16," << top + ph / 2
-     << ") rotate(-90)\" text-anchor=\"middle\">loss (cross-entropy, nats per byte)</text>\n";
+     << ") rotate(-90)\" text-anchor=\"middle\">loss (cross-entropy, nats per token)</text>\n";
 
-  std::vector<std::pair<double, double>> raw, smooth;
-  // Exponential moving average from zero, divided by (1 - smoothing^n) so it does not lag the
-  // first steps (TensorBoard's debiased smoothing).
-  double ema = 0, weight = 1;
-  for (const auto& [step, loss] : pts) {
-    raw.emplace_back(sx(static_cast<double>(step)), sy(loss));
-    ema = o.smoothing * ema + (1.0 - o.smoothing) * loss;
-    weight *= o.smoothing;
-    smooth.emplace_back(sx(static_cast<double>(step)), sy(ema / (1.0 - weight)));
+  const int64_t n = static_cast<int64_t>(pts.size());
+  const int64_t w = o.smooth_half_width >= 0 ? o.smooth_half_width : n / 50;
+  std::vector<double> losses;
+  for (const auto& p : pts) losses.push_back(p.second);
+  const std::vector<double> smooth = centred_mean(losses, w);
+  std::vector<std::pair<double, double>> raw_xy, smooth_xy, val_xy, lr_xy;
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = sx(static_cast<double>(pts[i].first));
+    raw_xy.emplace_back(x, sy(pts[i].second));
+    smooth_xy.emplace_back(x, sy(smooth[i]));
   }
-  os << polyline(raw, "#1f77b4", 1.0, o.smoothing > 0 ? 0.35 : 1.0);
-  if (o.smoothing > 0) os << polyline(smooth, "#1f77b4", 2.0, 1.0);
-  os << "<text x=\"" << left + pw - 6 << "\" y=\"" << top + 16
-     << "\" text-anchor=\"end\" fill=\"#1f77b4\">final loss " << fmt4(pts.back().second)
-     << "</text>\n";
+  for (const auto& p : val) val_xy.emplace_back(sx(static_cast<double>(p.first)), sy(p.second));
+  for (const auto& p : lr) lr_xy.emplace_back(sx(static_cast<double>(p.first)), sy_lr(p.second));
+  std::vector<std::tuple<std::string, const char*, double, bool>> entries;
+  if (!lr_xy.empty()) {
+    os << polyline(lr_xy, "#2ca02c", 1.2, 0.8, true);
+  }
+  os << polyline(raw_xy, "#1f77b4", 1.0, w > 0 ? 0.35 : 1.0, false);
+  entries.emplace_back("training loss", "#1f77b4", 1.0, false);
+  if (w > 0) {
+    os << polyline(smooth_xy, "#1f77b4", 2.0, 1.0, false);
+    entries.emplace_back("training loss, centred mean of " + std::to_string(2 * w + 1) + " steps",
+                         "#1f77b4", 2.0, false);
+  }
+  if (!val_xy.empty()) {
+    os << polyline(val_xy, "#d62728", 2.0, 1.0, false);
+    for (const auto& [x, y] : val_xy)
+      os << "<circle cx=\"" << x << "\" cy=\"" << y << "\" r=\"3\" fill=\"#d62728\"/>\n";
+    entries.emplace_back("validation loss", "#d62728", 2.0, false);
+  }
+  if (!lr_xy.empty()) entries.emplace_back("learning rate (right axis)", "#2ca02c", 1.2, true);
+  std::string final_text = "final loss " + fmt4(pts.back().second);
+  if (!val.empty()) final_text += ", validation " + fmt4(val.back().second);
+  os << legend(left + pw - 256, top + 6, entries);
+  os << "<text x=\"" << left + pw - 6 << "\" y=\"" << top + 34 + 18.0 * entries.size()
+     << "\" text-anchor=\"end\" fill=\"#1f77b4\">" << escape_xml(final_text) << "</text>\n";
   os << "</svg>\n";
   return os.str();
 }

@@ -1,9 +1,8 @@
-// The training loop of fsdp-train. One of the few TUs with <torch/torch.h> (optimizers, nn).
+// The training run of fsdp-train (trainer.h). One of the few TUs with <torch/torch.h>.
 // What it computes is specified in docs/trainer.md; keep the two in step.
 #include "train/trainer.h"
 
 #include <fsdp/fsdp.h>
-#include <fsdp/models/gpt.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -11,16 +10,16 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
-#include <nlohmann/json.hpp>
-#include <optional>
-#include <sstream>
+#include <new>
 
 #include "train/generate.h"
 #include "train/launch.h"
 #include "train/metrics.h"
+#include "train/model_setup.h"
+#include "train/model_size.h"
 #include "train/plot.h"
 #include "train/progress.h"
-#include "train/schedule.h"
+#include "train/summary.h"
 
 #if FSDP_TRAIN_HAVE_CHECKPOINT
 #include <fsdp/checkpoint.h>
@@ -35,12 +34,12 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Rank 0's string, on every rank (the run directory must be one directory for all ranks).
+// Rank 0's string, on every rank (one run directory, one checkpoint for all ranks).
 std::string broadcast_string(Communicator& comm, const std::string& s) {
   constexpr int64_t kMax = 4096;
   auto t = torch::zeros({kMax + 1}, torch::kInt64);
   if (comm.rank() == 0) {
-    FSDP_CHECK(static_cast<int64_t>(s.size()) <= kMax, "run directory path of ", s.size(),
+    FSDP_CHECK(static_cast<int64_t>(s.size()) <= kMax, "path of ", s.size(),
                " bytes is longer than ", kMax, "; choose a shorter --run-dir");
     auto a = t.accessor<int64_t, 1>();
     a[0] = static_cast<int64_t>(s.size());
@@ -53,58 +52,28 @@ std::string broadcast_string(Communicator& comm, const std::string& s) {
   return out;
 }
 
-// The model and what the optimizer sees of it: the local shards (sharded) or the parameters.
-struct Model {
-  fsdp::Sharded<models::GPT> gpt;
-  FSDPModule root;                   // undefined for --no-shard
-  std::vector<at::Tensor> decay;     // 2-D weights: AdamW weight decay applies
-  std::vector<at::Tensor> no_decay;  // biases and LayerNorm parameters
-  int64_t parameter_count = 0;       // of the full model
-};
-
-std::unique_ptr<Model> build_model(const TrainConfig& cfg,
-                                   const std::shared_ptr<Communicator>& comm) {
-  models::GPTConfig mc;
-  mc.vocab_size = 256;
-  mc.seq_len = cfg.seq;
-  mc.n_layer = cfg.layers;
-  mc.n_head = cfg.heads;
-  mc.n_embd = cfg.width;
-  mc.validate();
-  // Every rank (and --no-shard) draws the same initial weights from the same seed.
-  torch::manual_seed(cfg.seed);
-  auto m = std::make_unique<Model>(Model{fsdp::Sharded<models::GPT>(mc), {}, {}, {}, 0});
-  if (comm) {
-    ShardOptions block_options;
-    block_options.reshard_after_forward = cfg.reshard_after_forward;
-    m->root = models::shard_gpt(m->gpt, comm, block_options, ShardOptions{});
-    for (const ShardInfo& s : m->root.shards()) {
-      int64_t numel = 1;
-      for (int64_t d : s.global_shape) numel *= d;
-      m->parameter_count += numel;
-      if (!s.requires_grad) continue;
-      (s.global_shape.size() >= 2 ? m->decay : m->no_decay).push_back(s.shard);
-    }
-  } else {
-    for (const auto& p : m->gpt->parameters()) {
-      m->parameter_count += p.numel();
-      (p.dim() >= 2 ? m->decay : m->no_decay).push_back(p);
-    }
-  }
-  return m;
+bool is_allocation_failure(const char* what) {
+  const std::string m = what;
+  return m.find("can't allocate memory") != std::string::npos ||
+         m.find("not enough memory") != std::string::npos ||
+         m.find("std::bad_alloc") != std::string::npos;
 }
 
-std::unique_ptr<torch::optim::AdamW> build_optimizer(const TrainConfig& cfg, Model& m) {
-  auto options = [&](double wd) {
-    return std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(cfg.lr)
-                                                            .betas({cfg.beta1, cfg.beta2})
-                                                            .eps(cfg.eps)
-                                                            .weight_decay(wd));
+// Runs f; an allocation failure becomes an fsdp::Error naming `what` and the settings behind it.
+template <class F>
+void naming_allocation_failure(const std::string& what, const std::string& settings, F&& f) {
+  auto fail = [&](const char* detail) {
+    throw Error(detail::cat(what, " ran out of memory (", detail, "); its size comes from ",
+                            settings, ": lower them"));
   };
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(m.decay, options(cfg.weight_decay));
-  groups.emplace_back(m.no_decay, options(0.0));
-  return std::make_unique<torch::optim::AdamW>(std::move(groups), *options(0.0));
+  try {
+    f();
+  } catch (const std::bad_alloc& e) {
+    fail(e.what());
+  } catch (const c10::Error& e) {
+    if (!is_allocation_failure(e.what_without_backtrace())) throw;
+    fail(e.what_without_backtrace());
+  }
 }
 
 // zero_grad(set_to_none): drops the gradients instead of zeroing them in place, which frees their
@@ -119,253 +88,348 @@ void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
 }
 
+// Peak FLOP/s of this rank's threads: the fastest of about 0.3 s of 256x256 fp32 matrix
+// products (the fastest, not the mean, so that time the cores spent on other processes does not
+// count; small enough, about 33 MFLOP, to run within one scheduler slice on a loaded machine).
+double measure_peak_flops() {
+  torch::NoGradGuard no_grad;
+  const int64_t n = 256;
+  const auto a = torch::randn({n, n}), b = torch::randn({n, n});
+  auto c = torch::mm(a, b);  // warm-up
+  double best = INFINITY;
+  const auto t0 = Clock::now();
+  do {
+    const auto t = Clock::now();
+    c = torch::mm(a, b);
+    best = std::min(best, seconds_since(t));
+  } while (seconds_since(t0) < 0.3);
+  return 2.0 * n * n * n / best;
+}
+
+class Trainer {
+ public:
+  Trainer(const RunPlan& plan, const Corpus& corpus, std::shared_ptr<Communicator> comm)
+      : cfg_(plan.cfg),
+        plan_(plan),
+        schedule_(plan.schedule),
+        comm_(std::move(comm)),
+        rank_(comm_ ? comm_->rank() : 0),
+        world_(comm_ ? comm_->size() : 1),
+        splits_(split_validation(corpus, cfg_.val_fraction, cfg_.seq)) {}
+
+  int run() {
+    set_up();
+    resume();
+    open_outputs();
+    loop();
+    return finish();
+  }
+
+ private:
+  // ---- set-up ----
+  void set_up() {
+    cfg_.validate_world(world_);
+    at::set_num_threads(threads_per_rank(cfg_.threads, world_));
 #if !FSDP_TRAIN_HAVE_CHECKPOINT
-[[noreturn]] void no_checkpoint_support(const char* flag) {
-  throw Error(detail::cat(flag,
-                          " needs checkpoint support, which this build of fsdp-train lacks "
-                          "(the fsdp_checkpoint library was not found at configure time); "
-                          "rebuild from a checkout that has cmake/checkpoint.cmake"));
-}
+    FSDP_CHECK(cfg_.save_every == 0 && cfg_.resume.empty() && cfg_.init_from.empty(),
+               "--save-every/--resume/--init-from need checkpoint support, which this build of "
+               "fsdp-train lacks; rebuild from a checkout that has cmake/checkpoint.cmake");
 #endif
-
-// What rank 0 prints at the end.
-struct Summary {
-  int64_t steps_done = 0;
-  int64_t first_step = 0;
-  double first_loss = NAN;
-  double final_loss = NAN;
-  double mean_last = NAN;  // over the last min(10, steps) steps
-  double tokens_per_s = 0;
-  double wall_s = 0;
-  std::vector<double> peak_rss_mb;  // per rank
-  std::string sample;
-};
-
-std::string model_description(const TrainConfig& cfg, int64_t params) {
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "GPT %lld layers x %lld wide, %lld heads, seq %lld, %.2fM params",
-                static_cast<long long>(cfg.layers), static_cast<long long>(cfg.width),
-                static_cast<long long>(cfg.heads), static_cast<long long>(cfg.seq),
-                static_cast<double>(params) / 1e6);
-  return buf;
-}
-
-void print_summary(const TrainConfig& cfg, const Summary& s, int world, int64_t params,
-                   bool stopped) {
-  std::ostringstream os;
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "fsdp-train: %s after %s: %lld/%lld steps on %d rank%s%s\n",
-                stopped ? "stopped" : "done", format_duration(s.wall_s).c_str(),
-                static_cast<long long>(s.first_step + s.steps_done),
-                static_cast<long long>(cfg.steps), world, world == 1 ? "" : "s",
-                cfg.no_shard ? " (--no-shard: plain LibTorch)" : " (fully sharded)");
-  os << buf;
-  os << "  model         " << model_description(cfg, params) << "\n";
-  std::snprintf(buf, sizeof buf,
-                "  final loss    %.4f (mean of the last steps %.4f; first step %.4f)\n",
-                s.final_loss, s.mean_last, s.first_loss);
-  os << buf;
-  std::snprintf(buf, sizeof buf, "  throughput    %s tokens/s (global batch %lld x %lld tokens)\n",
-                format_count(s.tokens_per_s).c_str(), static_cast<long long>(cfg.batch),
-                static_cast<long long>(cfg.seq));
-  os << buf;
-  os << "  peak memory  ";
-  for (size_t r = 0; r < s.peak_rss_mb.size(); ++r) {
-    std::snprintf(buf, sizeof buf, " rank %zu: %.0f MiB%s", r, s.peak_rss_mb[r],
-                  r + 1 < s.peak_rss_mb.size() ? "," : "");
-    os << buf;
-  }
-  os << " (peak resident set)\n";
-  if (!s.sample.empty()) {
-    os << "  sample        prompt \"" << printable(cfg.prompt) << "\", temperature "
-       << cfg.temperature << ":\n";
-    std::istringstream lines(printable(cfg.prompt + s.sample));
-    for (std::string line; std::getline(lines, line);) os << "    | " << line << "\n";
-  }
-  os << "  outputs       " << cfg.run_dir << "/ (metrics.csv, loss.svg, config.json)\n";
-  std::fputs(os.str().c_str(), stdout);
-  std::fflush(stdout);
-}
-
-}  // namespace
-
-int run_training(TrainConfig cfg, const Corpus& corpus, const std::shared_ptr<Communicator>& comm) {
-  const auto t_start = Clock::now();
-  const int rank = comm ? comm->rank() : 0;
-  const int world = comm ? comm->size() : 1;
-  cfg.validate_world(world);
-  at::set_num_threads(threads_per_rank(cfg.threads, world));
-#if !FSDP_TRAIN_HAVE_CHECKPOINT
-  if (cfg.save_every > 0) no_checkpoint_support("--save-every");
-  if (!cfg.resume.empty()) no_checkpoint_support("--resume");
-  if (!cfg.init_from.empty()) no_checkpoint_support("--init-from");
-#endif
-
-  // ---- run directory: rank 0's choice, created by rank 0 ----
-  if (cfg.run_dir.empty()) cfg.run_dir = cfg.resume.empty() ? default_run_dir() : cfg.resume;
-  if (comm) cfg.run_dir = broadcast_string(*comm, cfg.run_dir);
-  if (rank == 0) {
-    std::error_code ec;
-    std::filesystem::create_directories(cfg.run_dir, ec);
-    FSDP_CHECK(!ec, "run directory '", cfg.run_dir, "' cannot be created (", ec.message(),
-               "); choose another --run-dir");
-    write_text_file_atomic(cfg.run_dir + "/config.json", cfg.to_json());
-  }
-
-  // ---- model, optimizer, state ----
-  auto model = build_model(cfg, comm);
-  auto opt = build_optimizer(cfg, *model);
-  int64_t start_step = 0;
-#if FSDP_TRAIN_HAVE_CHECKPOINT
-  if (!cfg.resume.empty()) {
-    auto ckpt = checkpoint::latest(cfg.resume);
-    FSDP_CHECK(ckpt.has_value(), "--resume '", cfg.resume,
-               "' holds no complete checkpoint (no step_*/index.json); pass the run directory of "
-               "a run that used --save-every");
-    const checkpoint::TrainState state = checkpoint::load(*ckpt, model->root, opt.get(), *comm);
-    start_step = state.step;
-    FSDP_CHECK(start_step <= cfg.steps, "--resume '", *ckpt, "' is at step ", start_step,
-               ", beyond --steps ", cfg.steps, "; raise --steps to train further");
-    if (rank == 0)  // also with --quiet: where a run continues from matters
-      std::printf("fsdp-train: resuming from %s at step %lld\n", ckpt->c_str(),
-                  static_cast<long long>(start_step));
-  }
-  if (!cfg.init_from.empty()) checkpoint::init_from(cfg.init_from, model->root);
-#endif
-
-  const LrSchedule schedule{cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio};
-  const DataStream stream(corpus, parse_data_order(cfg.data_order), cfg.seed, cfg.seq, cfg.batch);
-  const int64_t local_batch = cfg.batch / world;
-  const int64_t row_begin = rank * local_batch;  // this rank's contiguous slice of the global batch
-  const double tokens_per_step = static_cast<double>(cfg.batch * cfg.seq);
-
-  std::unique_ptr<MetricsWriter> metrics;
-  std::unique_ptr<Progress> progress;
-  if (rank == 0) {
-    metrics = std::make_unique<MetricsWriter>(cfg.run_dir + "/metrics.csv", !cfg.resume.empty(),
-                                              start_step);
-    progress = std::make_unique<Progress>(cfg.quiet, cfg.steps, cfg.log_every);
-    if (!cfg.quiet) {
-      std::printf(
-          "fsdp-train: %s on %d rank%s, %lld steps, global batch %lld, data %s (%lld "
-          "bytes, %s order), run dir %s\n",
-          model_description(cfg, model->parameter_count).c_str(), world, world == 1 ? "" : "s",
-          static_cast<long long>(cfg.steps), static_cast<long long>(cfg.batch),
-          corpus.path().c_str(), static_cast<long long>(corpus.size()), cfg.data_order.c_str(),
-          cfg.run_dir.c_str());
-      std::fflush(stdout);
+    if (cfg_.run_dir.empty()) cfg_.run_dir = default_run_dir();
+    if (comm_) cfg_.run_dir = broadcast_string(*comm_, cfg_.run_dir);
+    naming_allocation_failure(
+        "building the model",
+        detail::cat("--layers ", cfg_.layers, ", --width ", cfg_.width, ", --vocab ", cfg_.vocab),
+        [&] {
+          model_ = build_model(cfg_, comm_);
+          opt_ = build_optimizer(cfg_, *model_);
+        });
+    train_stream_ = std::make_unique<DataStream>(splits_.first, parse_data_order(cfg_.data_order),
+                                                 cfg_.seed, cfg_.seq, cfg_.batch);
+    if (splits_.second.size() > 0)
+      val_stream_ = std::make_unique<DataStream>(splits_.second, DataOrder::kSequential, cfg_.seed,
+                                                 cfg_.seq, cfg_.batch);
+    summary_.peak_rss_mb.assign(static_cast<size_t>(world_), 0.0);
+    summary_.peak_measured = cfg_.peak_tflops <= 0;
+    double peak = cfg_.peak_tflops > 0 ? cfg_.peak_tflops * 1e12 : measure_peak_flops();
+    if (comm_ && summary_.peak_measured) {  // the mean over ranks
+      auto t = torch::tensor({peak}, torch::kDouble);
+      comm_->all_reduce(t, ReduceOp::kSum).wait();
+      peak = t.item<double>() / world_;
     }
+    summary_.peak_tflops = peak / 1e12;
+    flops_per_token_ = flops_per_token(cfg_);
   }
 
-  // Checkpoint after `steps_taken` steps; the data order is a function of the step, so the step is
-  // also the data position.
-  auto save = [&](int64_t steps_taken) {
+  // ---- resume: load first; the run directory is untouched until this has succeeded ----
+  void resume() {
+#if FSDP_TRAIN_HAVE_CHECKPOINT
+    if (plan_.from) {
+      const ResumePoint& p = *plan_.from;
+      if (comm_) {
+        const std::string chosen = broadcast_string(*comm_, p.checkpoint);
+        FSDP_CHECK(chosen == p.checkpoint, "rank ", rank_, " chose checkpoint '", p.checkpoint,
+                   "' but rank 0 chose '", chosen,
+                   "': the run directory changed while the ranks started; start again");
+      }
+      if (rank_ == 0) {  // also with --quiet: where a run continues from matters
+        // One stream, so that the reports come before the fallback in any log.
+        std::string text;
+        for (const auto& s : p.skipped) text += "fsdp-train: skipping " + s + "\n";
+        text += detail::cat("fsdp-train: resuming from ", p.checkpoint, " at step ", p.step, "\n");
+        std::fputs(text.c_str(), stdout);
+        std::fflush(stdout);
+      }
+      start_step_ = checkpoint::load(p.checkpoint, model_->root, opt_.get(), *comm_).step;
+    } else if (!cfg_.init_from.empty()) {
+      checkpoint::init_from(cfg_.init_from, model_->root);
+    }
+#endif
+  }
+
+  void open_outputs() {
+    if (rank_ != 0) return;
+    std::error_code ec;
+    std::filesystem::create_directories(cfg_.run_dir, ec);
+    FSDP_CHECK(!ec, "run directory '", cfg_.run_dir, "' cannot be created (", ec.message(),
+               "); choose another --run-dir");
+    write_text_file_atomic(cfg_.run_dir + "/config.json", cfg_.to_json());
+    metrics_ = std::make_unique<MetricsWriter>(cfg_.run_dir + "/metrics.csv",
+                                               plan_.from.has_value(), start_step_);
+    progress_ = std::make_unique<Progress>(cfg_.quiet, cfg_.steps, cfg_.log_every);
+    if (cfg_.quiet) return;
+    std::printf(
+        "fsdp-train: %s on %d rank%s, %lld steps, global batch %lld%s, data %s (%lld tokens: "
+        "%lld train, %lld validation; %s order), run dir %s\n",
+        model_description(cfg_, model_->parameter_count).c_str(), world_, world_ == 1 ? "" : "s",
+        static_cast<long long>(cfg_.steps), static_cast<long long>(cfg_.batch),
+        cfg_.grad_accum > 1 ? (" in " + std::to_string(cfg_.grad_accum) + " micro-batches").c_str()
+                            : "",
+        cfg_.data.c_str(), static_cast<long long>(splits_.first.size() + splits_.second.size()),
+        static_cast<long long>(splits_.first.size()), static_cast<long long>(splits_.second.size()),
+        cfg_.data_order.c_str(), cfg_.run_dir.c_str());
+    std::fflush(stdout);
+  }
+
+  // ---- the loop ----
+  void loop() {
+    // Step 0 too: the initial weights, for an external reference to start from (docs/trainer.md).
+    if (cfg_.save_every > 0 && start_step_ == 0) save(0);
+    summary_.first_step = start_step_;
+    for (int64_t s = start_step_; s < cfg_.steps; ++s) {
+      const auto t0 = Clock::now();
+      const double lr = schedule_.at(s);
+      const double loss = step(s, lr);
+      const bool stop = gather_stats(loss);
+      MetricsRow row{s + 1, global_loss_, lr, 0, seconds_since(t0), max_rss()};
+      row.tokens_per_s = static_cast<double>(cfg_.batch * cfg_.seq) / row.step_time_s;
+      row.mfu = row.tokens_per_s * flops_per_token_ / (world_ * summary_.peak_tflops * 1e12);
+      const bool last = s + 1 == cfg_.steps || stop;
+      if (val_stream_ && cfg_.eval_every > 0 && ((s + 1) % cfg_.eval_every == 0 || last))
+        row.val_loss = evaluate(s + 1);
+      log(row, s);
+      if (cfg_.save_every > 0 && (s + 1) % cfg_.save_every == 0) save(s + 1);
+      if (stop) {
+        stopped_ = true;
+        break;
+      }
+    }
+    if (progress_) progress_->finish();
+  }
+
+  // One optimizer step over grad_accum micro-batches; returns this rank's mean loss.
+  double step(int64_t s, double lr) {
+    set_lr(*opt_, lr);
+    const int64_t micro = cfg_.micro_batch(world_);
+    const int64_t row0 = rank_ * (cfg_.batch / world_);  // this rank's slice of the global batch
+    double loss_sum = 0;
+    naming_allocation_failure(
+        "a training step",
+        detail::cat("--batch ", cfg_.batch, " / ", world_, " ranks / --grad-accum ",
+                    cfg_.grad_accum, " = ", micro, " rows x --seq ", cfg_.seq, " x --width ",
+                    cfg_.width, " x --layers ", cfg_.layers),
+        [&] {
+          for (int64_t k = 0; k < cfg_.grad_accum; ++k) {
+            // Micro-batches before the last keep their gradients unreduced; the last reduces
+            // the sum (the mean over micro-batches, as each loss is divided by grad_accum).
+            if (model_->sharded())
+              model_->root.set_requires_gradient_sync(k + 1 == cfg_.grad_accum);
+            const int64_t begin = row0 + k * micro;
+            train_stream_->fill(s, begin, begin + micro, x_host_, y_host_);
+            auto loss = model_->gpt(tensor_of(x_host_, micro), tensor_of(y_host_, micro));
+            (loss / static_cast<double>(cfg_.grad_accum)).backward();
+            loss_sum += loss.item<double>();
+          }
+          opt_->step();
+          clear_grads(*opt_);
+        });
+    return loss_sum / static_cast<double>(cfg_.grad_accum);
+  }
+
+  // Per step: [sum of rank losses, ranks asking to stop, peak RSS of rank r at 2 + r].
+  bool gather_stats(double rank_loss) {
+    auto stats = torch::zeros({2 + world_}, torch::kDouble);
+    auto a = stats.accessor<double, 1>();
+    a[0] = rank_loss;
+    a[1] = stop_requested() ? 1.0 : 0.0;
+    a[2 + rank_] = peak_rss_mb();
+    if (comm_) comm_->all_reduce(stats, ReduceOp::kSum).wait();
+    global_loss_ = a[0] / world_;  // equal slices: the mean over the global batch
+    for (int r = 0; r < world_; ++r)
+      summary_.peak_rss_mb[r] = std::max(summary_.peak_rss_mb[r], a[2 + r]);
+    return a[1] > 0;
+  }
+
+  // Mean loss over eval_batches global batches of the validation split (the same batches every
+  // time: sequential windows from its start), each rank its slice, in micro-batch chunks.
+  double evaluate(int64_t after_step) {
+    torch::NoGradGuard no_grad;
+    const int64_t micro = cfg_.micro_batch(world_);
+    const int64_t row0 = rank_ * (cfg_.batch / world_);
+    double sum = 0;
+    for (int64_t b = 0; b < cfg_.eval_batches; ++b)
+      for (int64_t k = 0; k < cfg_.grad_accum; ++k) {
+        const int64_t begin = row0 + k * micro;
+        val_stream_->fill(b, begin, begin + micro, x_host_, y_host_);
+        sum += model_->gpt(tensor_of(x_host_, micro), tensor_of(y_host_, micro)).item<double>();
+      }
+    auto t = torch::tensor({sum}, torch::kDouble);
+    if (comm_) comm_->all_reduce(t, ReduceOp::kSum).wait();
+    const double val =
+        t.item<double>() / static_cast<double>(world_ * cfg_.eval_batches * cfg_.grad_accum);
+    summary_.val_loss = val;
+    summary_.val_step = after_step;
+    return val;
+  }
+
+  void log(const MetricsRow& row, int64_t s) {
+    if (s > start_step_) {  // the first step (warm-up) is left out of the throughput
+      timed_s_ += row.step_time_s;
+      ++timed_steps_;
+    }
+    if (s == start_step_) summary_.first_loss = row.loss;
+    summary_.final_loss = row.loss;
+    ++summary_.steps_done;
+    last_losses_.push_back(row.loss);
+    if (last_losses_.size() > 10) last_losses_.erase(last_losses_.begin());
+    if (rank_ != 0) return;
+    metrics_->write(row);
+    const double per_step = timed_steps_ > 0 ? timed_s_ / timed_steps_ : row.step_time_s;
+    progress_->update(row, per_step * static_cast<double>(cfg_.steps - s - 1));
+  }
+
+  // Checkpoint after `steps_taken` steps; the data order is a function of the step, so the step
+  // is also the data position. Then --keep-last retention (rank 0, after the save completed).
+  void save(int64_t steps_taken) {
 #if FSDP_TRAIN_HAVE_CHECKPOINT
     checkpoint::TrainState state;
     state.step = steps_taken;
     state.data_position = steps_taken;
-    state.extra = nlohmann::json::parse(cfg.to_json());
-    checkpoint::save(cfg.run_dir, model->root, opt.get(), state, *comm);
+    state.extra = checkpoint_extra(cfg_, schedule_);
+    checkpoint::save(cfg_.run_dir, model_->root, opt_.get(), state, *comm_);
+    if (rank_ == 0) remove_old_checkpoints(cfg_.run_dir, cfg_.keep_last);
+#else
+    (void)steps_taken;
 #endif
-  };
-  // Step 0 too: the initial weights, for an external reference to start from (docs/trainer.md).
-  if (cfg.save_every > 0 && start_step == 0) save(0);
-
-  // ---- the loop ----
-  Summary summary;
-  summary.first_step = start_step;
-  summary.peak_rss_mb.assign(static_cast<size_t>(world), 0.0);
-  std::vector<double> last_losses;
-  std::vector<int64_t> x_host, y_host;
-  double timed_s = 0;  // time of the steps after the first (warm-up excluded from throughput)
-  int64_t timed_steps = 0;
-  bool stopped = false;
-  // Per step: [sum of rank losses, ranks asking to stop, peak RSS of rank r at 2 + r].
-  auto stats = torch::zeros({2 + world}, torch::kDouble);
-  for (int64_t step = start_step; step < cfg.steps; ++step) {
-    const auto t0 = Clock::now();
-    const double lr = schedule.at(step);
-    set_lr(*opt, lr);
-    stream.fill(step, row_begin, row_begin + local_batch, x_host, y_host);
-    const auto x = torch::from_blob(x_host.data(), {local_batch, cfg.seq}, torch::kInt64);
-    const auto y = torch::from_blob(y_host.data(), {local_batch, cfg.seq}, torch::kInt64);
-
-    auto loss = model->gpt(x, y);  // mean over this rank's B/world x T targets
-    loss.backward();
-    opt->step();
-    clear_grads(*opt);
-
-    stats.zero_();
-    auto s = stats.accessor<double, 1>();
-    s[0] = loss.item<double>();
-    s[1] = stop_requested() ? 1.0 : 0.0;
-    s[2 + rank] = peak_rss_mb();
-    if (comm) comm->all_reduce(stats, ReduceOp::kSum).wait();
-    const double global_loss = s[0] / world;  // equal slices: the mean over the global batch
-    const double step_s = seconds_since(t0);
-    if (step > start_step) {
-      timed_s += step_s;
-      ++timed_steps;
-    }
-    for (int r = 0; r < world; ++r)
-      summary.peak_rss_mb[r] = std::max(summary.peak_rss_mb[r], s[2 + r]);
-    if (step == start_step) summary.first_loss = global_loss;
-    summary.final_loss = global_loss;
-    ++summary.steps_done;
-    last_losses.push_back(global_loss);
-    if (last_losses.size() > 10) last_losses.erase(last_losses.begin());
-
-    if (rank == 0) {
-      MetricsRow row{
-          step + 1, global_loss,
-          lr,       tokens_per_step / step_s,
-          step_s,   *std::max_element(summary.peak_rss_mb.begin(), summary.peak_rss_mb.end())};
-      metrics->write(row);
-      const double per_step = timed_steps > 0 ? timed_s / timed_steps : step_s;
-      progress->update(row, per_step * static_cast<double>(cfg.steps - step - 1));
-    }
-    if (cfg.save_every > 0 && (step + 1) % cfg.save_every == 0) save(step + 1);
-    if (s[1] > 0) {
-      stopped = true;
-      break;
-    }
   }
-  if (progress) progress->finish();
-  summary.tokens_per_s = timed_steps > 0 ? tokens_per_step * timed_steps / timed_s : 0.0;
-  double sum = 0;
-  for (double l : last_losses) sum += l;
-  summary.mean_last = last_losses.empty() ? NAN : sum / static_cast<double>(last_losses.size());
 
-  // ---- closing sample: every rank runs the same forwards (the model is sharded) ----
-  if (!stopped && cfg.sample_tokens > 0) {
+  // ---- finish ----
+  int finish() {
+    summary_.tokens_per_s =
+        timed_steps_ > 0 ? static_cast<double>(cfg_.batch * cfg_.seq) * timed_steps_ / timed_s_
+                         : 0.0;
+    summary_.mfu =
+        summary_.tokens_per_s * flops_per_token_ / (world_ * summary_.peak_tflops * 1e12);
+    double sum = 0;
+    for (double l : last_losses_) sum += l;
+    summary_.mean_last =
+        last_losses_.empty() ? NAN : sum / static_cast<double>(last_losses_.size());
+    if (!stopped_) sample();
+    summary_.wall_s = seconds_since(t_start_);
+    if (rank_ == 0) {
+      write_plot();
+      const std::string text =
+          format_summary(cfg_, summary_, world_, model_->parameter_count, stopped_);
+      std::fputs(text.c_str(), stdout);
+      std::fflush(stdout);
+    }
+    // A rank that got no signal itself stops because another did: report SIGTERM, as fsdp-run
+    // does.
+    return stopped_ ? 128 + (stop_signal() != 0 ? stop_signal() : SIGTERM) : 0;
+  }
+
+  // The closing sample: every rank runs the same forwards (the model is sharded).
+  void sample() {
+    if (cfg_.sample_tokens == 0) return;
+    if (splits_.first.format() != TokenFormat::kBytes || cfg_.vocab != 256) {
+      summary_.no_sample_reason =
+          "the data are tokens, and fsdp-train has no tokenizer to show them";
+      return;
+    }
     torch::NoGradGuard no_grad;
     SampleOptions so;
-    so.tokens = cfg.sample_tokens;
-    so.temperature = cfg.temperature;
-    so.seed = cfg.seed;
-    so.context = cfg.seq;
-    summary.sample = generate_text(cfg.prompt, so, [&](const std::vector<int64_t>& ctx) {
+    so.tokens = cfg_.sample_tokens;
+    so.temperature = cfg_.temperature;
+    so.seed = cfg_.seed;
+    so.context = cfg_.seq;
+    summary_.sample = generate_text(cfg_.prompt, so, [&](const std::vector<int64_t>& ctx) {
       const auto idx = torch::tensor(ctx, torch::kInt64).view({1, -1});
-      const auto logits = model->gpt(idx).select(0, 0).select(0, -1).to(torch::kFloat).contiguous();
+      const auto logits =
+          model_->gpt(idx).select(0, 0).select(0, -1).to(torch::kFloat).contiguous();
       const float* p = logits.data_ptr<float>();
       return std::vector<float>(p, p + logits.numel());
     });
   }
 
-  // ---- outputs ----
-  summary.wall_s = seconds_since(t_start);
-  if (rank == 0) {
-    std::vector<std::pair<int64_t, double>> points;
-    for (const auto& r : read_metrics(cfg.run_dir + "/metrics.csv"))
-      points.emplace_back(r.step, r.loss);
+  void write_plot() {
+    PlotSeries series;
+    for (const auto& r : read_metrics(cfg_.run_dir + "/metrics.csv")) {
+      series.loss.emplace_back(r.step, r.loss);
+      series.lr.emplace_back(r.step, r.lr);
+      if (std::isfinite(r.val_loss)) series.val_loss.emplace_back(r.step, r.val_loss);
+    }
     PlotOptions po;
-    po.subtitle = model_description(cfg, model->parameter_count) + ", " + std::to_string(world) +
-                  (world == 1 ? " rank" : " ranks") + (cfg.no_shard ? " (no-shard)" : "");
-    write_text_file_atomic(cfg.run_dir + "/loss.svg", loss_curve_svg(points, po));
-    print_summary(cfg, summary, world, model->parameter_count, stopped);
+    po.subtitle = model_description(cfg_, model_->parameter_count) + ", " + std::to_string(world_) +
+                  (world_ == 1 ? " rank" : " ranks") + (cfg_.no_shard ? " (no-shard)" : "");
+    write_text_file_atomic(cfg_.run_dir + "/loss.svg", loss_curve_svg(series, po));
   }
-  // A rank that got no signal itself stops because another did: report SIGTERM, as fsdp-run does.
-  return stopped ? 128 + (stop_signal() != 0 ? stop_signal() : SIGTERM) : 0;
+
+  at::Tensor tensor_of(std::vector<int64_t>& host, int64_t rows) const {
+    return torch::from_blob(host.data(), {rows, cfg_.seq}, torch::kInt64);
+  }
+  double max_rss() const {
+    return *std::max_element(summary_.peak_rss_mb.begin(), summary_.peak_rss_mb.end());
+  }
+
+  const Clock::time_point t_start_ = Clock::now();
+  TrainConfig cfg_;
+  const RunPlan& plan_;
+  const LrSchedule schedule_;
+  std::shared_ptr<Communicator> comm_;
+  const int rank_;
+  const int world_;
+  const std::pair<Corpus, Corpus> splits_;  // training, validation
+  std::unique_ptr<TrainModel> model_;
+  std::unique_ptr<torch::optim::AdamW> opt_;
+  std::unique_ptr<DataStream> train_stream_, val_stream_;
+  std::unique_ptr<MetricsWriter> metrics_;  // rank 0
+  std::unique_ptr<Progress> progress_;      // rank 0
+  std::vector<int64_t> x_host_, y_host_;
+  int64_t start_step_ = 0;
+  double flops_per_token_ = 0;
+  double global_loss_ = NAN;
+  double timed_s_ = 0;
+  int64_t timed_steps_ = 0;
+  std::vector<double> last_losses_;
+  bool stopped_ = false;
+  Summary summary_;
+};
+
+}  // namespace
+
+int run_training(const RunPlan& plan, const Corpus& corpus,
+                 const std::shared_ptr<Communicator>& comm) {
+  return Trainer(plan, corpus, comm).run();
 }
 
 }  // namespace fsdp::train

@@ -1,15 +1,14 @@
-// The training run of one rank of fsdp-train: builds the GPT (sharded with fully_shard, or plain
-// for
-// --no-shard), AdamW with the warmup+cosine schedule, runs the steps on this rank's slice of each
-// global batch, and on rank 0 writes RUN_DIR/{config.json,metrics.csv,loss.svg}, shows progress and
-// prints the closing summary with a generated sample. docs/trainer.md specifies what it computes.
+// The training run of one rank of fsdp-train, in run order: set-up (threads, model, optimizer,
+// data splits), resume (load the checkpoint, then open the run directory's outputs), the loop
+// (step over --grad-accum micro-batches / evaluate / log / save), and finish (closing sample,
+// plot, summary). docs/trainer.md specifies what it computes.
 // Thread-safety: one call per process, from the main thread.
 #pragma once
 
 #include <memory>
 
-#include "train/config.h"
 #include "train/data.h"
+#include "train/resume.h"
 
 namespace fsdp {
 class Communicator;
@@ -17,9 +16,11 @@ class Communicator;
 
 namespace fsdp::train {
 
-// REQUIRES: cfg validated (cfg.validate(), cfg.validate_world(world size)); corpus loaded with
-// cfg.seq; comm null exactly when cfg.no_shard. Returns the process exit code: 0, or 128 + signal
-// when stopped by SIGINT/SIGTERM (all ranks stop after the same step). Throws fsdp::Error.
-int run_training(TrainConfig cfg, const Corpus& corpus, const std::shared_ptr<Communicator>& comm);
+// REQUIRES: plan from plan_run(); plan.cfg validated (validate_world(world size) too); corpus
+// loaded with plan.cfg.seq and vocab; comm null exactly when plan.cfg.no_shard. Returns the
+// process exit code: 0, or 128 + signal when stopped by SIGINT/SIGTERM (all ranks stop after the
+// same step). Throws fsdp::Error.
+int run_training(const RunPlan& plan, const Corpus& corpus,
+                 const std::shared_ptr<Communicator>& comm);
 
 }  // namespace fsdp::train

@@ -1,0 +1,55 @@
+// Building the model and optimizer of fsdp-train (model_setup.h). Shares the models' precompiled
+// <torch/torch.h>.
+#include "train/model_setup.h"
+
+#include <torch/torch.h>
+
+namespace fsdp::train {
+
+std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
+                                        const std::shared_ptr<Communicator>& comm) {
+  models::GPTConfig mc;
+  mc.vocab_size = cfg.vocab;
+  mc.seq_len = cfg.seq;
+  mc.n_layer = cfg.layers;
+  mc.n_head = cfg.heads;
+  mc.n_embd = cfg.width;
+  mc.validate();
+  // Every rank (and the unsharded reference) draws the same initial weights from the same seed.
+  torch::manual_seed(cfg.seed);
+  auto m = std::make_unique<TrainModel>();
+  m->gpt = fsdp::Sharded<models::GPT>(mc);
+  if (comm) {
+    ShardOptions block_options;
+    block_options.reshard_after_forward = cfg.reshard_after_forward;
+    m->root = models::shard_gpt(m->gpt, comm, block_options, ShardOptions{});
+    for (const ShardInfo& s : m->root.shards()) {
+      int64_t numel = 1;
+      for (int64_t d : s.global_shape) numel *= d;
+      m->parameter_count += numel;
+      if (!s.requires_grad) continue;
+      (s.global_shape.size() >= 2 ? m->decay : m->no_decay).push_back(s.shard);
+    }
+  } else {
+    for (const auto& p : m->gpt->parameters()) {
+      m->parameter_count += p.numel();
+      (p.dim() >= 2 ? m->decay : m->no_decay).push_back(p);
+    }
+  }
+  return m;
+}
+
+std::unique_ptr<torch::optim::AdamW> build_optimizer(const TrainConfig& cfg, TrainModel& m) {
+  auto options = [&](double wd) {
+    return std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(cfg.lr)
+                                                            .betas({cfg.beta1, cfg.beta2})
+                                                            .eps(cfg.eps)
+                                                            .weight_decay(wd));
+  };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(m.decay, options(cfg.weight_decay));
+  groups.emplace_back(m.no_decay, options(0.0));
+  return std::make_unique<torch::optim::AdamW>(std::move(groups), *options(0.0));
+}
+
+}  // namespace fsdp::train
