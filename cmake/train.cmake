@@ -21,7 +21,7 @@ add_library(fsdp_train_base STATIC
 )
 target_include_directories(fsdp_train_base PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
 target_link_libraries(fsdp_train_base
-  PUBLIC nlohmann_json::nlohmann_json
+  PUBLIC fsdp_io nlohmann_json::nlohmann_json
   PRIVATE CLI11::CLI11 PkgConfig::TOMLPP)
 target_compile_definitions(fsdp_train_base PRIVATE FSDP_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 
@@ -45,6 +45,3 @@ target_link_libraries(fsdp-train PRIVATE fsdp_train)
 target_precompile_headers(fsdp-train REUSE_FROM fsdp_models)
 # fsdp-train starts its local ranks through fsdp-run, found next to it.
 add_dependencies(fsdp-train fsdp-run)
-
-# fsdp-bench's training modes build their model and optimizer as the trainer does.
-target_link_libraries(fsdp-bench PRIVATE fsdp_train_model)

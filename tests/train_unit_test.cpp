@@ -1,5 +1,6 @@
 // Unit tests of fsdp-train's torch-free parts: settings (flags, JSON/TOML files, validation), the
 // data order, the learning-rate schedule, metrics CSV and the SVG plot.
+#include <fsdp/atomic_file.h>
 #include <fsdp/checkpoint_index.h>
 #include <fsdp/error.h>
 #include <gtest/gtest.h>
@@ -428,7 +429,7 @@ TEST(Plot, SvgHasCurvesLegendAndSecondAxis) {
   EXPECT_NE(svg.find("#d62728"), std::string::npos);     // the validation curve
   EXPECT_NE(svg.find("rotate(90)"), std::string::npos);  // the right axis title
   const auto path = temp_path("loss.svg");
-  write_text_file_atomic(path, svg);
+  fsdp::write_text_atomic(path, svg);
   std::ifstream in(path);
   EXPECT_TRUE(in.good());
   EXPECT_NE(loss_curve_svg({}).find("no finite losses"), std::string::npos);

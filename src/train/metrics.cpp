@@ -1,5 +1,6 @@
 #include "train/metrics.h"
 
+#include <fsdp/atomic_file.h>
 #include <fsdp/error.h>
 #include <sys/resource.h>
 
@@ -87,8 +88,8 @@ MetricsWriter::MetricsWriter(const std::string& path, bool append, int64_t keep_
     csv += csv_line(r);
     jsonl += json_line(r);
   }
-  write_text_file_atomic(path, csv);
-  write_text_file_atomic(jsonl_path(path), jsonl);
+  fsdp::write_text_atomic(path, csv);
+  fsdp::write_text_atomic(jsonl_path(path), jsonl);
   csv_ = open_append(path);
   jsonl_ = open_append(jsonl_path(path));
 }

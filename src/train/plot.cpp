@@ -229,16 +229,4 @@ std::string loss_curve_svg(const PlotSeries& series, const PlotOptions& o) {
   return os.str();
 }
 
-void write_text_file_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  FSDP_CHECK(f != nullptr, "cannot write '", tmp, "' (", std::strerror(errno),
-             "); check that the run directory is writable");
-  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  const bool closed = std::fclose(f) == 0;
-  FSDP_CHECK(ok && closed, "writing '", tmp, "' failed (", std::strerror(errno), ")");
-  FSDP_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "renaming '", tmp, "' to '", path,
-             "' failed (", std::strerror(errno), ")");
-}
-
 }  // namespace fsdp::train

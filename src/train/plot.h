@@ -33,7 +33,4 @@ std::string loss_curve_svg(const PlotSeries& series, const PlotOptions& options 
 // min(half_width, i, n - 1 - i) near the ends so that the window stays centred (no lag).
 std::vector<double> centred_mean(const std::vector<double>& values, int64_t half_width);
 
-// Writes the SVG to `path` (through a temporary file and rename). Throws fsdp::Error naming it.
-void write_text_file_atomic(const std::string& path, const std::string& text);
-
 }  // namespace fsdp::train

@@ -2,6 +2,7 @@
 // What it computes is specified in docs/trainer.md; keep the two in step.
 #include "train/trainer.h"
 
+#include <fsdp/atomic_file.h>
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
@@ -193,7 +194,7 @@ class Trainer {
     std::filesystem::create_directories(cfg_.run_dir, ec);
     FSDP_CHECK(!ec, "run directory '", cfg_.run_dir, "' cannot be created (", ec.message(),
                "); choose another --run-dir");
-    write_text_file_atomic(cfg_.run_dir + "/config.json", cfg_.to_json());
+    fsdp::write_text_atomic(cfg_.run_dir + "/config.json", cfg_.to_json());
     metrics_ = std::make_unique<MetricsWriter>(cfg_.run_dir + "/metrics.csv",
                                                plan_.from.has_value(), start_step_);
     progress_ = std::make_unique<Progress>(cfg_.quiet, cfg_.steps, cfg_.log_every);
@@ -391,7 +392,7 @@ class Trainer {
     PlotOptions po;
     po.subtitle = model_description(cfg_, model_->parameter_count) + ", " + std::to_string(world_) +
                   (world_ == 1 ? " rank" : " ranks") + (cfg_.no_shard ? " (no-shard)" : "");
-    write_text_file_atomic(cfg_.run_dir + "/loss.svg", loss_curve_svg(series, po));
+    fsdp::write_text_atomic(cfg_.run_dir + "/loss.svg", loss_curve_svg(series, po));
   }
 
   at::Tensor tensor_of(std::vector<int64_t>& host, int64_t rows) const {
