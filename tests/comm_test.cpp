@@ -128,10 +128,11 @@ TEST_P(CollectivesTest, EveryOpAndDtypeMatchesReference) {
 INSTANTIATE_TEST_SUITE_P(WorldSize, CollectivesTest, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
-// fp32/fp64 reduce-scatter runs as a pipelined ring (src/comm/ring_reduce_scatter.h). Blocks of
-// 70001 elements travel in 4 pieces per step (0.28 MB fp32, 0.56 MB fp64), the last one short; world
-// sizes 2-4 take 1-3 steps. Two rings are in flight at once (one with a caller's scratch buffer),
-// and the sums must be exact and land on the right rank.
+// fp32/fp64 reduce-scatter runs as a pipelined ring at two ranks (src/comm/ring_reduce_scatter.h);
+// from three on as alltoall + a rank-ordered sum, the reference here for the same cases. Blocks of
+// 70001 elements travel in 4 pieces per step (0.28 MB fp32, 0.56 MB fp64), the last one short. Two
+// reduce-scatters are in flight at once (one with a caller's scratch buffer), and the sums must be
+// exact and land on the right rank.
 class RingReduceScatterTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(RingReduceScatterTest, PipelinedRingSumsExactlyInEveryPiece) {

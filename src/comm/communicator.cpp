@@ -259,7 +259,7 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
   } else {
     received = at::empty_like(input.view({-1}));
   }
-  if (detail::RingReduceScatter::supports(input)) {  // sums overlap the transfer
+  if (detail::RingReduceScatter::supports(input, ws)) {  // sums overlap the transfer
     if (!ring_) ring_ = std::make_unique<detail::RingReduceScatter>(pg_);
     stats_->bytes_sent += nbytes(output) * (ws - 1);
     return make_work({ring_->run(output.view({-1}), input.view({-1}), received, timeout_)},

@@ -66,8 +66,8 @@ RingReduceScatter::~RingReduceScatter() {
   if (worker_.joinable()) worker_.join();
 }
 
-bool RingReduceScatter::supports(const at::Tensor& input) {
-  return input.is_cpu() &&
+bool RingReduceScatter::supports(const at::Tensor& input, int world) {
+  return world == 2 && input.is_cpu() &&
          (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble);
 }
 

@@ -44,11 +44,17 @@ class RingReduceScatter {
   RingReduceScatter(const RingReduceScatter&) = delete;
   RingReduceScatter& operator=(const RingReduceScatter&) = delete;
 
-  // Whether run() handles this input: CPU tensors of a dtype summed exactly as the alltoall path
-  // sums it (fp32, fp64; low precision accumulates in fp32 there, so it stays on that path).
-  static bool supports(const at::Tensor& input);
+  // Whether the communicator uses the ring for this input on `world` ranks: CPU tensors of a dtype
+  // summed exactly as the alltoall path sums it (fp32, fp64; low precision accumulates in fp32
+  // there), and two ranks only. From three ranks on, the ring adds each block's contributions in
+  // ring order starting after its owner, not in rank order as the alltoall path's sum does, so
+  // results differ in the last bits from the rank-ordered reference; AdamW turns that noise on
+  // zero-gradient parameters (an attention key bias) into visible parameter differences (the
+  // parity tests at N=3, 4). run() itself is written for any world size, but is used and tested at
+  // two ranks only.
+  static bool supports(const at::Tensor& input, int world);
 
-  // REQUIRES: supports(input); output (n), input (N*n) and scratch (at least (N-2)*n, or
+  // REQUIRES: CPU fp32/fp64 tensors; output (n), input (N*n) and scratch (at least (N-2)*n, or
   // undefined: allocated) flat, contiguous, one dtype. output = sum over ranks of block `rank` of
   // each rank's input. The inputs must stay alive and unchanged until the Work completes. Every
   // wait on a peer gives up after `timeout` and fails the Work with the cause.
