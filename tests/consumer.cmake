@@ -7,5 +7,6 @@ foreach(mode install subdirectory)
                    -DFSDP_BUILD_DIR=${PROJECT_BINARY_DIR} -DCXX=${CMAKE_CXX_COMPILER}
                    "-DGENERATOR=${CMAKE_GENERATOR}" -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/consumer_${mode}
                    -P ${CMAKE_CURRENT_SOURCE_DIR}/package/build_consumer.cmake)
-  set_tests_properties(consumer_${mode} PROPERTIES LABELS adoption TIMEOUT 1200)
+  # COST: ctest starts the longest tests first, beside the others, not alone at the end.
+  set_tests_properties(consumer_${mode} PROPERTIES LABELS adoption TIMEOUT 1200 COST 1000)
 endforeach()

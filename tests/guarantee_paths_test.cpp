@@ -259,6 +259,7 @@ TORCH_MODULE(Reader);
 
 TEST(ReshardedReads, EachUseNamesTheParameterAndTheFix) {
   run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
     fsdp::Sharded<Reader> m{Reader()};
     fully_shard(m->child, r.world());
     auto root = fully_shard(m, r.world());

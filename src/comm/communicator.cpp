@@ -8,8 +8,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "compat.h"
-#include "ring_reduce_scatter.h"
 #include "failure.h"
+#include "ring_reduce_scatter.h"
 
 namespace fsdp {
 
