@@ -40,6 +40,15 @@ GradMap reference_mean_grads(int world, Build build, Step step) {
   return sum;
 }
 
+// The reference's gradients after every rank's backward ran on it (accumulated), over `world`:
+// the mean over ranks that sharded training must reproduce.
+inline GradMap mean_of_accumulated_grads(torch::nn::Module& ref, int world) {
+  GradMap out;
+  for (auto& item : ref.named_parameters())
+    if (item.value().grad().defined()) out[item.key()] = item.value().grad() / world;
+  return out;
+}
+
 // Every trainable shard's grad equals its rows of the reference (zeros where the reference has
 // none). Returns the number of parameters compared.
 inline int expect_shard_grads(const FSDPModule& root, const GradMap& ref, double rtol = 1e-5,

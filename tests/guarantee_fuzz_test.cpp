@@ -31,14 +31,11 @@ ShardOptions options_for(const Program& p, int reshard) {
   return o;
 }
 
-// Mean over ranks of each rank's full gradients on the unsharded model, and this rank's loss.
+// Mean over ranks of each rank's full gradients on the unsharded model.
 GradMap reference_grads(const Program& p, Net& ref, int iteration) {
   ref->zero_grad();
   for (int k = 0; k < p.world; ++k) ref->forward(input_for(p, k, iteration), k).backward();
-  GradMap out;
-  for (auto& item : ref->named_parameters())
-    if (item.value().grad().defined()) out[item.key()] = item.value().grad() / p.world;
-  return out;
+  return mean_of_accumulated_grads(*ref, p.world);
 }
 
 void sgd_step(const FSDPModule& root, Net& ref, const GradMap& mean) {

@@ -78,9 +78,7 @@ class Paths : public ::testing::TestWithParam<PathCase> {
         ref->zero_grad();
         for (int k = 0; k < world; ++k)
           ref->forward(input_for(k, it), k, root_on_rank0_only).backward();
-        GradMap mean;
-        for (auto& item : ref->named_parameters())
-          if (item.value().grad().defined()) mean[item.key()] = item.value().grad() / world;
+        const GradMap mean = mean_of_accumulated_grads(*ref, world);
         EXPECT_GT(expect_shard_grads(root, mean, 1e-9, 1e-12), 0);
         EXPECT_EQ(root.memory_stats().unsharded_bytes, 0);
         between(model, r.rank, it);
@@ -217,9 +215,7 @@ TEST_P(Lifecycle, UndefinedGradsInPlaceInputsAndAThrowingForward) {
       model(input_for(r.rank, it), false).backward();
       ref->zero_grad();
       for (int k = 0; k < world; ++k) ref->forward(input_for(k, it), false).backward();
-      GradMap mean;
-      for (auto& item : ref->named_parameters())
-        if (item.value().grad().defined()) mean[item.key()] = item.value().grad() / world;
+      const GradMap mean = mean_of_accumulated_grads(*ref, world);
       EXPECT_GT(expect_shard_grads(root, mean, 1e-9, 1e-12), 0);
       for (const auto& s : root.shards()) s.shard.mutable_grad() = torch::Tensor();
     };

@@ -58,8 +58,7 @@ TEST(Outputs, TuplesPairsVectorsAndValuesPassThrough) {
     auto root = fully_shard(model, r.world(), o);
     model(input(r.rank)).backward();
     for (int k = 0; k < world; ++k) ref->forward(input(k)).backward();
-    GradMap mean;
-    for (auto& item : ref->named_parameters()) mean[item.key()] = item.value().grad() / world;
+    const GradMap mean = mean_of_accumulated_grads(*ref, world);
     EXPECT_EQ(expect_shard_grads(root, mean, 1e-9, 1e-12), 6);
   });
 }
