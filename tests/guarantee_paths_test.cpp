@@ -234,6 +234,64 @@ TEST_P(Lifecycle, UndefinedGradsInPlaceInputsAndAThrowingForward) {
   });
 }
 
+// ---- a backward that throws ----
+
+// Identity whose backward throws while `fail` is set (the same on every rank).
+bool g_fail_backward = false;
+struct FailingBackward : torch::autograd::Function<FailingBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) {
+    return x.view_as(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    if (g_fail_backward) throw std::runtime_error("user error inside backward");
+    return grads;
+  }
+};
+
+struct FailNetImpl : torch::nn::Module {
+  FailNetImpl() {
+    a = register_module("a", torch::nn::Linear(4, 4));
+    b = register_module("b", torch::nn::Linear(4, 4));
+    to(torch::kDouble);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return b(FailingBackward::apply(torch::tanh(a(x)))).pow(2).sum();
+  }
+  SLinear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(FailNet);
+
+// The engine skips final callbacks when backward throws; the next step still matches the
+// unsharded model exactly.
+TEST_P(Lifecycle, ABackwardThatThrowsLeavesTheNextStepExact) {
+  const int world = GetParam();
+  run_ranks(world, [&](Rank& r) {
+    torch::manual_seed(0);
+    FailNet ref;
+    torch::manual_seed(0);
+    fsdp::Sharded<FailNet> model{FailNet()};
+    ShardOptions o;
+    o.audit = true;
+    fully_shard(model->a, r.world(), o);
+    fully_shard(model->b, r.world(), o);
+    auto root = fully_shard(model, r.world(), o);
+    g_fail_backward = true;
+    try {
+      model(input_for(r.rank)).backward();
+      ADD_FAILURE() << "the backward did not throw";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("user error inside backward"), std::string::npos);
+    }
+    g_fail_backward = false;
+    for (const auto& s : root.shards()) s.shard.mutable_grad() = torch::Tensor();
+    for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+    model(input_for(r.rank, 1)).backward();
+    for (int k = 0; k < world; ++k) ref->forward(input_for(k, 1)).backward();
+    EXPECT_GT(expect_shard_grads(root, mean_of_accumulated_grads(*ref, world), 1e-9, 1e-12), 0);
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(World, Lifecycle, ::testing::Values(1, 2, 3));
 
 // ---- reading a resharded parameter: a clear error naming it, never a crash ----

@@ -77,7 +77,15 @@ void Context::reset_peaks() {
 // ---------------------------------------------------------------------------------------------
 void Context::on_pre_forward(Group* g) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  if (backward_done_ && torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr) {
+  const bool in_backward = torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr;
+  if (!in_backward && !passes_.empty()) {
+    // A backward that threw: the engine skips final callbacks then, so its pass was never
+    // finalised. Its key (the task's address) may be reused by the next task: drop it now.
+    log(g, "dropping the bookkeeping of a backward that did not complete");
+    passes_.clear();
+    backward_done_ = true;
+  }
+  if (backward_done_ && !in_backward) {
     // First forward after a backward: a new iteration.
     backward_done_ = false;
     if (!forward_order_.empty()) last_forward_order_ = forward_order_;
