@@ -204,8 +204,7 @@ TEST_P(Lifecycle, UndefinedGradsInPlaceInputsAndAThrowingForward) {
     Life ref;
     torch::manual_seed(0);
     fsdp::Sharded<Life> model{Life()};
-    ShardOptions o;
-    o.audit = true;
+    const ShardOptions o = audited();
     fully_shard(model->chunk, r.world(), o);
     fully_shard(model->inplace, r.world(), o);
     fully_shard(model->thrower, r.world(), o);
@@ -271,8 +270,7 @@ TEST_P(Lifecycle, ABackwardThatThrowsLeavesTheNextStepExact) {
     FailNet ref;
     torch::manual_seed(0);
     fsdp::Sharded<FailNet> model{FailNet()};
-    ShardOptions o;
-    o.audit = true;
+    const ShardOptions o = audited();
     fully_shard(model->a, r.world(), o);
     fully_shard(model->b, r.world(), o);
     auto root = fully_shard(model, r.world(), o);
@@ -350,8 +348,7 @@ TEST(GatherLaneAudit, CatchesAllGathersOutOfOrder) {
       [&](Rank& r) {
         torch::manual_seed(0);
         fsdp::Sharded<TwoBranch> m{TwoBranch(4, 4)};  // equal padded sizes at world 2
-        ShardOptions o;
-        o.audit = true;
+        const ShardOptions o = audited();
         for (auto* b : {&m->a1, &m->a2, &m->b1, &m->b2}) fully_shard(*b, r.world(), o);
         fully_shard(m, r.world(), o);
         try {

@@ -52,8 +52,7 @@ TEST(Outputs, TuplesPairsVectorsAndValuesPassThrough) {
     TupleNet ref;
     torch::manual_seed(0);
     fsdp::Sharded<TupleNet> model{TupleNet()};
-    ShardOptions o;
-    o.audit = true;
+    const ShardOptions o = audited();
     fully_shard(model->block, r.world(), o);
     auto root = fully_shard(model, r.world(), o);
     model(input(r.rank)).backward();
