@@ -19,6 +19,12 @@ struct ShardOptions {
   // values already agree (a checksum per parameter, one all-gather) and names the first parameter
   // that differs.
   bool sync_module_states = false;
+  // Drop this module's activations after forward and recompute them in backward (the recompute
+  // runs with the parameters gathered again for backward). See docs/design.md.
+  bool activation_checkpointing = false;
+  // Broadcast rank 0's buffers (e.g. BatchNorm running statistics) to every rank at the start of
+  // each forward of the root, as DDP does. Set on the root.
+  bool broadcast_buffers = false;
 };
 
 }  // namespace fsdp
