@@ -3,6 +3,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/Resize.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/PyInterpreter.h>
 #include <fsdp/error.h>
 #include <torch/version.h>
 
@@ -46,6 +48,12 @@ void alloc_storage(const at::Tensor& t) {
   resize_bytes(t, want);
 }
 
+at::Tensor storageless_like(const at::Tensor& t) {
+  at::Tensor m = at::empty({0}, at::TensorOptions().dtype(t.scalar_type()).device(t.device()));
+  m.unsafeGetTensorImpl()->set_sizes_contiguous(t.sizes());
+  return m;
+}
+
 bool storage_allocated(const at::Tensor& t) {
   return t.storage().unsafeGetStorageImpl()->nbytes() > 0 || t.numel() == 0;
 }
@@ -55,7 +63,83 @@ BoxedKernel python_key_kernel = nullptr;
 void python_key_trampoline(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   python_key_kernel(op, stack);
 }
+
+c10::impl::PyInterpreter& guard_interpreter();
+
+// The stand-in interpreter of guarded tensors (see set_python_key). LibTorch calls only name,
+// decref (with no PyObject: nothing to do) and detach on a tensor whose sizes and strides are its
+// own; the rest belong to Python tensor subclasses and are unreachable here.
+struct GuardInterpreter final : c10::impl::PyInterpreterVTable {
+  [[noreturn]] static void unreachable(const char* what) {
+    TORCH_CHECK(false, "fsdp-cpp: LibTorch asked the guard's stand-in Python interpreter for ",
+                what, ", which only Python tensor subclasses need");
+  }
+  std::string name() const override { return "fsdp-cpp guard (no Python)"; }
+  void decref(PyObject*, bool) const override {}
+  c10::intrusive_ptr<c10::TensorImpl> detach(const c10::TensorImpl* self) const override {
+    c10::impl::ExcludeDispatchKeyGuard no_python(c10::DispatchKey::Python);
+    auto r = self->shallow_copy_and_detach(self->version_counter(),
+                                           self->allow_tensor_metadata_change());
+    r->init_pyobj(&guard_interpreter(), nullptr,
+                  c10::impl::PyInterpreterStatus::DEFINITELY_UNINITIALIZED);
+    r->set_python_dispatch(self->is_python_dispatch());  // the copy stays guarded
+    return r;
+  }
+  void dispatch(const c10::OperatorHandle& op, torch::jit::Stack* stack) const override {
+    python_key_kernel(op, stack);
+  }
+  void python_dispatcher(const c10::OperatorHandle&, c10::DispatchKeySet,
+                         torch::jit::Stack*) const override {
+    unreachable("the Python dispatcher");
+  }
+  bool is_contiguous(const c10::TensorImpl*, at::MemoryFormat) const override {
+    unreachable("is_contiguous");
+  }
+  bool is_strides_like(const c10::TensorImpl*, at::MemoryFormat) const override {
+    unreachable("is_strides_like");
+  }
+  bool is_non_overlapping_and_dense(const c10::TensorImpl*) const override {
+    unreachable("is_non_overlapping_and_dense");
+  }
+  c10::Device device(const c10::TensorImpl*) const override { unreachable("device"); }
+  int64_t dim(const c10::TensorImpl*) const override { unreachable("dim"); }
+  c10::IntArrayRef strides(const c10::TensorImpl*) const override { unreachable("strides"); }
+  c10::IntArrayRef sizes(const c10::TensorImpl*) const override { unreachable("sizes"); }
+  c10::SymIntArrayRef sym_sizes(const c10::TensorImpl*) const override { unreachable("sym_sizes"); }
+  c10::Layout layout(const c10::TensorImpl*) const override { unreachable("layout"); }
+  c10::SymInt sym_numel(const c10::TensorImpl*) const override { unreachable("sym_numel"); }
+  c10::SymIntArrayRef sym_strides(const c10::TensorImpl*) const override {
+    unreachable("sym_strides");
+  }
+  c10::SymInt sym_storage_offset(const c10::TensorImpl*) const override {
+    unreachable("sym_storage_offset");
+  }
+  void trace_gpu_event_creation(uintptr_t) const override {}
+  void trace_gpu_event_deletion(uintptr_t) const override {}
+  void trace_gpu_event_record(uintptr_t, uintptr_t) const override {}
+  void trace_gpu_event_wait(uintptr_t, uintptr_t) const override {}
+  void trace_gpu_memory_allocation(uintptr_t) const override {}
+  void trace_gpu_memory_deallocation(uintptr_t) const override {}
+  void trace_gpu_stream_creation(uintptr_t) const override {}
+  void trace_gpu_device_synchronization() const override {}
+  void trace_gpu_stream_synchronization(uintptr_t) const override {}
+  void trace_gpu_event_synchronization(uintptr_t) const override {}
+};
+
+c10::impl::PyInterpreter& guard_interpreter() {
+  static auto* vtable = new GuardInterpreter();  // never destroyed: tensors may outlive statics
+  static auto* interp = new c10::impl::PyInterpreter(vtable);
+  return *interp;
+}
 }  // namespace
+
+void set_python_key(const at::Tensor& t, bool on) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (on && impl->pyobj_interpreter() == nullptr)
+    impl->init_pyobj(&guard_interpreter(), nullptr,
+                     c10::impl::PyInterpreterStatus::MAYBE_UNINITIALIZED);
+  impl->set_python_dispatch(on);
+}
 
 void register_for_all_operators_at_python_key(BoxedKernel kernel) {
   python_key_kernel = kernel;

@@ -29,11 +29,18 @@ namespace fsdp::compat {
 void free_storage(const at::Tensor& t);
 void alloc_storage(const at::Tensor& t);
 bool storage_allocated(const at::Tensor& t);
+// A tensor of t's shape and dtype with no bytes (guarded markers; never read by a kernel).
+at::Tensor storageless_like(const at::Tensor& t);
 
 // Registers `kernel` (boxed) for every operator at the Python dispatch key, which
 // TensorImpl::set_python_dispatch(true) puts on a tensor: the resharded-parameter guard.
 using BoxedKernel = void (*)(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack);
 void register_for_all_operators_at_python_key(BoxedKernel kernel);
+// Puts the Python key on a tensor (or takes it off). LibTorch expects such a tensor to carry a
+// Python interpreter, which it asks to detach it (detach(), .data(), views made by autograd);
+// fsdp-cpp installs a C++ stand-in whose detach is a plain shallow copy that stays guarded, so that
+// those calls never reach a null interpreter. Written against 1.13's PyInterpreterVTable.
+void set_python_key(const at::Tensor& t, bool on);
 
 // The dtype a tensor travels as on `backend` (bf16 is bit-cast to fp16 on Gloo).
 at::ScalarType wire_dtype(at::ScalarType t, const std::string& backend);

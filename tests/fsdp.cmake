@@ -5,3 +5,6 @@ fsdp_add_test(fully_shard_test LABEL fsdp PCH torch SOURCES fully_shard_test.cpp
 fsdp_add_test(guarantee_fuzz_test LABEL guarantee PCH torch SOURCES guarantee_fuzz_test.cpp LIBS fsdp fsdp_models)
 fsdp_add_test(guarantee_paths_test LABEL guarantee PCH torch SOURCES guarantee_paths_test.cpp LIBS fsdp fsdp_models)
 fsdp_add_test(outputs_test LABEL adoption PCH torch SOURCES outputs_test.cpp LIBS fsdp fsdp_models)
+fsdp_add_test(mixed_precision_test LABEL mixed_precision PCH torch SOURCES mixed_precision_test.cpp LIBS fsdp fsdp_models)
+fsdp_add_test(hsdp_test LABEL hsdp PCH torch SOURCES hsdp_test.cpp LIBS fsdp fsdp_models fsdp_checkpoint)
+fsdp_add_test(misuse_test LABEL adoption PCH torch SOURCES misuse_test.cpp LIBS fsdp fsdp_models)

@@ -112,6 +112,11 @@ class Communicator {
   // A new communicator over the same ranks whose collectives are ordered independently of this
   // one. Collective itself: every rank must call split() with the same name in the same order.
   std::shared_ptr<Communicator> split(const std::string& name);
+  // A communicator over `ranks` (ranks of this communicator, ascending, including this one),
+  // ordered independently of this one; its rank() is this rank's position in `ranks`. Collective
+  // over `ranks` only: each of them calls subgroup() with the same name and list, in the same order
+  // relative to its other subgroup()/split() calls. Used for HSDP's mesh (fsdp/mesh.h).
+  std::shared_ptr<Communicator> subgroup(const std::string& name, const std::vector<int>& ranks);
   // The split named `name`, created on first use and shared afterwards (collective on first use).
   std::shared_ptr<Communicator> lane(const std::string& name);
 

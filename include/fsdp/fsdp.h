@@ -5,4 +5,5 @@
 #include <fsdp/error.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/init.h>
+#include <fsdp/mesh.h>
 #include <fsdp/options.h>

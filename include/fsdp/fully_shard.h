@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <fsdp/communicator.h>
 #include <fsdp/error.h>
+#include <fsdp/mesh.h>
 #include <fsdp/options.h>
 
 #include <memory>
@@ -51,20 +52,21 @@ struct IsOptional<T, std::void_t<typename T::value_type, decltype(std::declval<T
 template <class>
 inline constexpr bool kUnsupportedOutput = false;
 
-// The tensors in a forward's result, which get the pre-backward hooks. Supported: at::Tensor,
-// std::vector, std::tuple, std::pair and std::optional of supported types (nested), and values
-// holding no tensor (arithmetic, enums, std::string), which pass through untouched.
-template <class T>
-void collect_output_tensors(const T& v, std::vector<at::Tensor>& out) {
+// Visits the tensors in a forward's result (mixed precision casts them, then they get the
+// pre-backward hooks). Supported: at::Tensor, std::vector, std::tuple, std::pair and std::optional
+// of supported types (nested), and values holding no tensor (arithmetic, enums, std::string),
+// which pass through untouched.
+template <class T, class F>
+void visit_output_tensors(T& v, F& f) {
   using D = std::decay_t<T>;
   if constexpr (std::is_same_v<D, at::Tensor>) {
-    out.push_back(v);
+    f(v);
   } else if constexpr (IsVector<D>::value) {
-    for (const auto& e : v) collect_output_tensors(e, out);
+    for (auto& e : v) visit_output_tensors(e, f);
   } else if constexpr (IsTupleLike<D>::value) {
-    std::apply([&](const auto&... e) { (collect_output_tensors(e, out), ...); }, v);
+    std::apply([&](auto&... e) { (visit_output_tensors(e, f), ...); }, v);
   } else if constexpr (IsOptional<D>::value) {
-    if (v) collect_output_tensors(*v, out);
+    if (v) visit_output_tensors(*v, f);
   } else if constexpr (std::is_arithmetic_v<D> || std::is_enum_v<D> ||
                        std::is_same_v<D, std::string>) {
   } else {
@@ -82,15 +84,22 @@ class ForwardScope {
  public:
   ForwardScope(Group* group);  // pre-forward: unshard (or wait for the prefetch)
   ~ForwardScope();  // when forward threw: reshards, drops prefetched gathers, restores state
-  // post-forward: registers pre-backward hooks on the result's tensors, reshards if configured.
+  // post-forward: casts the result's tensors (mixed precision's output_dtype), registers
+  // pre-backward hooks on them, reshards if configured.
   template <class T>
   std::decay_t<T> finish(T&& out) {
+    std::decay_t<T> result(std::forward<T>(out));
     std::vector<at::Tensor> tensors;
-    collect_output_tensors(out, tensors);
+    auto visit = [&](at::Tensor& t) {
+      t = output(t);
+      tensors.push_back(t);
+    };
+    visit_output_tensors(result, visit);
     finish_tensors(tensors);
-    return std::forward<T>(out);
+    return result;
   }
   void finish_tensors(const std::vector<at::Tensor>& outs);
+  at::Tensor output(const at::Tensor& y);  // the output_dtype cast (identity when unset)
   // Each tensor input is handed to forward through an input-side node that marks this call's
   // backward done (for resharding).
   at::Tensor input(const at::Tensor& x);
@@ -158,7 +167,9 @@ class FSDPModule {
   void reset_memory_peaks();
 
   const std::string& name() const;
-  Communicator& communicator() const;
+  Communicator& communicator() const;  // the ranks sharding the model (HSDP: mesh.shard)
+  // HSDP: the ranks holding the same shards (mesh.replicate); null for plain FSDP.
+  const std::shared_ptr<Communicator>& replicate_communicator() const;
   detail::Group* group() const { return group_.get(); }
   const std::shared_ptr<detail::Group>& shared_group() const { return group_; }
   bool defined() const { return group_ != nullptr; }
@@ -200,7 +211,8 @@ class Sharded : public Holder {
 
 namespace detail {
 FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
-                            std::shared_ptr<Communicator> comm, const ShardOptions& options,
+                            std::shared_ptr<Communicator> comm,
+                            std::shared_ptr<Communicator> replicate, const ShardOptions& options,
                             bool already_attached);
 }  // namespace detail
 
@@ -209,7 +221,20 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
 template <class Holder>
 FSDPModule fully_shard(Sharded<Holder>& module, std::shared_ptr<Communicator> comm,
                        const ShardOptions& options = {}) {
-  auto handle = detail::fully_shard_impl(module.ptr(), std::move(comm), options,
+  auto handle = detail::fully_shard_impl(module.ptr(), std::move(comm), nullptr, options,
+                                         module.fsdp_group() != nullptr);
+  module.attach(handle.shared_group());
+  return handle;
+}
+
+// HSDP: shards within mesh.shard (this rank's replica) and averages the reduced gradients across
+// mesh.replicate. Every module of one model must be sharded over the same mesh.
+template <class Holder>
+FSDPModule fully_shard(Sharded<Holder>& module, const DeviceMesh& mesh,
+                       const ShardOptions& options = {}) {
+  FSDP_CHECK(mesh.shard != nullptr,
+             "fully_shard: the DeviceMesh is empty (build it with init_mesh)");
+  auto handle = detail::fully_shard_impl(module.ptr(), mesh.shard, mesh.replicate, options,
                                          module.fsdp_group() != nullptr);
   module.attach(handle.shared_group());
   return handle;

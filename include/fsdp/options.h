@@ -1,9 +1,27 @@
 // Options of fully_shard. Thread-safety: plain values.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <optional>
 
 namespace fsdp {
+
+// FSDP2's MixedPrecisionPolicy. The shards (what the optimizer steps) and the optimizer state keep
+// their dtype (fp32); only the gathered parameters, the gradients on the wire and, if asked, the
+// forward's inputs and outputs change. See docs/design.md, [Note: mixed precision].
+struct MixedPrecisionPolicy {
+  // Dtype of the gathered (full) parameters, hence of forward and backward compute, and of the
+  // all-gather: bf16 or fp16 moves half the bytes of fp32. None: the shards' dtype.
+  std::optional<at::ScalarType> param_dtype;
+  // Dtype the gradients are reduce-scattered in (summed in fp32 on the wire for bf16/fp16, then
+  // rounded). None: param_dtype (FSDP2's default), or the shards' dtype without param_dtype.
+  std::optional<at::ScalarType> reduce_dtype;
+  // Floating-point tensors of the module's forward result are cast to this dtype. None: no cast.
+  std::optional<at::ScalarType> output_dtype;
+  // Floating-point tensor arguments of the module's forward are cast to param_dtype.
+  bool cast_forward_inputs = true;
+};
 
 struct ShardOptions {
   // Free the gathered parameters after forward and gather them again before backward. Default:
@@ -25,6 +43,8 @@ struct ShardOptions {
   // Broadcast rank 0's buffers (e.g. BatchNorm running statistics) to every rank at the start of
   // each forward of the root, as DDP does. Set on the root.
   bool broadcast_buffers = false;
+  // Per group: fully_shard on a parent does not pass its policy to already sharded children.
+  MixedPrecisionPolicy mixed_precision;
 };
 
 }  // namespace fsdp

@@ -444,8 +444,41 @@ void load_optimizer(torch::optim::Optimizer* opt, OptKind kind,
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
+namespace {
+std::string save_shards(const std::string& dir, const FSDPModule& root,
+                        torch::optim::Optimizer* opt, const TrainState& state, Communicator& comm);
+}  // namespace
+
 std::string save(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                  const TrainState& state, Communicator& comm) {
+  const auto& replicas = root.replicate_communicator();
+  if (!replicas) return save_shards(dir, root, opt, state, comm);
+  // HSDP: every replica holds the same shards; replica 0 writes them, the others wait for its
+  // outcome (success, or its error), so that no two ranks write one file.
+  FSDP_CHECK(&comm == &root.communicator(),
+             "checkpoint save: under HSDP pass the shard "
+             "communicator (mesh.shard, the one the model is sharded over), not the world");
+  std::string path = dir + "/" + step_dir_name(state.step);
+  std::exception_ptr error;
+  if (replicas->rank() == 0) {
+    try {
+      path = save_shards(dir, root, opt, state, comm);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  auto failed = at::tensor(std::vector<int64_t>{error ? 1 : 0}, at::kLong);
+  replicas->broadcast(failed, 0).wait();
+  if (error) std::rethrow_exception(error);
+  FSDP_CHECK(failed.item<int64_t>() == 0,
+             "checkpoint save: replica 0, which writes for every "
+             "replica under HSDP, failed (its error says why); nothing was saved");
+  return path;
+}
+
+namespace {
+std::string save_shards(const std::string& dir, const FSDPModule& root,
+                        torch::optim::Optimizer* opt, const TrainState& state, Communicator& comm) {
   OptKind kind = kind_of(opt);
   FSDP_CHECK(state.step >= 0, "checkpoint save: step ", state.step, " is negative");
   const std::string ckpt = dir + "/" + step_dir_name(state.step);
@@ -520,6 +553,7 @@ std::string save(const std::string& dir, const FSDPModule& root, torch::optim::O
   agree(comm, error, "save");
   return ckpt;
 }
+}  // namespace
 
 TrainState load(const std::string& ckpt_dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                 Communicator& comm) {

@@ -2,6 +2,7 @@
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -322,6 +323,38 @@ std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
   auto pg = compat::make_process_group(store, rank_, size_, timeout_, backend_, bind_host_);
   auto c = std::make_shared<Communicator>(pg, store_, backend_, timeout_, prefix, bind_host_);
   c->peers_ = peers_;
+  return c;
+}
+
+namespace {
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? "," : "") + std::to_string(ranks[i]);
+  return s + "]";
+}
+}  // namespace
+
+std::shared_ptr<Communicator> Communicator::subgroup(const std::string& name,
+                                                     const std::vector<int>& ranks) {
+  auto me = std::find(ranks.begin(), ranks.end(), rank_);
+  FSDP_CHECK(me != ranks.end(), "subgroup '", name, "': this rank (", rank_,
+             ") is not in the list ", rank_list(ranks),
+             "; only the ranks of a subgroup may create it");
+  for (size_t i = 0; i < ranks.size(); ++i)
+    FSDP_CHECK(ranks[i] >= 0 && ranks[i] < size_ && (i == 0 || ranks[i] > ranks[i - 1]),
+               "subgroup '", name, "': ranks ", rank_list(ranks),
+               " must be ascending ranks of the ", size_, "-rank communicator '", name_, "'");
+  std::string prefix = detail::cat(name_, "/", name, rank_list(ranks), "#", splits_++);
+  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
+  const int sub_rank = static_cast<int>(me - ranks.begin());
+  const int sub_size = static_cast<int>(ranks.size());
+  auto pg = compat::make_process_group(store, sub_rank, sub_size, timeout_, backend_, bind_host_);
+  auto c = std::make_shared<Communicator>(pg, store_, backend_, timeout_, prefix, bind_host_);
+  if (!peers_->empty()) {
+    std::vector<PeerInfo> sub;
+    for (int r : ranks) sub.push_back((*peers_)[r]);
+    c->set_peers(std::move(sub));
+  }
   return c;
 }
 

@@ -247,7 +247,8 @@ void BackwardPass::issue(Group& g) {
 // all-gather this rank has not issued yet, while its part of this reduction waits behind it.
 void BackwardPass::reap_reductions() {
   const bool may_block = gather_cursor_ >= gather_plan_.size();
-  while (in_flight_.size() > 1 && (may_block || in_flight_.front().work.is_completed())) {
+  while (in_flight_.size() > 1 &&
+         (may_block || in_flight_.front().group->poll_reduce(in_flight_.front()))) {
     in_flight_.front().group->finish_reduce(in_flight_.front());
     in_flight_.pop_front();
   }

@@ -20,17 +20,55 @@ bool env_on(const char* k) {
   return v && *v && std::string(v) != "0";
 }
 
+// Which context owns the live BackwardPass of each running GraphTask, process-wide: one backward
+// must not run through two roots (see claim_task). Entries live exactly as long as the passes.
+std::mutex& task_owners_mu() {
+  static std::mutex m;
+  return m;
+}
+std::map<const void*, const Context*>& task_owners() {
+  static auto* m = new std::map<const void*, const Context*>();  // never destroyed
+  return *m;
+}
+void release_task(const void* key) {
+  std::lock_guard<std::mutex> lock(task_owners_mu());
+  task_owners().erase(key);
+}
+
 }  // namespace
 
-Context::Context(std::shared_ptr<Communicator> comm, bool audit) : comm_(std::move(comm)) {
+Context::Context(std::shared_ptr<Communicator> comm, std::shared_ptr<Communicator> replicate,
+                 bool audit)
+    : comm_(std::move(comm)), replicate_(std::move(replicate)) {
   gather_lane_ = comm_->lane("fsdp.all_gather");
   reduce_lane_ = comm_->lane("fsdp.reduce_scatter");
+  if (replicate_) replicate_lane_ = replicate_->lane("fsdp.replicate");
   debug_ = env_on("FSDP_DEBUG");
   audit_.enabled = audit || env_on("FSDP_AUDIT");
   if (audit_.enabled) audit_.lane = comm_->lane("fsdp.audit");
 }
 
-Context::~Context() = default;
+Context::~Context() {
+  for (const auto& [key, pass] : passes_) release_task(key);
+}
+
+// Two roots in one backward each plan their collectives alone, on the same lanes: their
+// interleaving would follow this rank's hook order, which differs between ranks whose data take
+// different paths, so agreement could not be guaranteed. Typically fully_shard was applied to the
+// blocks but not to the model that holds them (whose own parameters then train unsynchronised).
+void Context::claim_task(const void* key, const Group* g) {
+  std::lock_guard<std::mutex> lock(task_owners_mu());
+  auto [it, fresh] = task_owners().emplace(key, this);
+  if (fresh || it->second == this) return;
+  const Group* other = it->second->root();
+  throw Error(detail::cat(
+      "one backward runs through two separately sharded models: '", g->type_name(), "' and '",
+      other ? other->type_name() : std::string("?"),
+      "' each have their own root, because no fully_shard call covers both. This happens when "
+      "fully_shard is applied to a model's blocks but not to the model itself (whose own "
+      "parameters would then train without gradient synchronisation). Fix: after sharding the "
+      "blocks, call fully_shard on the module that holds them all (the model's root)"));
+}
 
 int Context::index_of(const Group* g) const {
   auto it = std::find(groups_.begin(), groups_.end(), g);
@@ -82,6 +120,7 @@ void Context::on_pre_forward(Group* g) {
     // A backward that threw: the engine skips final callbacks then, so its pass was never
     // finalised. Its key (the task's address) may be reused by the next task: drop it now.
     log(g, "dropping the bookkeeping of a backward that did not complete");
+    for (const auto& [key, pass] : passes_) release_task(key);
     passes_.clear();
     backward_done_ = true;
   }
@@ -142,6 +181,7 @@ BackwardPass& Context::pass_for_hook(Group* g, const torch::autograd::Node* node
   const void* key = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (auto* pass = current_pass()) return *pass;
   log(g, "first output hook of this backward");
+  claim_task(key, g);
   auto pass = std::make_unique<BackwardPass>(*this, key, node);
   torch::autograd::Engine::get_default_engine().queue_callback([this, key] { finalize(key); });
   return *passes_.emplace(key, std::move(pass)).first->second;
@@ -153,6 +193,7 @@ void Context::finalize(const void* key) {
   if (it == passes_.end()) return;
   std::unique_ptr<BackwardPass> pass = std::move(it->second);
   passes_.erase(it);
+  release_task(key);
   backward_done_ = true;
   pass->finalize();
 }

@@ -42,7 +42,8 @@ class BufferPool {
 
 class Context {
  public:
-  Context(std::shared_ptr<Communicator> comm, bool audit);
+  // `replicate` (HSDP, fsdp/mesh.h): the ranks holding the same shards; null for plain FSDP.
+  Context(std::shared_ptr<Communicator> comm, std::shared_ptr<Communicator> replicate, bool audit);
   ~Context();
 
   // Registration order: children first, the root last.
@@ -54,6 +55,9 @@ class Context {
 
   Communicator& gather_lane() const { return *gather_lane_; }
   Communicator& reduce_lane() const { return *reduce_lane_; }
+  // HSDP: the lane on which reduced shard gradients are averaged across replicas; null otherwise.
+  Communicator* replicate_lane() const { return replicate_lane_.get(); }
+  const std::shared_ptr<Communicator>& replicate() const { return replicate_; }
 
   // ---- forward ----
   // Starts a new iteration at the first forward after a backward; records the call order.
@@ -92,8 +96,10 @@ class Context {
 
  private:
   void finalize(const void* key);
+  void claim_task(const void* key, const Group* g);  // one root per backward (see context.cpp)
 
   std::shared_ptr<Communicator> comm_, gather_lane_, reduce_lane_;
+  std::shared_ptr<Communicator> replicate_, replicate_lane_;
   std::vector<Group*> groups_;
   std::recursive_mutex mu_;
   std::map<const void*, std::unique_ptr<BackwardPass>> passes_;  // by GraphTask

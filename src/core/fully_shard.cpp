@@ -221,8 +221,9 @@ void check_placement(const std::string& type, const Communicator& comm,
 // held), renamed by their path under this module. REQUIRES: the registry's lock.
 std::shared_ptr<Context> absorb_children(Registry& reg, const ModulePaths& paths,
                                          const std::shared_ptr<Communicator>& comm,
+                                         const std::shared_ptr<Communicator>& replicate,
                                          const ShardOptions& options) {
-  auto context = std::make_shared<Context>(comm, options.audit);
+  auto context = std::make_shared<Context>(comm, replicate, options.audit);
   std::vector<std::shared_ptr<Context>> absorbed;
   for (const auto* m : paths.order) {
     auto g = Registry::find(reg.modules, m);
@@ -231,6 +232,10 @@ std::shared_ptr<Context> absorb_children(Registry& reg, const ModulePaths& paths
     if (std::find(absorbed.begin(), absorbed.end(), old) == absorbed.end()) absorbed.push_back(old);
   }
   for (const auto& old : absorbed) {
+    FSDP_CHECK(old->replicate() == replicate && &old->groups().front()->comm() == comm.get(),
+               "fully_shard: sharded submodule '", paths.path_of.at(old->root()->module()),
+               "' was sharded over a different communicator or mesh than its parent; shard "
+               "every module of a model with the same communicator (or the same DeviceMesh)");
     if (old->audit().enabled) context->audit().enabled = true;
     for (Group* g : std::vector<Group*>(old->groups())) {
       g->set_path(paths.path_of.at(g->module()));
@@ -267,7 +272,8 @@ void broadcast_own_buffers(Registry& reg, const torch::nn::Module& module, const
 }  // namespace
 
 FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
-                            std::shared_ptr<Communicator> comm, const ShardOptions& options,
+                            std::shared_ptr<Communicator> comm,
+                            std::shared_ptr<Communicator> replicate, const ShardOptions& options,
                             bool already_attached) {
   FSDP_CHECK(module != nullptr, "fully_shard: the module is empty (construct it first)");
   FSDP_CHECK(comm != nullptr, "fully_shard: the communicator is null (call init_process_group)");
@@ -285,9 +291,10 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   agree_on_values(*comm, type, mine, options.sync_module_states);
 
   lock.lock();
-  auto context = absorb_children(reg, paths, comm, options);
+  auto context = absorb_children(reg, paths, comm, replicate, options);
   std::vector<ParamState> params;
-  for (auto& [name, t] : mine) params.emplace_back(name, t, comm->rank(), comm->size());
+  for (auto& [name, t] : mine)
+    params.emplace_back(name, t, comm->rank(), comm->size(), options.mixed_precision.param_dtype);
   auto group = std::make_shared<Group>(module.get(), type, std::move(params), comm, options);
   group->set_path("");
   group->set_context(context);
@@ -318,6 +325,8 @@ void ForwardScope::finish_tensors(const std::vector<at::Tensor>& outs) {
 }
 
 at::Tensor ForwardScope::input(const at::Tensor& x) { return group_->wrap_input(x); }
+
+at::Tensor ForwardScope::output(const at::Tensor& y) { return group_->cast_output(y); }
 
 }  // namespace detail
 
@@ -415,5 +424,9 @@ void FSDPModule::reset_memory_peaks() { checked(group_).context().reset_peaks();
 const std::string& FSDPModule::name() const { return checked(group_).name(); }
 
 Communicator& FSDPModule::communicator() const { return checked(group_).comm(); }
+
+const std::shared_ptr<Communicator>& FSDPModule::replicate_communicator() const {
+  return checked(group_).context().replicate();
+}
 
 }  // namespace fsdp

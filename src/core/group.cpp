@@ -54,6 +54,19 @@ struct GradReadyHook : torch::autograd::FunctionPostHook {
   size_t index;
 };
 
+// AccumulateGrad pre hook: a moved-gradient marker left by the previous reduction goes before
+// autograd accumulates into the full parameter again (also for a second backward over a retained
+// graph, with no forward in between).
+struct ClearMarkerHook : torch::autograd::FunctionPreHook {
+  ClearMarkerHook(std::weak_ptr<Group> g, size_t i) : group(std::move(g)), index(i) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (auto g = group.lock()) g->params()[index].clear_moved_grad();
+    return grads;
+  }
+  std::weak_ptr<Group> group;
+  size_t index;
+};
+
 // The input-side node of one forward call: identity in backward, run once everything between
 // this call's outputs and this input has run. Marks the call's backward done (for resharding),
 // never triggers reduction. The input it stands for is handed to the module as a new tensor that
@@ -105,12 +118,24 @@ Group::Group(torch::nn::Module* module, std::string type_name, std::vector<Param
     offsets_.push_back(flat_numel_);
     flat_numel_ += p.padded_numel();
   }
+  // One dtype per group (check_placement): the full parameters are already in param_dtype.
+  if (!params_.empty()) {
+    gather_dtype_ = params_[0].param().scalar_type();
+    reduce_dtype_ = params_[0].shard().scalar_type();
+  }
+  const auto& mp = options_.mixed_precision;
+  if (mp.reduce_dtype) {
+    reduce_dtype_ = *mp.reduce_dtype;
+  } else if (mp.param_dtype) {
+    reduce_dtype_ = *mp.param_dtype;
+  }
 }
 
 Group::~Group() {
   for (auto& p : params_) {
     if (p.accumulator() && p.hook_key()) p.accumulator()->del_post_hook(p.hook_key());
     guard::forget(p.param());
+    if (p.moved_grad_marker().defined()) guard::forget_marker(p.moved_grad_marker());
   }
   if (context_) context_->remove(this);
 }
@@ -122,6 +147,8 @@ void Group::attach_hooks() {
     guard::watch(p.param(), self, i);
     p.free_full();
     if (!p.accumulator()) continue;
+    p.set_moved_grad_marker(guard::moved_grad_marker(p.param(), self, i));
+    p.accumulator()->add_pre_hook(std::make_unique<ClearMarkerHook>(self, i));
     p.set_hook_key(p.accumulator()->add_post_hook(std::make_unique<GradReadyHook>(self, i)));
   }
 }
@@ -178,7 +205,7 @@ void Group::unshard() {
   if (shard_state_ != ShardState::kSharded) return;
   auto& lane = context_->gather_lane();
   auto& pool = context_->pool();
-  const auto dtype = params_.empty() ? at::kFloat : params_[0].shard().scalar_type();
+  const auto dtype = gather_dtype_;
   gather_.send = pool.acquire(flat_numel_, dtype);
   for (size_t i = 0; i < params_.size(); ++i)
     params_[i].copy_in_shard(gather_.send.narrow(0, offsets_[i], params_[i].padded_numel()));
@@ -288,7 +315,11 @@ void Group::abort_forward() noexcept {
   }
 }
 
-at::Tensor Group::wrap_input(const at::Tensor& x) {
+at::Tensor Group::wrap_input(const at::Tensor& input) {
+  const auto& mp = options_.mixed_precision;
+  const bool cast = mp.cast_forward_inputs && mp.param_dtype && input.defined() &&
+                    input.is_floating_point() && input.scalar_type() != *mp.param_dtype;
+  const at::Tensor x = cast ? input.to(*mp.param_dtype) : input;
   if (!x.defined() || !x.requires_grad() || !at::GradMode::is_enabled()) return x;
   if (x.is_view()) {
     auto out = InputViewBackward::apply(c10::make_intrusive<GroupRef>(weak_from_this()), x);
@@ -304,6 +335,12 @@ at::Tensor Group::wrap_input(const at::Tensor& x) {
   torch::autograd::impl::set_gradient_edge(y, {node, 0});
   input_nodes_.push_back(node);
   return y;
+}
+
+at::Tensor Group::cast_output(const at::Tensor& y) const {
+  const auto& to = options_.mixed_precision.output_dtype;
+  if (!to || !y.defined() || !y.is_floating_point() || y.scalar_type() == *to) return y;
+  return y.to(*to);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -361,9 +398,7 @@ void Group::end_backward_span() {
 PendingReduce Group::issue_reduce_scatter() {
   auto& lane = context_->reduce_lane();
   auto& pool = context_->pool();
-  at::ScalarType dtype = at::kFloat;
-  for (auto& p : params_)
-    if (p.trainable()) dtype = p.shard().scalar_type();
+  const at::ScalarType dtype = reduce_dtype_;
   PendingReduce p;
   p.group = this;
   p.send = pool.acquire(lane.size() * flat_numel_, dtype).view({lane.size(), flat_numel_});
@@ -374,9 +409,31 @@ PendingReduce Group::issue_reduce_scatter() {
   return p;
 }
 
-void Group::finish_reduce(PendingReduce& p) {
+bool Group::poll_reduce(PendingReduce& p) {
+  if (!p.replicating) {
+    if (!p.work.is_completed()) return false;
+    if (!context_->replicate_lane()) return true;
+    start_replicate(p);
+  }
+  return p.replicate_work.is_completed();
+}
+
+void Group::start_replicate(PendingReduce& p) {
   p.work.wait();
   p.work = Work();
+  p.replicate_work = context_->replicate_lane()->all_reduce(p.output, ReduceOp::kAvg);
+  p.replicating = true;
+}
+
+void Group::finish_reduce(PendingReduce& p) {
+  if (!p.replicating && context_->replicate_lane()) {
+    start_replicate(p);
+  } else if (!p.replicating) {
+    p.work.wait();
+    p.work = Work();
+  }
+  if (p.replicating) p.replicate_work.wait();
+  p.replicate_work = Work();
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].trainable()) params_[i].add_shard_grad(p.output, offsets_[i]);
   context_->pool().release(p.send.view({-1}));

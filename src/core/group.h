@@ -54,9 +54,12 @@ struct PendingGather {
 };
 
 // A reduce-scatter in flight: waited and written to the shards' grads at the latest safe point.
+// Under HSDP it has a second stage: the reduced block averaged across replicas (all-reduce).
 struct PendingReduce {
   Group* group = nullptr;
   Work work;
+  Work replicate_work;       // HSDP's all-reduce, once the reduce-scatter is done
+  bool replicating = false;  // the reduce-scatter is done and the all-reduce issued
   at::Tensor output;         // this rank's reduced flat block (S elements)
   at::Tensor send, scratch;  // (world, S) each, returned to the pool once waited
 };
@@ -86,6 +89,10 @@ class Group : public std::enable_shared_from_this<Group> {
   bool is_root() const;
   bool has_trainable() const;
   int64_t flat_numel() const { return flat_numel_; }  // S: padded shard elements per rank
+  // Dtypes on the wire (mixed precision): the all-gather's (= the full parameters') and the
+  // reduce-scatter's.
+  at::ScalarType gather_dtype() const { return gather_dtype_; }
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   int64_t full_bytes() const;
 
   // ---- storage (FSDP2 order: unshard, wait_for_unshard, reshard) ----
@@ -103,7 +110,11 @@ class Group : public std::enable_shared_from_this<Group> {
   void pre_forward();
   void post_forward(const std::vector<at::Tensor>& outs);
   void abort_forward() noexcept;  // the forward threw: reshard, cancel prefetches, restore state
+  // Casts a floating-point input to param_dtype (mixed precision) and hands it to the module
+  // through the input-side node.
   at::Tensor wrap_input(const at::Tensor& x);
+  // Mixed precision's output_dtype cast of one result tensor (identity when unset).
+  at::Tensor cast_output(const at::Tensor& y) const;
   bool forwarded_with_grad() const { return forwarded_with_grad_; }
   // Autograd nodes recorded by this iteration's forward calls (weak: the graph owns them).
   const std::vector<std::weak_ptr<torch::autograd::Node>>& input_nodes() const {
@@ -126,6 +137,10 @@ class Group : public std::enable_shared_from_this<Group> {
 
   // ---- reduction ----
   PendingReduce issue_reduce_scatter();  // packs unsharded grads (zeros when missing)
+  // Never blocks: true when finish_reduce would not wait. Under HSDP a finished reduce-scatter's
+  // all-reduce across replicas is issued here (in reduction order, so every rank issues them in
+  // the same order).
+  bool poll_reduce(PendingReduce& p);
   void finish_reduce(PendingReduce& p);  // waits and accumulates into the shards' grads
 
   // ---- settings ----
@@ -144,6 +159,7 @@ class Group : public std::enable_shared_from_this<Group> {
 
  private:
   void transition(TrainingState to, std::initializer_list<TrainingState> allowed);
+  void start_replicate(PendingReduce& p);  // waits the reduce-scatter, issues the all-reduce
   void end_backward_span();
 
   torch::nn::Module* module_;
@@ -156,6 +172,7 @@ class Group : public std::enable_shared_from_this<Group> {
   ShardOptions options_;
   int64_t flat_numel_ = 0;
   std::vector<int64_t> offsets_;  // per parameter, into the flat block
+  at::ScalarType gather_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
 
   ShardState shard_state_ = ShardState::kSharded;
   TrainingState training_state_ = TrainingState::kIdle;

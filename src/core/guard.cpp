@@ -4,6 +4,7 @@
 #include <fsdp/error.h>
 
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include "compat.h"
@@ -15,43 +16,72 @@ namespace {
 struct Entry {
   std::weak_ptr<Group> group;
   size_t index = 0;
+  bool moved_grad = false;  // a moved-gradient marker rather than a resharded parameter
 };
 
 std::mutex& mu() {
   static std::mutex m;
   return m;
 }
-std::unordered_map<const c10::TensorImpl*, Entry>& entries() {
-  static std::unordered_map<const c10::TensorImpl*, Entry> e;
+// Keyed by storage: detached copies and views (autograd's saved tensors) share it.
+const c10::StorageImpl* key_of(const at::Tensor& t) { return t.storage().unsafeGetStorageImpl(); }
+std::unordered_map<const c10::StorageImpl*, Entry>& entries() {
+  static std::unordered_map<const c10::StorageImpl*, Entry> e;
   return e;
 }
 
-std::string describe(const c10::TensorImpl* impl) {
+std::optional<Entry> find(const c10::StorageImpl* impl) {
   std::lock_guard<std::mutex> lock(mu());
   auto it = entries().find(impl);
-  if (it == entries().end()) return "a resharded parameter";
-  auto g = it->second.group.lock();
+  if (it == entries().end()) return std::nullopt;
+  return it->second;
+}
+
+std::string describe(const std::optional<Entry>& e) {
+  auto g = e ? e->group.lock() : nullptr;
   if (!g) return "a resharded parameter";
-  const auto& p = g->params()[it->second.index];
+  const auto& p = g->params()[e->index];
   return detail::cat("parameter '", g->prefix(), p.name(), "' of sharded module '", g->name(),
                      "' (", g->type_name(), ")");
 }
 
+// Zeroing a moved-gradient marker (Module::zero_grad, Optimizer::zero_grad on the full
+// parameters) is harmless: it has no values. detach returns the marker itself.
+bool harmless_on_marker(const c10::OperatorHandle& op) {
+  const auto& name = op.schema().name();
+  return name == "aten::detach" || name == "aten::detach_" || name == "aten::zero_";
+}
+
 // The boxed kernel every operator reaches when an argument is a guarded (resharded) parameter.
 void reject(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const c10::TensorImpl* found = nullptr;
+  const c10::StorageImpl* found = nullptr;
   const size_t n = op.schema().arguments().size();
   for (const auto& v : torch::jit::last(*stack, n)) {
     if (v.isTensor() && v.toTensor().unsafeGetTensorImpl()->is_python_dispatch())
-      found = v.toTensor().unsafeGetTensorImpl();
+      found = key_of(v.toTensor());
     if (v.isTensorList())
       for (const at::Tensor& t : v.toTensorList().vec())
-        if (t.defined() && t.unsafeGetTensorImpl()->is_python_dispatch())
-          found = t.unsafeGetTensorImpl();
+        if (t.defined() && t.unsafeGetTensorImpl()->is_python_dispatch()) found = key_of(t);
     if (found) break;
   }
+  const auto entry = find(found);
+  if (entry && entry->moved_grad) {
+    if (harmless_on_marker(op)) {
+      at::Tensor self = torch::jit::peek(*stack, 0, n).toTensor();
+      torch::jit::drop(*stack, n);
+      stack->emplace_back(std::move(self));
+      return;
+    }
+    throw Error(detail::cat(
+        op.schema().name(), " was called on the gradient of the full ", describe(entry),
+        ". fsdp-cpp reduce-scatters that gradient into the parameter's shard, so the full "
+        "parameter's gradient holds nothing. This is what an optimizer or "
+        "torch::nn::utils::clip_grad_norm_ built on model->parameters() does. Fix: build the "
+        "optimizer on the root FSDPModule's parameters() (the shards), clip with "
+        "fsdp::clip_grad_norm_(root, ...), and read gradients from root.named_parameters()"));
+  }
   throw Error(detail::cat(
-      op.schema().name(), " was called on ", describe(found),
+      op.schema().name(), " was called on ", describe(entry),
       ", whose full storage is freed (resharded). A sharded module's full parameters exist only "
       "inside its forward and backward. Fix: call the module through its fsdp::Sharded holder "
       "(block(x), not block->forward(x)) and use its parameters only inside that forward; to read "
@@ -70,17 +100,30 @@ void install_once() {
 void watch(const at::Tensor& param, std::weak_ptr<Group> group, size_t index) {
   install_once();
   std::lock_guard<std::mutex> lock(mu());
-  entries()[param.unsafeGetTensorImpl()] = Entry{std::move(group), index};
+  entries()[key_of(param)] = Entry{std::move(group), index};
 }
 
 void forget(const at::Tensor& param) {
   // The mark stays while the storage is freed: the tensor may outlive its group.
   std::lock_guard<std::mutex> lock(mu());
-  entries().erase(param.unsafeGetTensorImpl());
+  entries().erase(key_of(param));
 }
 
-void set_active(const at::Tensor& param, bool on) {
-  param.unsafeGetTensorImpl()->set_python_dispatch(on);
+void set_active(const at::Tensor& param, bool on) { compat::set_python_key(param, on); }
+
+at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Group> group, size_t index) {
+  install_once();
+  at::Tensor m = compat::storageless_like(param);
+  compat::set_python_key(m, true);
+  std::lock_guard<std::mutex> lock(mu());
+  // One marker per parameter for the group's life (forget_marker in ~Group): bounded entries.
+  entries()[key_of(m)] = Entry{std::move(group), index, /*moved_grad=*/true};
+  return m;
+}
+
+void forget_marker(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu());
+  entries().erase(key_of(t));
 }
 
 }  // namespace fsdp::detail::guard

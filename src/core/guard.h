@@ -24,5 +24,13 @@ void forget(const at::Tensor& param);  // its group is gone (the mark stays if s
 // On: the parameter's storage is freed and every operation on it throws.
 void set_active(const at::Tensor& param, bool on);
 
+// The gradient a full parameter is left with once its gradient was reduce-scattered into the
+// shard: full shape, no bytes, guarded. An optimizer (or clip_grad_norm_, or a logging read) built
+// on the full parameters then fails naming the parameter and the fix, instead of silently skipping
+// a parameter without gradient. Zeroing it (Module::zero_grad, Optimizer::zero_grad) is allowed and
+// does nothing. The group clears it before the parameter's next forward.
+at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Group> group, size_t index);
+void forget_marker(const at::Tensor& t);  // its group is gone
+
 }  // namespace guard
 }  // namespace fsdp::detail

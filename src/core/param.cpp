@@ -8,7 +8,8 @@
 
 namespace fsdp::detail {
 
-ParamState::ParamState(std::string name, at::Tensor param, int rank, int world)
+ParamState::ParamState(std::string name, at::Tensor param, int rank, int world,
+                       std::optional<at::ScalarType> compute_dtype)
     : name_(std::move(name)), param_(std::move(param)), rank_(rank), world_(world) {
   rows_ = param_.dim() == 0 ? 1 : param_.size(0);
   row_numel_ = 1;
@@ -21,6 +22,14 @@ ParamState::ParamState(std::string name, at::Tensor param, int rank, int world)
   at::Tensor source = param_.detach().reshape({rows_, row_numel_});
   shard_ = source.narrow(0, row_offset(), mine).reshape(shape).clone();
   shard_.set_requires_grad(param_.requires_grad());
+  if (compute_dtype && *compute_dtype != param_.scalar_type()) {
+    // set_data keeps the Variable (the module's registration, autograd identity, version counter)
+    // and drops a gradient accumulator made for the old dtype, so the one taken below accumulates
+    // in the compute dtype. Its values come from the first gather.
+    at::NoGradGuard no_grad;
+    param_.mutable_grad() = at::Tensor();
+    param_.set_data(at::empty(param_.sizes(), param_.options().dtype(*compute_dtype)));
+  }
   if (param_.requires_grad()) acc_ = torch::autograd::impl::grad_accumulator(param_);
 }
 
@@ -69,16 +78,28 @@ void ParamState::pack_grad(const at::Tensor& send, int64_t offset) {
     if (n > 0) send[r].narrow(0, offset, n).copy_(flat.narrow(0, r * chunk_ * row_numel_, n));
     if (n < padded_numel()) send[r].narrow(0, offset + n, padded_numel() - n).zero_();
   }
-  if (g.defined()) param_.mutable_grad() = at::Tensor();
+  if (g.defined()) param_.mutable_grad() = moved_grad_;
+}
+
+bool ParamState::grad_is_marker() const {
+  // The marker or a detached copy of it (Module::zero_grad assigns grad.detach() back).
+  const at::Tensor& g = param_.grad();
+  return g.defined() && moved_grad_.defined() &&
+         g.storage().unsafeGetStorageImpl() == moved_grad_.storage().unsafeGetStorageImpl();
+}
+
+void ParamState::clear_moved_grad() {
+  if (grad_is_marker()) param_.mutable_grad() = at::Tensor();
 }
 
 void ParamState::add_shard_grad(const at::Tensor& reduced_flat, int64_t offset) {
   at::Tensor g = reduced_flat.narrow(0, offset, shard_.numel()).view(shard_.sizes());
   at::Tensor& slot = shard_.mutable_grad();
   if (slot.defined()) {
-    slot.add_(g);
+    slot.add_(g);  // add_ casts a low-precision reduction up to the shard's dtype
   } else {
-    slot = g.clone();  // not a view: optimizers detach_() gradients in zero_grad
+    // A copy, never a view (optimizers detach_() gradients in zero_grad), in the shard's dtype.
+    slot = g.to(shard_.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   }
 }
 

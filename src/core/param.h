@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,11 @@ namespace fsdp::detail {
 
 class ParamState {
  public:
-  ParamState(std::string name, at::Tensor param, int rank, int world);
+  // With `compute_dtype` (mixed precision's param_dtype) different from the parameter's dtype, the
+  // shard keeps the parameter's dtype and the full parameter becomes a `compute_dtype` tensor, so
+  // that forward, backward and the unsharded gradient run in it.
+  ParamState(std::string name, at::Tensor param, int rank, int world,
+             std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
   const std::string& name() const { return name_; }
   const at::Tensor& param() const { return param_; }
@@ -52,7 +57,16 @@ class ParamState {
   // Packs the unsharded gradient (zeros when undefined or frozen, and for padding) into `send`
   // (world, S) at `offset`, and drops it from the parameter (it has been handed to the reduction).
   void pack_grad(const at::Tensor& send, int64_t offset);
-  // Accumulates the reduced rows for this rank into shard().grad().
+  // The guarded marker left as the full parameter's gradient once it was handed to the reduction
+  // (guard::moved_grad_marker); cleared by a pre hook of the accumulator before autograd
+  // accumulates into the full parameter again.
+  void set_moved_grad_marker(at::Tensor m) { moved_grad_ = std::move(m); }
+  const at::Tensor& moved_grad_marker() const { return moved_grad_; }
+  void clear_moved_grad();
+  // A real gradient on the full parameter (not the marker): not yet handed to a reduction.
+  bool holds_unsharded_grad() const { return param_.grad().defined() && !grad_is_marker(); }
+  bool grad_is_marker() const;
+  // Accumulates the reduced rows for this rank into shard().grad() (in the shard's dtype).
   void add_shard_grad(const at::Tensor& reduced_flat, int64_t offset);
 
   // The AccumulateGrad node of the full parameter (null when frozen). Held strongly: autograd
@@ -71,6 +85,7 @@ class ParamState {
   int64_t rows_, row_numel_, chunk_;
   std::shared_ptr<torch::autograd::Node> acc_;
   uintptr_t hook_key_ = 0;
+  at::Tensor moved_grad_;
   int64_t gathered_version_ = -1;  // the shard's version when last copied into a gather
 };
 

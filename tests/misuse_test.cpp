@@ -1,0 +1,89 @@
+// Misuse made loud (issue 10, item 4): an optimizer or torch's clip_grad_norm_ built on the full
+// parameters instead of the shards, and blocks sharded without a sharded root, each fail by their
+// message instead of training wrongly; the legitimate habits around them keep working.
+#include <fsdp/models/gpt.h>
+
+#include "fsdp_test_util.h"
+#include "tiny_gpt.h"
+
+namespace fsdp::testing {
+namespace {
+
+using fsdp::models::GPT;
+
+fsdp::Sharded<GPT> build() {
+  torch::manual_seed(0);
+  return fsdp::Sharded<GPT>{GPT(tiny_gpt())};
+}
+
+std::pair<torch::Tensor, torch::Tensor> batch(int rank) {
+  torch::manual_seed(40 + rank);
+  auto t = torch::randint(0, tiny_gpt().vocab_size, {2, tiny_gpt().seq_len + 1}, torch::kLong);
+  return {t.narrow(1, 0, tiny_gpt().seq_len), t.narrow(1, 1, tiny_gpt().seq_len)};
+}
+
+TEST(Misuse, OptimizerOnTheFullParametersFailsByMessage) {
+  run_ranks(2, [](Rank& r) {
+    auto model = build();
+    auto root = fsdp::models::shard_gpt(model, r.world());
+    torch::optim::AdamW wrong(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    auto [x, y] = batch(r.rank);
+    model(x, y).backward();
+    // Zeroing gradients on the model or through the wrong optimizer is harmless and allowed.
+    model->zero_grad();
+    model(x, y).backward();
+    wrong.zero_grad();
+    model(x, y).backward();
+    // AdamW's decoupled decay touches the (resharded) parameter first, SGD the gradient first:
+    // either message names the optimizer fix.
+    expect_error([&] { wrong.step(); }, {"build the optimizer on", "parameters()"});
+    expect_error([&] { torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0); },
+                 {"gradient of the full parameter", "fsdp::clip_grad_norm_"});
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).weight_decay(0.1));
+    expect_error([&] { sgd.step(); }, {"gradient of the full parameter"});
+    // detach() and .data() of a resharded parameter are guarded too (no crash).
+    auto w = model->blocks[0]->c_fc->weight;
+    expect_error([&] { (void)w.detach().sum(); }, {"was called on", "resharded"});
+    expect_error([&] { (void)w.data().sum(); }, {"was called on", "resharded"});
+    // The right optimizer trains on: the shards hold the gradients.
+    torch::optim::AdamW right(root.parameters(), torch::optim::AdamWOptions(1e-2));
+    right.zero_grad();
+    model(x, y).backward();
+    for (const auto& s : root.shards())
+      if (s.shard.numel() > 0) EXPECT_TRUE(s.shard.grad().defined()) << s.name;
+    right.step();
+    model(x, y).backward();  // the next backward accumulates afresh into the full parameters
+    right.step();
+  });
+}
+
+TEST(Misuse, BlocksShardedWithoutARootFailByMessage) {
+  run_ranks(2, [](Rank& r) {
+    auto model = build();
+    for (auto& b : model->blocks) fully_shard(b, r.world());  // the root is forgotten
+    auto [x, y] = batch(r.rank);
+    expect_error([&] { model(x, y).backward(); }, {"two separately sharded models",
+                                                   "call fully_shard on the module that holds "
+                                                   "them all"});
+  });
+}
+
+// Two models, each with its own root, trained in one process (a backward per model) is fine.
+TEST(Misuse, TwoRootedModelsInOneProcessTrainSeparately) {
+  run_ranks(2, [](Rank& r) {
+    auto a = build();
+    auto b = build();
+    auto ra = fsdp::models::shard_gpt(a, r.world());
+    auto rb = fsdp::models::shard_gpt(b, r.world()->split("b"));
+    auto [x, y] = batch(r.rank);
+    for (int i = 0; i < 2; ++i) {
+      a(x, y).backward();
+      b(x, y).backward();
+    }
+    for (size_t i = 0; i < ra.shards().size(); ++i)
+      EXPECT_TRUE(torch::equal(ra.shards()[i].shard.grad(), rb.shards()[i].shard.grad()));
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing

@@ -1,0 +1,188 @@
+// Mixed precision (MixedPrecisionPolicy): the GPT trained with bf16/fp16 gathered parameters and
+// low-precision or fp32 reductions on N ranks matches an unsharded model that casts the same way
+// (FSDP2's test pattern): an fp32 master copy, a compute copy cast to param_dtype for each step,
+// each rank's slice run on it, the slice gradients averaged in fp32 and rounded to reduce_dtype,
+// AdamW stepping the fp32 master. Also: the shards stay fp32, the all-gather moves half the
+// bytes, and bad policies fail by message.
+#include <fsdp/models/gpt.h>
+
+#include "fsdp_test_util.h"
+#include "tiny_gpt.h"
+
+namespace fsdp::testing {
+namespace {
+
+using fsdp::models::GPT;
+
+constexpr int kSteps = 4;
+constexpr int64_t kGlobalBatch = 12;
+
+fsdp::Sharded<GPT> build() {
+  torch::manual_seed(0);
+  return fsdp::Sharded<GPT>{GPT(tiny_gpt())};
+}
+
+std::pair<torch::Tensor, torch::Tensor> batch(int step) {
+  torch::manual_seed(900 + step);
+  auto tokens = torch::randint(0, tiny_gpt().vocab_size, {kGlobalBatch, tiny_gpt().seq_len + 1},
+                               torch::kLong);
+  return {tokens.narrow(1, 0, tiny_gpt().seq_len), tokens.narrow(1, 1, tiny_gpt().seq_len)};
+}
+
+torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
+
+struct Policy {
+  torch::Dtype param, reduce;
+};
+
+ShardOptions with_policy(const Policy& p, bool root) {
+  ShardOptions o = audited();
+  o.mixed_precision.param_dtype = p.param;
+  o.mixed_precision.reduce_dtype = p.reduce;
+  if (root) o.mixed_precision.output_dtype = torch::kFloat;  // the loss comes back in fp32
+  return o;
+}
+
+// The reference: returns the mean slice loss per step; `master` ends with the trained values.
+std::vector<double> reference_run(fsdp::Sharded<GPT>& master, int world, const Policy& p) {
+  torch::optim::AdamW opt(master->parameters(), adamw());
+  auto params = master->parameters();
+  std::vector<double> losses;
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = batch(s);
+    const int64_t per = kGlobalBatch / world;
+    std::vector<std::vector<torch::Tensor>> slice_grads(params.size());
+    double loss_sum = 0;
+    for (int k = 0; k < world; ++k) {
+      auto compute = build();  // same structure; values from the master, cast
+      {
+        torch::NoGradGuard ng;
+        auto cp = compute->parameters();
+        for (size_t i = 0; i < cp.size(); ++i) cp[i].set_data(params[i].detach().to(p.param));
+      }
+      auto loss = compute->forward(x.narrow(0, k * per, per), y.narrow(0, k * per, per));
+      auto loss32 = loss.to(torch::kFloat);
+      loss32.backward();
+      loss_sum += loss32.item<double>();
+      auto cp = compute->parameters();
+      for (size_t i = 0; i < cp.size(); ++i)
+        slice_grads[i].push_back(cp[i].grad().defined() ? cp[i].grad() : torch::zeros_like(cp[i]));
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      // As the reduce-scatter does it: blocks in reduce_dtype, summed in rank order in fp32 for
+      // low precision, divided by the world, rounded to reduce_dtype.
+      auto blocks = torch::stack(slice_grads[i]).to(p.reduce);
+      auto sum = p.reduce == torch::kFloat || p.reduce == torch::kDouble
+                     ? blocks.sum(0)
+                     : blocks.to(torch::kFloat).sum(0);
+      params[i].mutable_grad() = sum.div_(world).to(p.reduce).to(params[i].scalar_type());
+    }
+    opt.step();
+    opt.zero_grad();
+    losses.push_back(loss_sum / world);
+  }
+  return losses;
+}
+
+void run_mixed(int world, Policy p) {
+  run_ranks(world, [&](Rank& r) {
+    auto ref = build();
+    auto ref_losses = reference_run(ref, world, p);
+
+    auto model = build();
+    auto comm = r.world();
+    auto root = fsdp::models::shard_gpt(model, comm, with_policy(p, false), with_policy(p, true));
+    for (const auto& s : root.shards()) ASSERT_EQ(s.shard.scalar_type(), torch::kFloat) << s.name;
+    torch::optim::AdamW opt(root.parameters(), adamw());
+    const int64_t per = kGlobalBatch / world;
+    for (int s = 0; s < kSteps; ++s) {
+      auto [gx, gy] = batch(s);
+      auto loss = model(gx.narrow(0, r.rank * per, per), gy.narrow(0, r.rank * per, per));
+      ASSERT_EQ(loss.scalar_type(), torch::kFloat) << "output_dtype casts the root's result";
+      loss.backward();
+      for (const auto& sh : root.shards())
+        if (sh.shard.grad().defined())
+          ASSERT_EQ(sh.shard.grad().scalar_type(), torch::kFloat) << sh.name;
+      opt.step();
+      opt.zero_grad();
+      auto l = loss.detach().clone();
+      comm->all_reduce(l, ReduceOp::kAvg).wait();
+      EXPECT_NEAR(l.item<double>(), ref_losses[s], 1e-6 * std::abs(ref_losses[s])) << "step " << s;
+    }
+    // Each rank's compute and the reduction's arithmetic are those of the reference: the fp32
+    // shards after AdamW agree to fp32 rounding.
+    expect_shards_equal(root, *ref.ptr(), 1e-6, 1e-7);
+    if (r.rank == 0) {
+      double worst = 0;
+      std::map<std::string, torch::Tensor> want;
+      for (auto& item : ref->named_parameters()) want[item.key()] = item.value().detach();
+      for (const auto& sh : root.shards()) {
+        if (sh.shard.numel() == 0) continue;
+        auto full =
+            want.at(sh.name).reshape({sh.global_shape.empty() ? 1 : sh.global_shape[0], -1});
+        auto w = full.narrow(0, sh.row_offset, sh.shard.size(0));
+        worst =
+            std::max(worst, (sh.shard.detach().reshape(w.sizes()) - w).abs().max().item<double>());
+      }
+      std::cout << "mixed precision world " << world << " param " << p.param << " reduce "
+                << p.reduce << ": max shard error vs reference " << worst << "\n";
+    }
+  });
+}
+
+class MixedPrecisionBf16 : public ::testing::TestWithParam<int> {};
+TEST_P(MixedPrecisionBf16, MatchesUnshardedModelCastingTheSameWay) {
+  run_mixed(GetParam(), {torch::kBFloat16, torch::kBFloat16});
+}
+INSTANTIATE_TEST_SUITE_P(World, MixedPrecisionBf16, ::testing::Values(1, 2, 3, 4));
+
+TEST(MixedPrecision, Bf16ParamsFp32ReduceWorld2) {
+  run_mixed(2, {torch::kBFloat16, torch::kFloat});
+}
+TEST(MixedPrecision, Bf16ParamsFp32ReduceWorld3) {
+  run_mixed(3, {torch::kBFloat16, torch::kFloat});
+}
+// fp16 on the wire. (fp16 compute needs CUDA: LibTorch 1.13's CPU kernels lack LayerNorm and
+// matmul in Half.)
+TEST(MixedPrecision, Bf16ParamsFp16ReduceWorld2) { run_mixed(2, {torch::kBFloat16, torch::kHalf}); }
+
+// The all-gather moves half the bytes in bf16; the reduce-scatter too when it reduces in bf16.
+TEST(MixedPrecision, Bf16HalvesTheBytesOnTheWire) {
+  run_ranks(2, [&](Rank& r) {
+    auto bytes_of_one_step = [&](std::optional<torch::Dtype> param_dtype) {
+      auto model = build();
+      auto comm = r.world()->split(param_dtype ? "bf16" : "fp32");
+      ShardOptions o;
+      o.mixed_precision.param_dtype = param_dtype;
+      auto root = fsdp::models::shard_gpt(model, comm, o, o);
+      auto [x, y] = batch(0);
+      model(x.narrow(0, r.rank * 6, 6), y.narrow(0, r.rank * 6, 6)).backward();
+      comm->reset_stats();
+      model(x.narrow(0, r.rank * 6, 6), y.narrow(0, r.rank * 6, 6)).backward();
+      return comm->total_stats().bytes_sent;
+    };
+    const double fp32 = bytes_of_one_step(std::nullopt);
+    const double bf16 = bytes_of_one_step(torch::kBFloat16);
+    if (r.rank == 0)
+      std::cout << "bytes per step: fp32 " << fp32 << ", bf16 " << bf16 << " (ratio " << bf16 / fp32
+                << ")\n";
+    EXPECT_NEAR(bf16 / fp32, 0.5, 0.01);
+  });
+}
+
+// The full parameters are in param_dtype while gathered; the optimizer never sees them.
+TEST(MixedPrecision, GatheredParametersAreInParamDtype) {
+  run_ranks(2, [&](Rank& r) {
+    auto model = build();
+    ShardOptions o;
+    o.mixed_precision.param_dtype = torch::kBFloat16;
+    auto root = fsdp::models::shard_gpt(model, r.world(), o, o);
+    root.unshard();
+    for (auto& p : model->named_parameters(/*recurse=*/false))
+      EXPECT_EQ(p.value().scalar_type(), torch::kBFloat16) << p.key();
+    root.reshard();
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
