@@ -1,4 +1,4 @@
-// fsdp-cpp umbrella header: rendezvous, communicator, fully_shard.
+// fsdp-cpp umbrella header: rendezvous, communicator, fully_shard, whole-model state.
 #pragma once
 
 #include <fsdp/communicator.h>
@@ -6,3 +6,4 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/init.h>
 #include <fsdp/options.h>
+#include <fsdp/state_dict.h>
