@@ -5,3 +5,11 @@ fsdp_add_test(fully_shard_test LABEL fsdp PCH torch SOURCES fully_shard_test.cpp
 fsdp_add_test(guarantee_fuzz_test LABEL guarantee PCH torch SOURCES guarantee_fuzz_test.cpp LIBS fsdp fsdp_models)
 fsdp_add_test(guarantee_paths_test LABEL guarantee PCH torch SOURCES guarantee_paths_test.cpp LIBS fsdp fsdp_models)
 fsdp_add_test(outputs_test LABEL adoption PCH torch SOURCES outputs_test.cpp LIBS fsdp fsdp_models)
+# Whole-model state, buffers across ranks, and the models users write (issue 10).
+fsdp_add_test(state_dict_test LABEL adoption PCH torch
+              SOURCES state_dict_test.cpp buffers_test.cpp checkpoint_buffers_test.cpp
+              LIBS fsdp_checkpoint fsdp_models)
+target_include_directories(state_dict_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
+fsdp_add_test(adoption_models_test LABEL adoption PCH torch SOURCES adoption_models_test.cpp
+              LIBS fsdp fsdp_models)
+target_include_directories(adoption_models_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
