@@ -1,6 +1,6 @@
 // Buffers in sharded checkpoints: rank 0's values saved (with a warning naming a buffer that
-// differs across ranks), restored on every rank, kept in the consolidated file; a checkpoint saved
-// before buffers were stored still loads, with a note.
+// differs across ranks), restored on every rank, kept in the consolidated file and read back by
+// init_from; a checkpoint saved before buffers were stored still loads, with a note.
 #include <fsdp/checkpoint.h>
 #include <fsdp/safetensors_torch.h>
 #include <fsdp/state_dict.h>
@@ -41,6 +41,17 @@ std::vector<torch::Tensor> clone_buffers(torch::nn::Module& m) {
   return out;
 }
 
+// Every shard of `got` equals the same-named shard of `want` (same world size).
+void expect_state_equals_shards(const FSDPModule& got, const FSDPModule& want) {
+  const auto theirs = want.shards();
+  for (const auto& s : got.shards()) {
+    auto it = std::find_if(theirs.begin(), theirs.end(),
+                           [&](const ShardInfo& t) { return t.name == s.name; });
+    ASSERT_NE(it, theirs.end()) << s.name;
+    EXPECT_TRUE(torch::equal(s.shard, it->shard)) << s.name;
+  }
+}
+
 struct Trained {
   fsdp::Sharded<Cnn> model{Cnn()};
   FSDPModule root;
@@ -77,23 +88,26 @@ TEST(CheckpointBuffers, RankZerosBuffersAreSavedRestoredAndConsolidated) {
         ASSERT_EQ(got.size(), saved.size());
         for (size_t i = 0; i < got.size(); ++i)
           EXPECT_TRUE(torch::equal(got[i], saved[i])) << "buffer #" << i;
-        for (const auto& s : b.root.shards()) {
-          const torch::Tensor* want = nullptr;
-          for (const auto& t : a.root.shards())
-            if (t.name == s.name) want = &t.shard;
-          ASSERT_NE(want, nullptr);
-          EXPECT_TRUE(torch::equal(s.shard, *want)) << s.name;
-        }
+        expect_state_equals_shards(b.root, a.root);
 
+        const std::string full = run_dir() + "/full.safetensors";
         if (r.rank == 0) {  // the consolidated file holds the buffers under the unsharded names
-          ck::consolidate(ckpt, run_dir() + "/full.safetensors");
-          auto f = fsdp::safetensors::File::open(run_dir() + "/full.safetensors");
+          ck::consolidate(ckpt, full);
+          auto f = fsdp::safetensors::File::open(full);
           EXPECT_TRUE(torch::equal(fsdp::safetensors::read_tensor(*f, "block1.bn.running_mean"),
                                    a.model->block1->bn->running_mean));
           EXPECT_TRUE(
               torch::equal(fsdp::safetensors::read_tensor(*f, "block2.bn.num_batches_tracked"),
                            a.model->block2->bn->num_batches_tracked));
         }
+        r.world()->barrier().wait();
+        torch::manual_seed(2);
+        Trained c(r);  // init_from the consolidated file: parameters and buffers
+        ck::init_from(full, c.root);
+        const auto from_file = clone_buffers(*c.model.ptr());
+        for (size_t i = 0; i < from_file.size(); ++i)
+          EXPECT_TRUE(torch::equal(from_file[i], saved[i])) << "buffer #" << i;
+        expect_state_equals_shards(c.root, a.root);
       },
       with_dir(dir));
   if (!in_rank_process()) fs::remove_all(dir);
