@@ -113,8 +113,9 @@ TEST(CheckpointBuffers, RankZerosBuffersAreSavedRestoredAndConsolidated) {
   if (!in_rank_process()) fs::remove_all(dir);
 }
 
-// A checkpoint without buffer entries (as saved before buffers were stored): the parameters load,
-// the buffers stay, and rank 0 says so, naming them.
+// An index that has buffers but lacks one of the model's is an error naming it. A checkpoint
+// without any buffer entry (as saved before buffers were stored): the parameters load, the buffers
+// stay, and rank 0 says so, naming them.
 TEST(CheckpointBuffers, CheckpointWithoutBuffersLoadsWithANote) {
   const std::string dir = run_dir();
   run_ranks(
@@ -125,17 +126,28 @@ TEST(CheckpointBuffers, CheckpointWithoutBuffersLoadsWithANote) {
         ::testing::internal::CaptureStderr();
         const std::string ckpt = ck::save(run_dir(), a.root, nullptr, {}, *r.world());
         ::testing::internal::GetCapturedStderr();
-        if (r.rank == 0) {  // strip the buffers from the index
-          const std::string path = ckpt + "/index.json";
-          std::ifstream in(path);
-          auto idx = nlohmann::json::parse(in);
-          in.close();
-          for (const char* b : {"running_mean", "running_var", "num_batches_tracked"})
-            for (const char* blk : {"block1", "block2"})
-              ASSERT_EQ(idx["tensors"].erase(std::string(blk) + ".bn." + b), 1u);
-          std::ofstream(path) << idx.dump();
+        auto strip = [&](std::vector<std::string> names) {  // rank 0 edits the index
+          if (r.rank == 0) {
+            const std::string path = ckpt + "/index.json";
+            std::ifstream in(path);
+            auto idx = nlohmann::json::parse(in);
+            in.close();
+            for (const auto& n : names) EXPECT_EQ(idx["tensors"].erase(n), 1u) << n;
+            std::ofstream(path) << idx.dump();
+          }
+          r.world()->barrier().wait();
+        };
+        // One buffer gone: an index with buffers must hold every one of the model's.
+        strip({"block2.bn.running_var"});
+        {
+          torch::manual_seed(1);
+          Trained b(r);
+          expect_error([&] { ck::load(ckpt, b.root, nullptr, *r.world()); },
+                       {"missing tensors 'block2.bn.running_var'", "model parameters and buffers"});
         }
-        r.world()->barrier().wait();
+        // All of them: a checkpoint from before buffers were saved.
+        strip({"block1.bn.running_mean", "block1.bn.running_var", "block1.bn.num_batches_tracked",
+               "block2.bn.running_mean", "block2.bn.num_batches_tracked"});
         torch::manual_seed(1);
         Trained b(r);
         const auto before = clone_buffers(*b.model.ptr());

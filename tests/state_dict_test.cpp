@@ -93,6 +93,35 @@ TEST(StateDict, FullStateDictIsTheUnshardedModel) {
   });
 }
 
+// A 0-d parameter (one row, on rank 0) and a parameter with fewer rows than ranks (empty shards).
+struct OddImpl : torch::nn::Module {
+  OddImpl() {
+    scale = register_parameter("scale", torch::randn({}, torch::kDouble));
+    thin = register_parameter("thin", torch::randn({2, 3}, torch::kDouble));
+    register_buffer("flags", torch::rand({4}) > 0.5);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return scale * x.matmul(thin.t()); }
+  torch::Tensor scale, thin;
+};
+TORCH_MODULE(Odd);
+
+TEST(StateDict, ZeroDimAndEmptyShardsRoundTrip) {
+  run_ranks(3, [](Rank& r) {
+    torch::manual_seed(0);
+    Odd ref;
+    torch::manual_seed(0);
+    fsdp::Sharded<Odd> model{Odd()};
+    auto root = fully_shard(model, r.world());
+    expect_state_equals(full_state_dict(root), *ref);
+    torch::manual_seed(4);
+    Odd other;
+    StateDict dict;
+    for (auto& [name, t] : unsharded_state(*other)) dict.insert(name, t.clone());
+    load_full_state_dict(root, dict);
+    expect_state_equals(full_state_dict(root), *other);
+  });
+}
+
 // Loading a dictionary of other values: every shard holds its rows of them, every buffer them.
 TEST(StateDict, LoadFullStateDictFillsShardsAndBuffers) {
   run_ranks(3, [](Rank& r) {
