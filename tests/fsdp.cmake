@@ -8,3 +8,11 @@ fsdp_add_test(outputs_test LABEL adoption PCH torch SOURCES outputs_test.cpp LIB
 fsdp_add_test(mixed_precision_test LABEL mixed_precision PCH torch SOURCES mixed_precision_test.cpp LIBS fsdp fsdp_models)
 fsdp_add_test(hsdp_test LABEL hsdp PCH torch SOURCES hsdp_test.cpp LIBS fsdp fsdp_models fsdp_checkpoint)
 fsdp_add_test(misuse_test LABEL adoption PCH torch SOURCES misuse_test.cpp LIBS fsdp fsdp_models)
+# Whole-model state, buffers across ranks, and the models users write (issue 10).
+fsdp_add_test(state_dict_test LABEL adoption PCH torch
+              SOURCES state_dict_test.cpp buffers_test.cpp checkpoint_buffers_test.cpp
+              LIBS fsdp_checkpoint fsdp_models)
+target_include_directories(state_dict_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
+fsdp_add_test(adoption_models_test LABEL adoption PCH torch SOURCES adoption_models_test.cpp
+              LIBS fsdp fsdp_models)
+target_include_directories(adoption_models_test PRIVATE ${PROJECT_SOURCE_DIR}/src)

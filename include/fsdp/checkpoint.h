@@ -30,9 +30,10 @@ class Optimizer;
 namespace fsdp::checkpoint {
 
 // Collective: every rank writes DIR/step_<step>/rank<k>.safetensors (params + optimizer state of
-// its shards), rank 0 writes index.json last. Returns the checkpoint directory. `opt` may be null
-// (parameters only). Optimizer state is saved for torch::optim AdamW, Adam and SGD; another
-// optimizer type is an error.
+// its shards; rank 0 also the model's buffers, whole, after warning on stderr when they differ
+// across ranks: fsdp::check_buffers_agree), rank 0 writes index.json last. Returns the checkpoint
+// directory. `opt` may be null (parameters only). Optimizer state is saved for torch::optim AdamW,
+// Adam and SGD; another optimizer type is an error.
 std::string save(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                  const TrainState& state, Communicator& comm);
 
@@ -72,18 +73,21 @@ std::vector<std::string> remove_stale_temporaries(const std::string& dir);
 
 // Collective: loads `ckpt_dir` (a step_* directory) into the sharded model and optimizer at any
 // world size. Verifies the checksum of every file it reads, dtype/shape against the model, and
-// names missing tensors. With `opt` null the optimizer state is not read. Creates optimizer state
-// entries when the optimizer has none yet. Returns the saved TrainState.
+// names missing tensors; restores every buffer (an index without buffers, from before they were
+// saved, leaves them as they are, with a note on rank 0's stderr). With `opt` null the optimizer
+// state is not read. Creates optimizer state entries when the optimizer has none yet. Returns the
+// saved TrainState.
 TrainState load(const std::string& ckpt_dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                 Communicator& comm);
 
-// Offline, one process: writes one full safetensors file with the unsharded parameter names (no
-// optimizer state); the index's step/data_position are copied into its __metadata__.
+// Offline, one process: writes one full safetensors file with the unsharded parameter and buffer
+// names (no optimizer state); the index's step/data_position are copied into its __metadata__.
 void consolidate(const std::string& ckpt_dir, const std::string& out_file);
 
 // Each rank reads its rows of every parameter from a full safetensors file (e.g. consolidate()'s
-// output, or any file with the model's parameter names and dtypes). Collective over
-// root.communicator(): a failure on any rank is raised on every rank.
+// output, or any file with the model's parameter names and dtypes), and every buffer whole (a file
+// without any of the model's buffers leaves them as they are, with a note on rank 0's stderr).
+// Collective over root.communicator(): a failure on any rank is raised on every rank.
 void init_from(const std::string& file, const FSDPModule& root);
 
 // Test hook simulating a crash between files: with FSDP_CKPT_FAIL_AFTER_FILES=n in the environment,

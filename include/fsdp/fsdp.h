@@ -1,4 +1,4 @@
-// fsdp-cpp umbrella header: rendezvous, communicator, fully_shard.
+// fsdp-cpp umbrella header: rendezvous, communicator, fully_shard, whole-model state.
 #pragma once
 
 #include <fsdp/communicator.h>
@@ -7,3 +7,4 @@
 #include <fsdp/init.h>
 #include <fsdp/mesh.h>
 #include <fsdp/options.h>
+#include <fsdp/state_dict.h>

@@ -27,6 +27,9 @@
 namespace torch::nn {
 class Module;
 }
+namespace torch::serialize {
+class OutputArchive;
+}
 
 namespace fsdp {
 
@@ -208,6 +211,21 @@ class Sharded : public Holder {
  private:
   std::shared_ptr<detail::Group> group_;
 };
+
+namespace detail {
+// Throws the error of torch::save on a sharded module (below).
+[[noreturn]] void reject_torch_save(const Group& group);
+}  // namespace detail
+
+// torch::save(model) on a sharded module would write its full parameters, which hold no bytes
+// while resharded (0-byte records, a crash when loaded). It throws fsdp::Error instead, naming the
+// ways to save a sharded model. Before fully_shard the module saves as its holder does.
+template <class Archive, class Holder,
+          class = std::enable_if_t<std::is_same_v<Archive, torch::serialize::OutputArchive>>>
+Archive& operator<<(Archive& archive, const Sharded<Holder>& module) {
+  if (module.fsdp_group()) detail::reject_torch_save(*module.fsdp_group());
+  return archive << static_cast<const Holder&>(module);
+}
 
 namespace detail {
 FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,

@@ -9,6 +9,7 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/hex.h>
 #include <fsdp/safetensors_torch.h>
+#include <fsdp/state_dict.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -17,6 +18,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <set>
 
@@ -325,20 +327,36 @@ void check_against_model(const IndexEntry& e, const ShardInfo& info, const std::
   }
 }
 
-void check_names(const Index& idx, const std::vector<ShardInfo>& shards, const std::string& where) {
+// A buffer is stored whole (replicated, rank 0's copy) under its own name, without "::".
+bool is_buffer_entry(const IndexEntry& e) {
+  return e.replicated && e.name.find("::") == std::string::npos;
+}
+
+// Parameters and buffers of the model against the index. An index without any buffer entry (a
+// checkpoint from before buffers were saved) does not count its buffers as missing: load() keeps
+// the model's and says so.
+void check_names(const Index& idx, const std::vector<ShardInfo>& shards,
+                 const std::vector<std::pair<std::string, at::Tensor>>& buffers,
+                 const std::string& where) {
   std::set<std::string> model;
   std::vector<std::string> missing, extra;
   for (const auto& s : shards) {
     model.insert(s.name);
     if (!idx.find(s.name)) missing.push_back(s.name);
   }
+  const bool has_buffers = std::any_of(idx.tensors.begin(), idx.tensors.end(),
+                                       [](const auto& e) { return is_buffer_entry(e); });
+  for (const auto& [name, b] : buffers) {
+    model.insert(name);
+    if (has_buffers && !idx.find(name)) missing.push_back(name);
+  }
   for (const auto& e : idx.tensors) {
     if (e.name.find("::") == std::string::npos && !model.count(e.name)) extra.push_back(e.name);
   }
   if (!missing.empty()) {
     throw Error(cat(where, ": missing tensors ", join(missing), " (", missing.size(), " of ",
-                    shards.size(),
-                    " model parameters); the checkpoint was saved from a "
+                    shards.size() + buffers.size(),
+                    " model parameters and buffers); the checkpoint was saved from a "
                     "different model"));
   }
   if (!extra.empty()) {
@@ -441,6 +459,65 @@ void load_optimizer(torch::optim::Optimizer* opt, OptKind kind,
   }
 }
 
+// Every buffer from its replicated entry (rank 0's values at save time). A checkpoint without any
+// buffer entry (saved before buffers were) leaves the model's buffers as they are, with a note.
+void load_buffers(CheckpointReader& rd,
+                  const std::vector<std::pair<std::string, at::Tensor>>& buffers,
+                  const std::string& where, int rank) {
+  std::vector<std::string> kept;
+  at::NoGradGuard no_grad;
+  for (const auto& [name, b] : buffers) {
+    const IndexEntry* e = rd.index().find(name);
+    if (!e) {
+      kept.push_back(name);
+      continue;
+    }
+    std::string dtype = st::dtype_name(b.scalar_type());
+    FSDP_CHECK(e->replicated && e->dtype == dtype && e->global_shape == b.sizes().vec(), where,
+               ": buffer '", name, "' is ", e->dtype, " ", shape_str(e->global_shape),
+               e->replicated ? "" : " (sharded rows)", " in the checkpoint, ", dtype, " ",
+               shape_str(b.sizes().vec()),
+               " in the model; the model configuration differs from the saved one");
+    b.copy_(rd.read_replicated(*e).reshape(b.sizes()));
+  }
+  if (!kept.empty() && rank == 0)
+    std::cerr << cat("fsdp: note: ", where,
+                     " holds no buffers (saved before fsdp-cpp stored "
+                     "them); the model keeps its current values of ",
+                     kept.size(), " buffers: ", join(kept))
+              << std::endl;
+}
+
+// init_from's buffers: every model buffer from the file when it has any (a consolidated file
+// has them), else (a file written without buffers) the model keeps its own, with a note.
+void init_buffers(st::File& f, const std::vector<std::pair<std::string, at::Tensor>>& buffers,
+                  const std::string& where, int rank) {
+  std::vector<std::string> missing;
+  for (const auto& [name, b] : buffers)
+    if (!f.header().find(name)) missing.push_back(name);
+  if (!missing.empty() && missing.size() < buffers.size())
+    throw Error(cat(where, ": missing buffers ", join(missing), " (", missing.size(), " of ",
+                    buffers.size(), "); the file is from a different model"));
+  if (!missing.empty()) {
+    if (rank == 0)
+      std::cerr << cat("fsdp: note: ", where,
+                       " holds no buffers; the model keeps its current "
+                       "values of ",
+                       missing.size(), " buffers: ", join(missing))
+                << std::endl;
+    return;
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& [name, b] : buffers) {
+    const st::TensorMeta& m = f.tensor(name);
+    std::string dtype = st::dtype_name(b.scalar_type());
+    FSDP_CHECK(m.dtype == dtype && m.shape == b.sizes().vec(), where, ": buffer '", name, "' is ",
+               m.dtype, " ", shape_str(m.shape), " in the file, ", dtype, " ",
+               shape_str(b.sizes().vec()), " in the model; the file is from a different model");
+    b.copy_(st::read_tensor(f, name).reshape(b.sizes()));
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -494,6 +571,9 @@ std::string save_shards(const std::string& dir, const FSDPModule& root,
         }),
         "save");
 
+  // Buffers are saved from rank 0: say so when the ranks' copies differ (collective).
+  check_buffers_agree(root, cat("checkpoint save '", ckpt, "' keeps rank 0's values"));
+
   // 2. Every rank writes its file.
   std::vector<at::Tensor> keep;
   std::vector<st::TensorView> views;
@@ -525,6 +605,15 @@ std::string save_shards(const std::string& dir, const FSDPModule& root,
         views.push_back(st::view_of(info.name + "::step", keep.back()));
         rows.emplace_back(0, 1);
         shapes.push_back({});
+        replicated.push_back(true);
+      }
+    }
+    if (rank == 0) {
+      for (const auto& [name, b] : named_buffers(root)) {
+        keep.push_back(b.detach().contiguous().cpu());
+        views.push_back(st::view_of(name, keep.back()));
+        rows.emplace_back(0, 1);
+        shapes.push_back(b.sizes().vec());
         replicated.push_back(true);
       }
     }
@@ -563,12 +652,14 @@ TrainState load(const std::string& ckpt_dir, const FSDPModule& root, torch::opti
     CheckpointReader rd(ckpt_dir);
     const std::string where = cat("checkpoint '", ckpt_dir, "'");
     auto shards = root.shards();
-    check_names(rd.index(), shards, where);
+    auto buffers = named_buffers(root);
+    check_names(rd.index(), shards, buffers, where);
     for (const auto& info : shards) {
       const IndexEntry& e = *rd.index().find(info.name);
       check_against_model(e, info, where);
       rd.fill_rows(e, info.shard, info.row_offset);
     }
+    load_buffers(rd, buffers, where, comm.rank());
     if (opt) load_optimizer(opt, kind, shards, rd, where);
     out = rd.index().state;
   });
@@ -582,6 +673,11 @@ void consolidate(const std::string& ckpt_dir, const std::string& out_file) {
   std::vector<st::TensorView> views;
   for (const auto& e : rd.index().tensors) {
     if (e.name.find("::") != std::string::npos) continue;  // optimizer state
+    if (e.replicated) {                                    // a buffer, whole
+      keep.push_back(rd.read_replicated(e).contiguous());
+      views.push_back(st::view_of(e.name, keep.back()));
+      continue;
+    }
     rd.check_pieces(e);
     std::vector<int64_t> rows_shape =
         e.global_shape.empty() ? std::vector<int64_t>{1} : e.global_shape;
@@ -624,6 +720,7 @@ void init_from(const std::string& file, const FSDPModule& root) {
       at::NoGradGuard no_grad;
       info.shard.view({-1}).copy_(src.view({-1}));
     }
+    init_buffers(*f, named_buffers(root), where, root.communicator().rank());
   });
   agree(root.communicator(), error, "init_from");
 }

@@ -1,0 +1,38 @@
+// Module buffers across ranks (BatchNorm running statistics and the like): buffers are replicated,
+// not sharded; these keep them equal (rank 0's values win) or find where they differ.
+// Thread-safety: collectives; call from the thread that trains, in the same order on every rank.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <fsdp/communicator.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace fsdp::detail {
+
+// The defined buffers of `m` and its descendants, by name relative to `m` (named_buffers order).
+std::vector<std::pair<std::string, at::Tensor>> defined_buffers(const torch::nn::Module& m);
+
+// Copies rank 0's buffers into every rank's buffers in place, in one flat broadcast of their bytes
+// (any dtype mix, bool included). No-op at world size 1 or without buffers. REQUIRES: every rank
+// holds the same buffer shapes and dtypes (the same model).
+void broadcast_buffers(torch::nn::Module& m, Communicator& c);
+
+// A buffer whose values differ from rank 0's on some rank.
+struct BufferDifference {
+  std::string name;
+  int rank = 0;  // the first rank whose copy differs from rank 0's
+};
+// Compares a checksum of every buffer's bytes with rank 0's (one small all-gather); the first
+// differing buffer in named_buffers order, or nullopt when every rank agrees. Same answer on
+// every rank.
+std::optional<BufferDifference> first_differing_buffer(const torch::nn::Module& m, Communicator& c);
+
+}  // namespace fsdp::detail

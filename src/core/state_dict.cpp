@@ -1,0 +1,148 @@
+// Whole-model state: full tensors gathered from the shards, loaded back into them, and the
+// cross-rank agreement of buffers. See include/fsdp/state_dict.h.
+#include <ATen/ATen.h>
+#include <fsdp/state_dict.h>
+#include <torch/nn/module.h>
+
+#include <iostream>
+#include <map>
+#include <set>
+
+#include "core/buffers.h"
+#include "core/group.h"
+
+namespace fsdp {
+
+namespace {
+
+torch::nn::Module& module_of(const FSDPModule& root) {
+  FSDP_CHECK(root.defined(), "this FSDPModule handle is empty: use the one fully_shard returned");
+  return *root.group()->module();
+}
+
+std::string shape_str(at::IntArrayRef s) { return detail::cat(s); }
+
+std::string join(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + ("'" + n + "'");
+  return out;
+}
+
+// The full tensor of one parameter, from every rank's rows: (rows, ...) padded to
+// world * rows_per_rank rows on the wire, then cut to the global shape.
+at::Tensor gather_full(const ShardInfo& s, Communicator& comm) {
+  const int64_t rows = s.global_shape.empty() ? 1 : s.global_shape[0];
+  const int64_t inner = rows == 0 ? 0 : [&] {
+    int64_t n = 1;
+    for (size_t d = 1; d < s.global_shape.size(); ++d) n *= s.global_shape[d];
+    return n;
+  }();
+  const int64_t held = s.shard.numel() == 0 ? 0 : s.shard.numel() / std::max<int64_t>(inner, 1);
+  // (rows_per_rank, inner): this rank's rows, zero padded.
+  at::Tensor mine = at::zeros({s.rows_per_rank, inner}, s.shard.options().requires_grad(false));
+  if (held > 0) mine.narrow(0, 0, held).copy_(s.shard.detach().reshape({held, inner}));
+  // (world * rows_per_rank, inner)
+  at::Tensor all = at::empty({comm.size() * s.rows_per_rank, inner}, mine.options());
+  comm.all_gather(all, mine).wait();
+  return all.narrow(0, 0, rows).reshape(s.global_shape).clone();
+}
+
+}  // namespace
+
+StateDict full_state_dict(const FSDPModule& root, const StateDictOptions& options) {
+  torch::nn::Module& module = module_of(root);
+  Communicator& comm = root.communicator();
+  const bool keep = !options.rank0_only || comm.rank() == 0;
+  at::NoGradGuard no_grad;
+  StateDict out;
+  for (const auto& s : root.shards()) {
+    at::Tensor full = gather_full(s, comm);  // collective: every rank, same order
+    if (keep) out.insert(s.name, full);
+  }
+  if (keep)
+    for (const auto& [name, b] : detail::defined_buffers(module))
+      if (!out.contains(name)) out.insert(name, b.detach().clone());
+  return out;
+}
+
+void load_full_state_dict(const FSDPModule& root, const StateDict& dict) {
+  torch::nn::Module& module = module_of(root);
+  const auto shards = root.shards();
+  const auto buffers = detail::defined_buffers(module);
+  std::vector<std::string> missing, mismatched, unexpected;
+  std::set<std::string> expected;
+  auto check = [&](const std::string& name, at::IntArrayRef shape) {
+    expected.insert(name);
+    const at::Tensor* v = dict.find(name);
+    if (!v) {
+      missing.push_back(name);
+    } else if (v->sizes() != shape) {
+      mismatched.push_back(detail::cat("'", name, "' is ", shape_str(v->sizes()),
+                                       " in the dictionary, ", shape_str(shape), " in the model"));
+    }
+  };
+  for (const auto& s : shards) check(s.name, s.global_shape);
+  for (const auto& [name, b] : buffers) check(name, b.sizes());
+  for (const auto& item : dict)
+    if (!expected.count(item.key())) unexpected.push_back(item.key());
+  if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
+    std::string msg = "load_full_state_dict: the dictionary does not match the model.";
+    if (!missing.empty())
+      msg += detail::cat(" Missing (", missing.size(), "): ", join(missing), ".");
+    if (!unexpected.empty())
+      msg += detail::cat(" Unexpected (", unexpected.size(), "): ", join(unexpected), ".");
+    if (!mismatched.empty()) {
+      msg += detail::cat(" Shape mismatch (", mismatched.size(), "): ");
+      for (size_t i = 0; i < mismatched.size(); ++i) msg += (i ? "; " : "") + mismatched[i];
+      msg += ".";
+    }
+    throw Error(msg +
+                " Fix: pass the full_state_dict of the same model (names of the unsharded "
+                "model's named_parameters() and named_buffers()).");
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& s : shards) {
+    const at::Tensor& full = dict[s.name];
+    const int64_t rows = s.global_shape.empty() ? 1 : s.global_shape[0];
+    const int64_t held = s.shard.dim() == 0 ? 1 : s.shard.size(0);
+    if (s.shard.numel() == 0) continue;
+    at::Tensor mine = full.reshape({rows, -1}).narrow(0, s.row_offset, held);
+    s.shard.view({-1}).copy_(mine.reshape({-1}));
+  }
+  for (const auto& [name, b] : buffers) b.copy_(dict[name]);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> named_buffers(const FSDPModule& root) {
+  return detail::defined_buffers(module_of(root));
+}
+
+std::optional<std::string> check_buffers_agree(const FSDPModule& root, const std::string& what) {
+  torch::nn::Module& module = module_of(root);
+  if (root.group()->options().broadcast_buffers) return std::nullopt;
+  Communicator& comm = root.communicator();
+  auto diff = detail::first_differing_buffer(module, comm);
+  if (!diff) return std::nullopt;
+  if (comm.rank() == 0)
+    std::cerr << detail::cat(
+                     "fsdp: warning: buffer '", diff->name, "' differs between rank ", diff->rank,
+                     " and rank 0 (", what,
+                     "). Buffers such as BatchNorm running statistics are updated from each "
+                     "rank's own batches and drift apart. Fix: set "
+                     "ShardOptions::broadcast_buffers = true on the root (rank 0's buffers are "
+                     "broadcast at each forward, as DDP does)")
+              << std::endl;
+  return diff->name;
+}
+
+namespace detail {
+void reject_torch_save(const Group& group) {
+  throw Error(cat(
+      "torch::save was called on sharded module '", group.name(), "' (", group.type_name(),
+      "): its full parameters hold no bytes outside its forward and backward (resharded), so the "
+      "archive would hold empty tensors. Fix: to save for inference, write "
+      "fsdp::full_state_dict(root) (every rank calls it) to a safetensors file on rank 0 (README, "
+      "'Save for inference'); to resume training, use fsdp::checkpoint::save"));
+}
+}  // namespace detail
+
+}  // namespace fsdp
