@@ -1,6 +1,9 @@
-// fsdp-cpp umbrella header: rendezvous, communicator, fully_shard.
+// fsdp-cpp umbrella header: rendezvous, communicator, fully_shard, clip_grad_norm_, activation
+// checkpointing.
 #pragma once
 
+#include <fsdp/activation_checkpoint.h>
+#include <fsdp/clip_grad_norm.h>
 #include <fsdp/communicator.h>
 #include <fsdp/error.h>
 #include <fsdp/fully_shard.h>
