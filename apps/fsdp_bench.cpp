@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpointing_bench.h"
 #include "comm_bench.h"
 #include "sweeps.h"
 #include "train_bench.h"
@@ -287,14 +288,18 @@ int main(int argc, char** argv) {
       "              rounds; then a summary line with the median ratios and their ranges.\n"
       "  --memory-scaling   fsdp and ddp peak RSS at N=1,2,4 beside 16P/N (--preset mem).\n"
       "  --max-model --nproc N --memory-mb M   deepest GPT that fits M MB per rank, ddp vs fsdp.\n"
+      "  --activation-checkpointing   fsdp GPT training without and with checkpointed blocks:\n"
+      "              activation memory held after forward, peak RSS, step time, loss equality.\n"
       "Examples:\n"
       "  fsdp-bench --comm --nproc 4\n"
       "  fsdp-bench --compare --nproc 2\n"
       "  fsdp-bench --mode fsdp --nproc 2 --trace /tmp/trace   (open rank0.json in Perfetto)\n"
       "  fsdp-run -n 4 -- fsdp-bench --comm"};
-  bool comm = false;
+  bool comm = false, checkpointing = false;
   int nproc = 0;
   app.add_flag("--comm", comm, "run the communication benchmark");
+  app.add_flag("--activation-checkpointing", checkpointing,
+               "activation memory saved by checkpointing the blocks (the training size options)");
   app.add_option("--nproc", nproc,
                  "start this many local ranks through fsdp-run (omit under a launcher)")
       ->check(CLI::Range(1, 64));
@@ -306,9 +311,11 @@ int main(int argc, char** argv) {
 
   try {
     const bool sweep = train.compare || train.memory_scaling || train.max_model;
-    if (comm + !train.mode.empty() + train.compare + train.memory_scaling + train.max_model != 1) {
-      std::cerr << "fsdp-bench: choose exactly one of --comm, --mode M, --compare, "
-                   "--memory-scaling, --max-model (see --help)\n";
+    if (comm + checkpointing + !train.mode.empty() + train.compare + train.memory_scaling +
+            train.max_model !=
+        1) {
+      std::cerr << "fsdp-bench: choose exactly one of --comm, --activation-checkpointing, --mode "
+                   "M, --compare, --memory-scaling, --max-model (see --help)\n";
       return 2;
     }
     train.options.warmup = comm_options.warmup;  // one --warmup option serves both
@@ -331,6 +338,7 @@ int main(int argc, char** argv) {
                "launcher");
     if (nproc > 0 && !child) return relaunch(nproc, args_without_nproc(argc, argv));
     if (comm) return fsdp::bench::run_comm_bench(comm_options);
+    if (checkpointing) return fsdp::bench::run_checkpointing_bench(train.options);
     if (train.compare) return fsdp::bench::run_train_compare(train.options);
     return fsdp::bench::run_train_bench(train.options);
   } catch (const std::exception& e) {

@@ -1,6 +1,7 @@
 // End-to-end tests of fsdp-bench's training modes on a tiny GPT: the --compare lines carry every
 // key with sane values, the bytes follow the volume model (fsdp ~1.5x ddp, noreshard ~1x), the
-// modes agree on the loss, and --trace writes per-rank Chrome traces with the expected spans.
+// modes agree on the loss, --trace writes per-rank Chrome traces with the expected spans, and
+// --activation-checkpointing holds less after forward with the same losses.
 // Timings are not asserted: this machine is shared.
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -128,6 +129,23 @@ TEST(BenchCompare, PrintsEveryModeAndASaneSummary) {
   EXPECT_EQ(summary["loadavg_start"].size(), 3u) << summary.dump();
   EXPECT_TRUE(summary["checks_passed"].get<bool>()) << r.output;
   EXPECT_EQ(r.output.find("WARNING"), std::string::npos) << r.output;
+}
+
+// --activation-checkpointing: both variants, less held after forward, the same losses.
+TEST(BenchActivationCheckpointing, HoldsLessAfterForwardWithTheSameLosses) {
+  auto r =
+      fsdp::testing::run_process(tiny({"--activation-checkpointing"}), std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto lines = json_lines(r.output);
+  ASSERT_EQ(lines.size(), 3u) << r.output;
+  EXPECT_FALSE(lines[0]["activation_checkpointing"].get<bool>());
+  EXPECT_TRUE(lines[1]["activation_checkpointing"].get<bool>());
+  const double plain = lines[0]["held_after_forward_mb"], ckpt = lines[1]["held_after_forward_mb"];
+  EXPECT_GT(plain, 0.5) << r.output;
+  EXPECT_LT(ckpt, 0.5 * plain) << r.output;  // the blocks' activations are the bulk
+  EXPECT_EQ(lines[0]["loss"], lines[1]["loss"]);
+  EXPECT_TRUE(lines[2]["losses_bitwise_equal"].get<bool>());
+  EXPECT_NEAR(lines[2]["activation_memory_saved_mb"].get<double>(), plain - ckpt, 0.11);
 }
 
 // --memory-scaling: fsdp and ddp at each world size, a Markdown table and a summary whose 16P/N

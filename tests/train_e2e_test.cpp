@@ -142,6 +142,26 @@ TEST(TrainE2E, NoShardMatchesTwoAndThreeRanks) {
   expect_close(losses(z2), ref, 1e-5, "N=2 without reshard after forward vs --no-shard");
 }
 
+// --clip with fsdp::clip_grad_norm_ on 2 ranks, blocks checkpointed, against --no-shard with
+// torch's clip_grad_norm_: the same losses and pre-clip norms, and the norm really clips.
+TEST(TrainE2E, ClipAndActivationCheckpointingMatchNoShard) {
+  const auto ref_dir = scratch_dir("clip_ref");
+  auto r = run(tiny(ref_dir, 6), {"--no-shard", "--clip", "0.5"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto dir = scratch_dir("clip_n2");
+  r = run(tiny(dir, 6), {"--nproc", "2", "--clip", "0.5", "--activation-checkpointing"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_close(losses(dir), losses(ref_dir), 1e-5, "N=2 --clip, checkpointed vs --no-shard");
+  const auto ref = read_metrics(ref_dir + "/metrics.csv"), got = read_metrics(dir + "/metrics.csv");
+  ASSERT_EQ(got.size(), ref.size());
+  int clipped = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i].grad_norm, ref[i].grad_norm, 1e-5 * ref[i].grad_norm) << "step " << i + 1;
+    clipped += got[i].grad_norm > 0.5;
+  }
+  EXPECT_GT(clipped, 0) << "no step clipped: the test would not see the clip";
+}
+
 TEST(TrainE2E, SameSeedSameLossesSequentialOrder) {
   std::vector<std::vector<double>> runs;
   for (const char* name : {"seq_a", "seq_b"}) {

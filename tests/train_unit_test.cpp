@@ -83,6 +83,12 @@ TEST(TrainConfig, FlagsOverrideDefaults) {
   EXPECT_FALSE(r.config->reshard_after_forward);
   EXPECT_EQ(r.config->data_order, "sequential");
   EXPECT_DOUBLE_EQ(r.config->lr, 1e-3);
+  EXPECT_DOUBLE_EQ(r.config->clip, 0);
+  EXPECT_FALSE(r.config->activation_checkpointing);
+  auto t = parse_args({"fsdp-train", "--clip", "0.5", "--activation-checkpointing"});
+  ASSERT_TRUE(t.config.has_value()) << t.message;
+  EXPECT_DOUBLE_EQ(t.config->clip, 0.5);
+  EXPECT_TRUE(t.config->activation_checkpointing);
   EXPECT_TRUE(r.config->was_set("steps"));
   EXPECT_FALSE(r.config->was_set("batch"));
 }
@@ -185,6 +191,9 @@ TEST(TrainConfig, ValidationNamesTheSetting) {
       {{"--width", "100", "--heads", "3"}, "--width 100 is not divisible by --heads 3"},
       {{"--lr", "0"}, "--lr is 0"},
       {{"--no-shard", "--nproc", "3"}, "--no-shard"},
+      {{"--clip", "-1"}, "--clip is -1"},
+      {{"--clip", "inf"}, "--clip is inf"},
+      {{"--no-shard", "--activation-checkpointing"}, "--activation-checkpointing applies"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args{"fsdp-train"};
@@ -363,6 +372,7 @@ TEST(Metrics, WriteReadAppendWithValidationAndJsonl) {
       MetricsRow r{s, 5.0 - s * 0.5, 1e-3, 1000, 0.1, 300};
       if (s % 2 == 0) r.val_loss = 4.0 - s * 0.1;
       r.mfu = 0.125;
+      if (s == 2) r.grad_norm = 0.75;
       w.write(r);
     }
   }
@@ -373,6 +383,8 @@ TEST(Metrics, WriteReadAppendWithValidationAndJsonl) {
   EXPECT_TRUE(std::isnan(rows[0].val_loss));
   EXPECT_DOUBLE_EQ(rows[1].val_loss, 3.8);
   EXPECT_DOUBLE_EQ(rows[1].mfu, 0.125);
+  EXPECT_DOUBLE_EQ(rows[1].grad_norm, 0.75);
+  EXPECT_TRUE(std::isnan(rows[0].grad_norm));
   {
     MetricsWriter w(path, true, 3);  // resumed from the checkpoint at step 3
     w.write({4, 1.25, 1e-3, 1000, 0.1, 300});
@@ -395,6 +407,13 @@ TEST(Metrics, WriteReadAppendWithValidationAndJsonl) {
   rows = read_metrics(old);
   ASSERT_EQ(rows.size(), 1u);
   EXPECT_TRUE(std::isnan(rows[0].val_loss));
+  // And of the eight-column format (before grad_norm).
+  const auto v2 =
+      write_file("v2.csv", std::string(kMetricsHeaderV2) + "\n1,5.5,0.001,10,0.1,20,4.5,0.25\n");
+  rows = read_metrics(v2);
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_DOUBLE_EQ(rows[0].mfu, 0.25);
+  EXPECT_TRUE(std::isnan(rows[0].grad_norm));
   const auto bad = write_file("bad.csv", std::string(kMetricsHeader) + "\n1,,0.1,1,1,1,,\n");
   EXPECT_NE(error_of([&] { read_metrics(bad); }).find("line 2"), std::string::npos);
 }

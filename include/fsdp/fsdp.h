@@ -1,6 +1,9 @@
-// fsdp-cpp umbrella header: rendezvous, communicator, fully_shard, whole-model state.
+// fsdp-cpp umbrella header: rendezvous, communicator, fully_shard, whole-model state,
+// clip_grad_norm_, activation checkpointing.
 #pragma once
 
+#include <fsdp/activation_checkpoint.h>
+#include <fsdp/clip_grad_norm.h>
 #include <fsdp/communicator.h>
 #include <fsdp/error.h>
 #include <fsdp/fully_shard.h>

@@ -120,6 +120,12 @@ decltype(auto) wrap_input(ForwardScope& s, T&& x) {
     return std::forward<T>(x);
   }
 }
+
+// activation_checkpoint.h (included at the end of this header).
+bool activation_checkpointing(Group& group);
+template <class Impl, class... Args>
+std::decay_t<decltype(std::declval<Impl&>().forward(std::declval<std::decay_t<Args>&>()...))>
+checkpointed_forward(Group& group, const std::shared_ptr<Impl>& impl, Args&&... args);
 }  // namespace detail
 
 // A parameter's shard as the optimizer and checkpoints see it.
@@ -195,6 +201,12 @@ class Sharded : public Holder {
     if (!group_) return this->get()->forward(std::forward<Args>(args)...);
     detail::ForwardScope scope(group_.get());
     using Result = decltype(this->get()->forward(std::forward<Args>(args)...));
+    if constexpr (!std::is_void_v<Result>) {
+      // ShardOptions::activation_checkpointing: activation_checkpoint.h.
+      if (detail::activation_checkpointing(*group_))
+        return scope.finish(detail::checkpointed_forward(
+            *group_, this->ptr(), detail::wrap_input(scope, std::forward<Args>(args))...));
+    }
     if constexpr (std::is_void_v<Result>) {
       this->get()->forward(detail::wrap_input(scope, std::forward<Args>(args))...);
       scope.finish_tensors({});
@@ -267,3 +279,5 @@ FSDPModule fully_shard(Holder&, std::shared_ptr<Communicator>, const ShardOption
 }
 
 }  // namespace fsdp
+
+#include <fsdp/activation_checkpoint.h>  // checkpointed_forward, used by Sharded

@@ -10,5 +10,8 @@ double peak_rss_mb();     // VmHWM: the high-water mark since start or the last 
 bool reset_peak_rss();
 // Returns freed heap memory to the kernel (glibc malloc_trim), so RSS reflects live memory.
 void trim();
+// Bytes malloc has handed out and not had back (glibc mallinfo2: arenas and mmapped blocks), in
+// MB: live tensors, unlike RSS, which also holds freed pages until trimmed.
+double heap_in_use_mb();
 
 }  // namespace fsdp::memory

@@ -8,6 +8,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -144,6 +145,10 @@ void add_training_options(CLI::App& app, TrainConfig& c) {
   app.add_option("--grad-accum", c.grad_accum,
                  "micro-batches per optimizer step (gradient accumulation; the batch is unchanged)")
       ->group("Optimisation");
+  app.add_option("--clip", c.clip,
+                 "clip the global gradient 2-norm to NORM before each step (0: no clipping); the "
+                 "norm before clipping is logged as grad_norm")
+      ->group("Optimisation");
 
   app.add_option("--data", c.data,
                  "text (one byte per token) or .bin of uint16 tokens (empty: the shipped corpus)")
@@ -217,6 +222,10 @@ void add_options(App& a, TrainConfig& c) {
                "blocks free their gathered parameters after forward and gather again in backward "
                "(default on; off: keep them until after backward, ZeRO-2-like)")
       ->group("Processes");
+  app.add_flag("--activation-checkpointing", c.activation_checkpointing,
+               "blocks keep no activations after forward and recompute them in backward (less "
+               "memory, about one more forward of compute; sharded runs only)")
+      ->group("Processes");
 
   app.add_option("--layers", c.layers, "transformer blocks")->group("Model");
   app.add_option("--heads", c.heads, "attention heads per block")->group("Model");
@@ -273,6 +282,11 @@ void TrainConfig::validate() const {
   positive("batch", batch, "e.g. --batch 16");
   positive("vocab", vocab, "e.g. --vocab 256");
   positive("grad-accum", grad_accum, "1 = no accumulation");
+  FSDP_CHECK(std::isfinite(clip) && clip >= 0, "--clip is ", clip,
+             "; it must be a finite gradient norm >= 0 (e.g. --clip 1.0; 0 = no clipping)");
+  FSDP_CHECK(!(activation_checkpointing && no_shard),
+             "--activation-checkpointing applies to the sharded blocks, but --no-shard trains "
+             "the plain model; drop one of the two");
   positive("eval-batches", eval_batches, "e.g. --eval-batches 4");
   FSDP_CHECK(eval_every >= 0, "--eval-every is ", eval_every, "; use 0 (never) or a step count");
   FSDP_CHECK(keep_last >= 0, "--keep-last is ", keep_last, "; use 0 (keep all) or a count");
@@ -341,6 +355,7 @@ std::string TrainConfig::to_json() const {
   j["threads"] = threads;
   j["no-shard"] = no_shard;
   j["reshard-after-forward"] = reshard_after_forward;
+  j["activation-checkpointing"] = activation_checkpointing;
   j["layers"] = layers;
   j["heads"] = heads;
   j["width"] = width;
@@ -357,6 +372,7 @@ std::string TrainConfig::to_json() const {
   j["eps"] = eps;
   j["seed"] = seed;
   j["grad-accum"] = grad_accum;
+  j["clip"] = clip;
   j["data"] = data;
   j["data-order"] = data_order;
   j["val-fraction"] = val_fraction;
@@ -414,14 +430,27 @@ ParseResult parse_args(int argc, const char* const* argv) {
 const std::vector<std::string>& resumable_keys() {
   // World size, schedule end, evaluation, logging and outputs: none changes the model, the
   // optimizer state or the training stream (grad-accum splits the same batch differently).
-  static const std::vector<std::string> keys = {
-      "nproc",      "threads",      "reshard-after-forward",
-      "steps",      "min-lr-ratio", "grad-accum",
-      "eval-every", "eval-batches", "run-dir",
-      "log-every",  "quiet",        "sample-tokens",
-      "prompt",     "temperature",  "peak-tflops",
-      "save-every", "keep-last",    "resume",
-      "init-from",  "data"};
+  static const std::vector<std::string> keys = {"nproc",
+                                                "threads",
+                                                "reshard-after-forward",
+                                                "activation-checkpointing",
+                                                "steps",
+                                                "min-lr-ratio",
+                                                "grad-accum",
+                                                "eval-every",
+                                                "eval-batches",
+                                                "run-dir",
+                                                "log-every",
+                                                "quiet",
+                                                "sample-tokens",
+                                                "prompt",
+                                                "temperature",
+                                                "peak-tflops",
+                                                "save-every",
+                                                "keep-last",
+                                                "resume",
+                                                "init-from",
+                                                "data"};
   return keys;
 }
 

@@ -18,7 +18,8 @@ struct TrainConfig {
   int nproc = 2;          // local ranks started when no launcher variables are set
   int threads = 0;        // intra-op threads per rank; 0 = cores / local ranks (at least 1)
   bool no_shard = false;  // one process, plain LibTorch (the parity reference)
-  bool reshard_after_forward = true;  // blocks free gathered parameters after forward
+  bool reshard_after_forward = true;      // blocks free gathered parameters after forward
+  bool activation_checkpointing = false;  // blocks recompute their activations in backward
   // ---- model ----
   int64_t layers = 4;
   int64_t heads = 4;
@@ -37,7 +38,8 @@ struct TrainConfig {
   double eps = 1e-8;
   uint64_t seed = 1337;
   int64_t grad_accum =
-      1;  // micro-batches per optimizer step (batch / ranks / grad_accum rows each)
+      1;            // micro-batches per optimizer step (batch / ranks / grad_accum rows each)
+  double clip = 0;  // largest global gradient 2-norm before the step; 0 = no clipping
   // ---- data ----
   std::string data;                   // empty = the shipped corpus (data/corpus.txt)
   std::string data_order = "random";  // "random" or "sequential" (docs/trainer.md, Data order)

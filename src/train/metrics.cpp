@@ -30,6 +30,11 @@ std::string csv_line(const MetricsRow& r) {
     std::snprintf(buf, sizeof buf, "%.6g", r.mfu);
     s += buf;
   }
+  s += ",";
+  if (std::isfinite(r.grad_norm)) {
+    std::snprintf(buf, sizeof buf, "%.9g", r.grad_norm);
+    s += buf;
+  }
   return s + "\n";
 }
 
@@ -43,6 +48,7 @@ std::string json_line(const MetricsRow& r) {
   j["peak_rss_mb"] = r.peak_rss_mb;
   if (std::isfinite(r.val_loss)) j["val_loss"] = r.val_loss;
   if (std::isfinite(r.mfu)) j["mfu"] = r.mfu;
+  if (std::isfinite(r.grad_norm)) j["grad_norm"] = r.grad_norm;
   return j.dump() + "\n";
 }
 
@@ -111,10 +117,11 @@ std::vector<MetricsRow> read_metrics(const std::string& path) {
   FSDP_CHECK(in.good(), "metrics file '", path, "' cannot be opened (", std::strerror(errno), ")");
   std::string line;
   std::getline(in, line);
-  const bool v1 = line == kMetricsHeaderV1;
-  FSDP_CHECK(v1 || line == kMetricsHeader, "metrics file '", path, "' line 1 is '", line,
+  const bool v1 = line == kMetricsHeaderV1, v2 = line == kMetricsHeaderV2;
+  FSDP_CHECK(v1 || v2 || line == kMetricsHeader, "metrics file '", path, "' line 1 is '", line,
              "'; expected the header '", kMetricsHeader, "'");
-  const size_t columns = v1 ? 6 : 8;
+  const size_t columns = v1 ? 6 : v2 ? 8 : 9;
+  const char* header = v1 ? kMetricsHeaderV1 : v2 ? kMetricsHeaderV2 : kMetricsHeader;
   std::vector<MetricsRow> rows;
   for (int lineno = 2; std::getline(in, line); ++lineno) {
     if (line.empty()) continue;
@@ -127,7 +134,7 @@ std::vector<MetricsRow> read_metrics(const std::string& path) {
     for (size_t i = 0; ok && i < columns; ++i)
       ok = parse_field(fields[i], v[i]) && (i >= 6 || std::isfinite(v[i]) || fields[i] != "");
     FSDP_CHECK(ok, "metrics file '", path, "' line ", lineno, " ('", line, "') does not have the ",
-               columns, " columns ", v1 ? kMetricsHeaderV1 : kMetricsHeader);
+               columns, " columns ", header);
     MetricsRow r;
     r.step = static_cast<int64_t>(v[0]);
     r.loss = v[1];
@@ -139,6 +146,7 @@ std::vector<MetricsRow> read_metrics(const std::string& path) {
       r.val_loss = v[6];
       r.mfu = v[7];
     }
+    if (columns > 8) r.grad_norm = v[8];
     rows.push_back(r);
   }
   return rows;

@@ -1,11 +1,12 @@
 // Per-step metrics of fsdp-train and their files in the run directory:
-//   metrics.csv    step,loss,lr,tokens_per_s,step_time_s,peak_rss_mb,val_loss,mfu
+//   metrics.csv    step,loss,lr,tokens_per_s,step_time_s,peak_rss_mb,val_loss,mfu,grad_norm
 //   metrics.jsonl  one JSON object per step with the same keys (val_loss only where evaluated)
 // step counts optimizer steps taken (1 = after the first update); loss is the mean cross-entropy
 // over the global batch (the mean of the equal-sized rank means); tokens_per_s is global tokens
 // (batch * seq) per second of that step; peak_rss_mb is the largest peak resident set over ranks;
 // val_loss the validation loss after that step (empty when not evaluated); mfu the model FLOPs
-// utilisation of the step (docs/trainer.md, "Metrics").
+// utilisation of the step (docs/trainer.md, "Metrics"); grad_norm the global gradient 2-norm
+// before clipping (empty without --clip).
 // Thread-safety: a MetricsWriter is used by one thread.
 #pragma once
 
@@ -24,11 +25,15 @@ struct MetricsRow {
   double tokens_per_s = 0;
   double step_time_s = 0;
   double peak_rss_mb = 0;
-  double val_loss = NAN;  // NaN: not evaluated at this step
-  double mfu = NAN;       // fraction of the peak FLOP/s; NaN: unknown
+  double val_loss = NAN;   // NaN: not evaluated at this step
+  double mfu = NAN;        // fraction of the peak FLOP/s; NaN: unknown
+  double grad_norm = NAN;  // global gradient 2-norm before clipping (--clip); NaN: not clipped
 };
 
 inline constexpr const char* kMetricsHeader =
+    "step,loss,lr,tokens_per_s,step_time_s,peak_rss_mb,val_loss,mfu,grad_norm";
+// The header of files written before grad_norm existed (still readable).
+inline constexpr const char* kMetricsHeaderV2 =
     "step,loss,lr,tokens_per_s,step_time_s,peak_rss_mb,val_loss,mfu";
 // The header of files written before val_loss and mfu existed (still readable).
 inline constexpr const char* kMetricsHeaderV1 = "step,loss,lr,tokens_per_s,step_time_s,peak_rss_mb";

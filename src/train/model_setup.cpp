@@ -22,6 +22,7 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
   if (comm) {
     ShardOptions block_options;
     block_options.reshard_after_forward = cfg.reshard_after_forward;
+    block_options.activation_checkpointing = cfg.activation_checkpointing;
     m->root = models::shard_gpt(m->gpt, comm, block_options, ShardOptions{});
     for (const ShardInfo& s : m->root.shards()) {
       int64_t numel = 1;

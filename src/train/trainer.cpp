@@ -225,6 +225,7 @@ class Trainer {
       MetricsRow row{s + 1, global_loss_, lr, 0, seconds_since(t0), max_rss()};
       row.tokens_per_s = static_cast<double>(cfg_.batch * cfg_.seq) / row.step_time_s;
       row.mfu = row.tokens_per_s * flops_per_token_ / (world_ * summary_.peak_tflops * 1e12);
+      row.grad_norm = grad_norm_;
       const bool last = s + 1 == cfg_.steps || stop;
       if (val_stream_ && cfg_.eval_every > 0 && ((s + 1) % cfg_.eval_every == 0 || last))
         row.val_loss = evaluate(s + 1);
@@ -261,10 +262,17 @@ class Trainer {
             (loss / static_cast<double>(cfg_.grad_accum)).backward();
             loss_sum += loss.item<double>();
           }
+          if (cfg_.clip > 0) grad_norm_ = clip_gradients();
           opt_->step();
           clear_grads(*opt_);
         });
     return loss_sum / static_cast<double>(cfg_.grad_accum);
+  }
+
+  // --clip: the global gradient 2-norm before clipping (every rank gets the same value).
+  double clip_gradients() {
+    if (model_->sharded()) return fsdp::clip_grad_norm_(model_->root, cfg_.clip);
+    return torch::nn::utils::clip_grad_norm_(model_->gpt->parameters(), cfg_.clip);
   }
 
   // Per step: [sum of rank losses, ranks asking to stop, peak RSS of rank r at 2 + r].
@@ -414,6 +422,7 @@ class Trainer {
   std::unique_ptr<torch::optim::AdamW> opt_;
   std::unique_ptr<DataStream> train_stream_, val_stream_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0
+  double grad_norm_ = NAN;                  // of the last step, before clipping (--clip)
   std::unique_ptr<Progress> progress_;      // rank 0
   std::vector<int64_t> x_host_, y_host_;
   int64_t start_step_ = 0;

@@ -27,4 +27,9 @@ bool reset_peak_rss() {
 
 void trim() { ::malloc_trim(0); }
 
+double heap_in_use_mb() {
+  const struct mallinfo2 m = ::mallinfo2();
+  return static_cast<double>(m.uordblks + m.hblkhd) / (1024.0 * 1024.0);
+}
+
 }  // namespace fsdp::memory
