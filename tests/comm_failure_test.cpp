@@ -14,9 +14,12 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/address.h"
 #include "comm/failure.h"
+#include "comm/mesh_connect.h"
+#include "comm/rendezvous_keys.h"
 #include "harness.h"
 
 namespace fsdp::testing {
@@ -100,6 +103,28 @@ TEST(CommFailureText, RealTimeoutSaysSoAndWhatToCheck) {
   EXPECT_TRUE(contains(m, "FSDP_TIMEOUT_S")) << m;
 }
 
+TEST(CommFailureText, UnconnectedRanksAreNamedWithTheirProcess) {
+  RendezvousInfo info;
+  info.rank = 0;
+  info.world_size = 3;
+  auto m = detail::mesh_connect_error(info, 5000ms, three_peers("other"), {2},
+                                      "Wait timeout for key(s): [0/2]\nmore");
+  EXPECT_TRUE(contains(m,
+                       "rendezvous failed for rank 0 of 3 within 5 s (connecting to its peers): "
+                       "rank 2 did not connect: it reached the store but never published"))
+      << m;
+  EXPECT_TRUE(contains(m, "(Wait timeout for key(s): [0/2])")) << m;
+  EXPECT_TRUE(contains(m, "rank 2 is pid 102 on other")) << m;
+  EXPECT_FALSE(contains(m, "more")) << m;
+  m = detail::mesh_connect_error(info, 5000ms, three_peers("other"), {1, 2}, "deadline");
+  EXPECT_TRUE(contains(m, "ranks 1, 2 did not connect: they reached")) << m;
+  // Every rank published: the addresses are the suspects.
+  m = detail::mesh_connect_error(info, 5000ms, three_peers("other"), {}, "Connect timeout [x]");
+  EXPECT_TRUE(contains(m, "Connect timeout [x]. Every rank reached the store")) << m;
+  EXPECT_TRUE(contains(m, "rank 2 10.1.0.2 (other)")) << m;
+  EXPECT_TRUE(contains(m, "FSDP_SOCKET_IFNAME")) << m;
+}
+
 // ---- real ranks ----
 // Rank 1 dies right after the rendezvous while rank 0 moves 4 MB: rank 0 gets a CommError at once
 // (not after the 30 s limit) naming rank 1 as exited, and is not killed by SIGPIPE.
@@ -162,6 +187,76 @@ TEST(CommFailureTest, DeadPeerIsNamedAtOnceAndSigpipeCannotKill) {
   EXPECT_EQ(res.exit_codes[1], 3) << res.output[1];
   EXPECT_EQ(res.exit_codes[0], 0) << "rank 0 (128+13 = SIGPIPE):\n" << res.output[0];
   EXPECT_TRUE(contains(res.output[0], "rank 0 saw:")) << res.output[0];
+}
+
+// A rank that never starts: every rank that did names it (on the store: which ranks arrived),
+// within the timeout + 5 s.
+TEST(CommFailureTest, RendezvousNamesTheRankThatNeverStarted) {
+  RunOptions opt;
+  opt.collective_timeout_s = 2;
+  run_ranks(
+      3,
+      [](Rank& r) {
+        if (r.rank == 1) return;  // never calls init_process_group
+        auto start = Clock::now();
+        try {
+          r.world();
+          ADD_FAILURE() << "rendezvous succeeded without rank 1";
+        } catch (const CommError& e) {
+          const std::string m = e.what();
+          // Rank 0 serves the store; rank 2 may find it gone when rank 0 gave up first.
+          EXPECT_TRUE(contains(m, "only 2 of 3 ranks joined (missing rank 1)") ||
+                      (r.rank == 2 && contains(m, "lost the store (") &&
+                       contains(m, "rank 0, which serves it, gave up or died")))
+              << m;
+        }
+        EXPECT_LT(seconds_since(start), 2 + 5);
+      },
+      opt);
+}
+
+// A peer that joins the rendezvous (store, addresses) and then stalls before building the process
+// group: the others' connect stage ends by the deadline, naming it and its process, within the
+// timeout + 5 s (before: Gloo's own waits, one timeout per stage). Rank 2 imitates such a peer
+// with the rendezvous's own keys and then sleeps past the others' deadline.
+TEST(CommFailureTest, PeerThatStallsBeforeConnectingIsNamed) {
+  RunOptions opt;
+  opt.collective_timeout_s = 3;
+  run_ranks(
+      3,
+      [](Rank& r) {
+        if (r.rank == 2) {
+          c10d::TCPStoreOptions o;
+          o.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
+          o.isServer = false;
+          o.waitWorkers = false;
+          o.timeout = 10s;
+          c10d::TCPStore store(std::getenv("MASTER_ADDR"), o);
+          store.set(detail::arrived_key(2), std::vector<uint8_t>{1});
+          store.add(detail::joined_key(), 1);
+          const std::string me = detail::cat(detail::this_host(), "\n127.0.0.1\n", ::getpid());
+          store.set(detail::peer_key(2), std::vector<uint8_t>(me.begin(), me.end()));
+          std::this_thread::sleep_for(6s);  // stalled; rank 0's store outlives its error
+          return;
+        }
+        auto start = Clock::now();
+        try {
+          r.world();
+          ADD_FAILURE() << "rendezvous succeeded without rank 2 connecting";
+        } catch (const CommError& e) {
+          const std::string m = e.what();
+          EXPECT_TRUE(contains(m, detail::cat("rendezvous failed for rank ", r.rank,
+                                              " of 3 within 3 s (connecting to its peers): rank 2 "
+                                              "did not connect")))
+              << m;
+          EXPECT_TRUE(contains(m, detail::cat("rank 2 is pid "))) << m;
+          EXPECT_TRUE(contains(m, "not stopped or stuck before init_process_group")) << m;
+        }
+        const double s = seconds_since(start);
+        EXPECT_GT(s, 2.5);  // it waited for the peer
+        EXPECT_LT(s, 3 + 5);
+      },
+      opt);
 }
 
 std::atomic<int> g_flag_signal{0};

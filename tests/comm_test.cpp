@@ -6,6 +6,7 @@
 #include <fsdp/error.h>
 #include <fsdp/init.h>
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <chrono>
 #include <string>
@@ -129,7 +130,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSize, CollectivesTest, ::testing::Values(1, 2, 3, 
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
 // fp32/fp64 reduce-scatter runs as a pipelined ring at two ranks (src/comm/ring_reduce_scatter.h);
-// from three on as alltoall + a rank-ordered sum, the reference here for the same cases. Blocks of
+// from three on as a pipelined exchange summed in rank order: exact here in either case. Blocks of
 // 70001 elements travel in 4 pieces per step (0.28 MB fp32, 0.56 MB fp64), the last one short. Two
 // reduce-scatters are in flight at once (one with a caller's scratch buffer), and the sums must be
 // exact and land on the right rank.
@@ -167,6 +168,72 @@ TEST_P(RingReduceScatterTest, PipelinedRingSumsExactlyInEveryPiece) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSize, RingReduceScatterTest, ::testing::Values(2, 3, 4),
+                         [](const auto& info) { return "ws" + std::to_string(info.param); });
+
+// Values whose sum depends on the order of addition: normal draws scaled over 2^-20..2^20, with
+// signed zeros among them.
+at::Tensor order_sensitive_values(int64_t n, uint64_t seed, at::ScalarType t) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  auto x = at::randn({n}, gen, at::TensorOptions(at::kDouble));
+  auto scale = at::pow(2.0, at::randint(-20, 21, {n}, gen, at::TensorOptions(at::kDouble)));
+  x.mul_(scale);
+  if (n > 8) x.narrow(0, 0, n / 8).zero_().neg_();  // -0.0
+  return x.to(t);
+}
+
+// From three ranks on, reduce-scatter exchanges chunks point to point and sums each chunk in rank
+// order as it arrives (src/comm/ring_reduce_scatter.h): bitwise the plain alltoall + sum's result
+// (FSDP_REDUCE_SCATTER=alltoall) for every dtype, both ops and sizes from one element to many
+// chunks of several pieces (the last one short). The reverse-order check shows the data would
+// expose a different summation order.
+class RankOrderReduceScatterTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RankOrderReduceScatterTest, BitwiseEqualToAlltoallThenSum) {
+  run_ranks(GetParam(), [](Rank& r) {
+    auto c = r.world();
+    const int ws = c->size();
+    bool order_visible = false;
+    for (at::ScalarType t : kDtypes) {
+      for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1031}, int64_t{70001}, int64_t{600000}}) {
+        std::vector<at::Tensor> blocks;
+        at::Tensor mine;
+        for (int q = 0; q < ws; ++q) {
+          auto in = order_sensitive_values(ws * n, seed_of(20, t, q, n), t);
+          if (q == c->rank()) mine = in;
+          blocks.push_back(in.narrow(0, c->rank() * n, n));
+        }
+        for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+          auto plain = at::empty({n}, at::TensorOptions(t));
+          auto piped = at::empty({n}, at::TensorOptions(t));
+          ::setenv("FSDP_REDUCE_SCATTER", "alltoall", 1);
+          c->reduce_scatter(plain, mine, op).wait();
+          ::setenv("FSDP_REDUCE_SCATTER", "rank-order", 1);
+          c->reduce_scatter(piped, mine, op).wait();
+          ::unsetenv("FSDP_REDUCE_SCATTER");
+          EXPECT_TRUE(bit_equal(piped, plain))
+              << describe("rank-order", t, n, ws) << " op " << static_cast<int>(op);
+        }
+        if (t == at::kFloat && n >= 1031) {
+          auto forward = at::stack(blocks).sum(0);
+          std::vector<at::Tensor> reversed(blocks.rbegin(), blocks.rend());
+          order_visible |= !bit_equal(at::stack(reversed).sum(0), forward);
+        }
+      }
+    }
+    EXPECT_TRUE(order_visible) << "the data cannot tell summation orders apart";
+    // The default at this world size is the rank-order exchange, and the ring is refused.
+    auto in = at::ones({ws * 4}), out = at::empty({4});
+    ::setenv("FSDP_REDUCE_SCATTER", "ring", 1);
+    expect_error([&] { c->reduce_scatter(out, in, ReduceOp::kSum); },
+                 {"FSDP_REDUCE_SCATTER=ring needs"});
+    ::setenv("FSDP_REDUCE_SCATTER", "fast", 1);
+    expect_error([&] { c->reduce_scatter(out, in, ReduceOp::kSum); },
+                 {"FSDP_REDUCE_SCATTER='fast' is not one of"});
+    ::unsetenv("FSDP_REDUCE_SCATTER");
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSize, RankOrderReduceScatterTest, ::testing::Values(3, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
 TEST(CommTest, CollectivesRunWhileComputeRuns) {

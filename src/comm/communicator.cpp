@@ -260,9 +260,16 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
   } else {
     received = at::empty_like(input.view({-1}));
   }
-  if (detail::RingReduceScatter::supports(input, ws)) {  // sums overlap the transfer
+  using Algorithm = detail::RingReduceScatter::Algorithm;
+  if (const auto algorithm = detail::RingReduceScatter::choose(input, ws)) {
+    // Point-to-point, pipelined: the sums overlap the transfer.
     if (!ring_) ring_ = std::make_unique<detail::RingReduceScatter>(pg_);
     stats_->bytes_sent += nbytes(output) * (ws - 1);
+    if (*algorithm == Algorithm::kRankOrder) {
+      return make_work({ring_->run_rank_order(output.view({-1}), input.view({-1}), received,
+                                              op == ReduceOp::kAvg, timeout_)},
+                       "reduce_scatter", nbytes(input), nullptr);
+    }
     return make_work({ring_->run(output.view({-1}), input.view({-1}), received, timeout_)},
                      "reduce_scatter", nbytes(input), [output, op, ws] {
                        if (op == ReduceOp::kAvg) output.div_(ws);

@@ -13,6 +13,8 @@
 #include "address.h"
 #include "compat.h"
 #include "failure.h"
+#include "mesh_connect.h"
+#include "rendezvous_keys.h"
 #include "signals.h"
 
 namespace fsdp {
@@ -43,25 +45,37 @@ std::string rendezvous_error(const RendezvousInfo& info, std::chrono::millisecon
 }
 
 // Every rank checks in on the store and waits until all have, so a missing rank is reported as
-// such on every rank that did join, after `timeout`, before any process group is built.
+// such (by number) on every rank that did join, after `timeout`, before any process group is built.
 void wait_for_all(c10d::Store& store, const RendezvousInfo& info, std::chrono::milliseconds timeout,
                   std::chrono::steady_clock::time_point deadline) {
-  const std::string key = "fsdp/rendezvous/joined";
   try {
-    int64_t joined = store.add(key, 1);
+    store.set(detail::arrived_key(info.rank), std::vector<uint8_t>{1});
+    int64_t joined = store.add(detail::joined_key(), 1);
     while (joined < info.world_size) {
       if (std::chrono::steady_clock::now() >= deadline) {
+        const auto missing = detail::ranks_without_key(store, info.world_size, detail::arrived_key);
+        std::string names;
+        for (int r : missing) names += detail::cat(names.empty() ? "" : ", ", r);
         throw CommError(rendezvous_error(
             info, timeout, "waiting for the other ranks",
-            detail::cat("only ", joined, " of ", info.world_size, " ranks joined")));
+            detail::cat("only ", joined, " of ", info.world_size, " ranks joined (missing ",
+                        missing.size() == 1 ? "rank " : "ranks ", names, ")")));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      joined = store.add(key, 0);
+      joined = store.add(detail::joined_key(), 0);
     }
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw CommError(rendezvous_error(info, timeout, "waiting for the other ranks", e.what()));
+    std::string what = e.what();
+    what = what.substr(0, what.find('\n'));
+    // Rank 0 serves the store: when it gives up first (its deadline passed, naming the missing
+    // ranks) or dies, the others see only a broken connection.
+    if (info.rank != 0 && !info.agent_store)
+      what =
+          detail::cat("lost the store (", what,
+                      "): rank 0, which serves it, gave up or died; its message names the cause");
+    throw CommError(rendezvous_error(info, timeout, "waiting for the other ranks", what));
   }
 }
 
@@ -70,7 +84,7 @@ void wait_for_all(c10d::Store& store, const RendezvousInfo& info, std::chrono::m
 std::vector<PeerInfo> exchange_peers(c10d::Store& store, const RendezvousInfo& info,
                                      const std::string& address, std::chrono::milliseconds timeout,
                                      std::chrono::steady_clock::time_point deadline) {
-  auto key = [](int r) { return detail::cat("fsdp/rendezvous/peer/", r); };
+  const auto& key = detail::peer_key;
   const std::string mine = detail::cat(detail::this_host(), "\n", address, "\n", ::getpid());
   std::vector<PeerInfo> peers(info.world_size);
   try {
@@ -93,24 +107,6 @@ std::vector<PeerInfo> exchange_peers(c10d::Store& store, const RendezvousInfo& i
     throw CommError(rendezvous_error(info, timeout, "exchanging the ranks' addresses", e.what()));
   }
   return peers;
-}
-
-// The process group could not connect although every rank reached the store: the advertised
-// addresses are the suspects, not MASTER_ADDR.
-std::string peer_connect_error(const RendezvousInfo& info, std::chrono::milliseconds timeout,
-                               const std::vector<PeerInfo>& peers, std::string what) {
-  what = what.substr(0, what.find('\n'));
-  std::string addrs;
-  for (const auto& p : peers)
-    addrs +=
-        detail::cat(addrs.empty() ? "" : ", ", "rank ", p.rank, " ", p.address, " (", p.host, ")");
-  return detail::cat(
-      "rendezvous failed for rank ", info.rank, " of ", info.world_size, " within ",
-      timeout.count() / 1000.0, " s (connecting to its peers): ", what,
-      ". Every rank reached the store at ", info.master_addr, ":", info.master_port,
-      ", but not each other: check that each advertised address is reachable from the other hosts "
-      "(",
-      addrs, "); choose the interface with FSDP_SOCKET_IFNAME and let no firewall block the ports");
 }
 
 }  // namespace
@@ -211,15 +207,7 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
     peers = exchange_peers(*store, info, bind_host, timeout, deadline);
   }
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp", store);
-  c10::intrusive_ptr<c10d::ProcessGroup> pg;
-  try {
-    pg = compat::make_process_group(prefixed, info.rank, info.world_size, timeout, backend,
-                                    bind_host);
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    throw CommError(peer_connect_error(info, timeout, peers, e.what()));
-  }
+  auto pg = detail::connect_mesh(prefixed, info, timeout, deadline, backend, bind_host, peers);
   auto comm = std::make_shared<Communicator>(pg, prefixed, backend, timeout, "world", bind_host);
   comm->set_peers(std::move(peers));
   return comm;

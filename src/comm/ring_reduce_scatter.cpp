@@ -4,6 +4,8 @@
 #include <fsdp/error.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
@@ -52,6 +54,8 @@ struct RingReduceScatter::Job {
   std::chrono::milliseconds timeout;
   int tag_base = 0;
   c10::intrusive_ptr<RingWork> work;
+  Algorithm algorithm = Algorithm::kRing;
+  bool average = false;  // kRankOrder: divide by the world size as the alltoall path does
 };
 
 RingReduceScatter::RingReduceScatter(c10::intrusive_ptr<c10d::ProcessGroup> pg)
@@ -71,6 +75,27 @@ bool RingReduceScatter::supports(const at::Tensor& input, int world) {
          (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble);
 }
 
+std::optional<RingReduceScatter::Algorithm> RingReduceScatter::choose(const at::Tensor& input,
+                                                                      int world) {
+  if (!input.is_cpu() || world < 2) return std::nullopt;
+  const char* env = std::getenv("FSDP_REDUCE_SCATTER");
+  const std::string choice = env && *env ? env : "auto";
+  if (choice == "alltoall") return std::nullopt;
+  if (choice == "rank-order") return Algorithm::kRankOrder;
+  if (choice == "ring") {
+    FSDP_CHECK(supports(input, world),
+               "FSDP_REDUCE_SCATTER=ring needs fp32 or fp64 tensors on two "
+               "ranks (here ",
+               input.scalar_type(), " on ", world,
+               " ranks); unset it or use rank-order or alltoall");
+    return Algorithm::kRing;
+  }
+  FSDP_CHECK(choice == "auto", "FSDP_REDUCE_SCATTER='", choice,
+             "' is not one of auto, rank-order, ring, alltoall");
+  if (supports(input, world)) return Algorithm::kRing;
+  return Algorithm::kRankOrder;
+}
+
 c10::intrusive_ptr<c10d::Work> RingReduceScatter::run(const at::Tensor& output,
                                                       const at::Tensor& input,
                                                       const at::Tensor& scratch,
@@ -81,6 +106,24 @@ c10::intrusive_ptr<c10d::Work> RingReduceScatter::run(const at::Tensor& output,
   Job job{output, input, scratch, timeout, 0, c10::make_intrusive<RingWork>()};
   if (!job.scratch.defined() || job.scratch.numel() < (ws - 2) * n)
     job.scratch = at::empty({std::max<int64_t>(ws - 2, 0) * n}, input.options());
+  return enqueue(std::move(job));
+}
+
+c10::intrusive_ptr<c10d::Work> RingReduceScatter::run_rank_order(
+    const at::Tensor& output, const at::Tensor& input, const at::Tensor& scratch, bool average,
+    std::chrono::milliseconds timeout) {
+  const int64_t ws = pg_->getSize(), n = output.numel();
+  FSDP_CHECK(input.numel() == ws * n, "rank-order reduce_scatter: input has ", input.numel(),
+             " elements, expected ", ws * n);
+  Job job{output, input, scratch, timeout, 0, c10::make_intrusive<RingWork>()};
+  job.algorithm = Algorithm::kRankOrder;
+  job.average = average;
+  if (!job.scratch.defined() || job.scratch.numel() < ws * n)
+    job.scratch = at::empty({ws * n}, input.options());
+  return enqueue(std::move(job));
+}
+
+c10::intrusive_ptr<c10d::Work> RingReduceScatter::enqueue(Job job) {
   job.tag_base = static_cast<int>(rings_++ % kRingTagSpace) * kTagsPerRing;
   auto work = job.work;
   {
@@ -93,6 +136,8 @@ c10::intrusive_ptr<c10d::Work> RingReduceScatter::run(const at::Tensor& output,
 }
 
 void RingReduceScatter::worker_loop() {
+  // The rank-order sums use ATen ops here; ATen's parallel_for gives this thread the program's
+  // intra-op thread count on first use, as the alltoall path's sum has on the waiting thread.
   for (;;) {
     Job job;
     {
@@ -108,7 +153,11 @@ void RingReduceScatter::worker_loop() {
       }
     }
     try {
-      reduce(job);
+      if (job.algorithm == Algorithm::kRing) {
+        reduce(job);
+      } else {
+        reduce_rank_order(job);
+      }
       job.work->complete(nullptr);
     } catch (...) {
       job.work->complete(std::current_exception());
@@ -164,6 +213,56 @@ void RingReduceScatter::reduce(Job& job) {
         sends.push_back(pg_->send(t, right, tag(s + 1, k)));
       }
     }
+  }
+  for (auto& w : sends) wait(w);
+}
+
+void RingReduceScatter::reduce_rank_order(Job& job) {
+  const int ws = pg_->getSize(), r = pg_->getRank();
+  const int64_t n = job.output.numel();
+  if (n == 0) return;
+  // Chunks as the ring's pieces: at most kMaxPieceBytes of each block, at least kMinPiecesPerStep
+  // of at least kMinPieceBytes, within the tag space.
+  const int64_t block_bytes = n * job.input.element_size();
+  const int64_t wanted = std::max((block_bytes + kMaxPieceBytes - 1) / kMaxPieceBytes,
+                                  std::min(kMinPiecesPerStep, block_bytes / kMinPieceBytes));
+  const int64_t count = std::clamp<int64_t>(wanted, 1, kTagsPerRing);
+  const int64_t chunk = (n + count - 1) / count;
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  auto cols = [&](int64_t k) { return std::make_pair(k * chunk, std::min(chunk, n - k * chunk)); };
+  const at::Tensor blocks = job.scratch.narrow(0, 0, ws * n).view({ws, n});  // (N, n), row j from j
+  auto piece = [&](const at::Tensor& flat_block, int64_t k) {
+    const auto [off, len] = cols(k);
+    return flat_block.narrow(0, off, len);
+  };
+  auto wait = [&](const c10::intrusive_ptr<c10d::Work>& w) { w->wait(job.timeout); };
+
+  // recvs[k * ws + j]: chunk k of the block from rank j. Sends go to r+1, r+2, ... so that every
+  // rank does not start with the same peer.
+  std::vector<c10::intrusive_ptr<c10d::Work>> recvs(chunks * ws), sends;
+  for (int64_t k = 0; k < chunks; ++k) {
+    for (int j = 0; j < ws; ++j) {
+      if (j == r) continue;
+      std::vector<at::Tensor> t{piece(blocks[j], k)};
+      recvs[k * ws + j] = pg_->recv(t, j, job.tag_base + static_cast<int>(k));
+    }
+    for (int i = 1; i < ws; ++i) {
+      const int j = (r + i) % ws;
+      std::vector<at::Tensor> t{piece(job.input.narrow(0, j * n, n), k)};
+      sends.push_back(pg_->send(t, j, job.tag_base + static_cast<int>(k)));
+    }
+  }
+  const bool low = job.input.scalar_type() == at::kHalf || job.input.scalar_type() == at::kBFloat16;
+  for (int64_t k = 0; k < chunks; ++k) {
+    const auto [off, len] = cols(k);
+    piece(blocks[r], k).copy_(piece(job.input.narrow(0, r * n, n), k));
+    for (int j = 0; j < ws; ++j)
+      if (j != r) wait(recvs[k * ws + j]);
+    // The alltoall path's finish, on these columns: (N, len) summed over the ranks in order.
+    const at::Tensor b = blocks.narrow(1, off, len);
+    at::Tensor sum = low ? b.to(at::kFloat).sum(0) : b.sum(0);
+    if (job.average) sum.div_(ws);
+    job.output.narrow(0, off, len).copy_(sum);
   }
   for (auto& w : sends) wait(w);
 }

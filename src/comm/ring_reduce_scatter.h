@@ -1,5 +1,8 @@
-// Reduce-scatter as a pipelined ring over the process group's point-to-point send/recv.
+// Reduce-scatter over the process group's point-to-point send/recv, pipelined so that the sums
+// overlap the transfer: a ring (two ranks), or a chunked exchange summed in rank order (three ranks
+// and more; bitwise equal to the alltoall + sum).
 //
+// The ring (Algorithm::kRing):
 // Rank r sends to r+1 and receives from r-1. In step s (0 .. N-2) it forwards the partial sum of
 // block (r-1-s) and receives the partial sum of block (r-2-s), to which it adds its own input; the
 // last step delivers block r, summed over all ranks, straight into the output. Each step's block
@@ -7,6 +10,13 @@
 // as it arrives, so the sums overlap the transfer of the following pieces instead of following the
 // whole exchange (alltoall + sum, docs/bench_comm.md). Same bytes on the wire as the alltoall:
 // (N-1)/N of the input per rank.
+//
+// The rank-order exchange (Algorithm::kRankOrder): each rank's block for rank j travels to j in
+// chunks (every send and receive posted up front); once chunk k has arrived from every rank it is
+// summed over the ranks in rank order 0..N-1, with the very ATen operations of the alltoall path
+// (sum over the rank dimension, fp32 accumulation for fp16/bf16, the average's division, the cast
+// back), column by column the same arithmetic: so its results are bitwise those of alltoall + sum,
+// while chunk k+1 is still on the wire. Same bytes on the wire as the alltoall.
 //
 // One worker thread per RingReduceScatter runs the rings in the order they were issued, so every
 // rank posts the same point-to-point operations in the same order (tags are unique per ring).
@@ -21,6 +31,7 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 namespace c10d {
@@ -54,6 +65,16 @@ class RingReduceScatter {
   // two ranks only.
   static bool supports(const at::Tensor& input, int world);
 
+  enum class Algorithm {
+    kRing,       // the pipelined ring: fp32/fp64 at two ranks (supports())
+    kRankOrder,  // the chunked exchange summed in rank order: any CPU dtype, any world size
+  };
+  // The algorithm the communicator uses for `input` on `world` (>= 2) ranks; nullopt: none (the
+  // plain alltoall + sum at wait). FSDP_REDUCE_SCATTER chooses instead of the default ("auto": the
+  // ring where supports(), else rank order): "rank-order", "ring" (an error where unsupported) or
+  // "alltoall"; read at every call (tests and fsdp-bench compare the paths in one process).
+  static std::optional<Algorithm> choose(const at::Tensor& input, int world);
+
   // REQUIRES: CPU fp32/fp64 tensors; output (n), input (N*n) and scratch (at least (N-2)*n, or
   // undefined: allocated) flat, contiguous, one dtype. output = sum over ranks of block `rank` of
   // each rank's input. The inputs must stay alive and unchanged until the Work completes. Every
@@ -61,10 +82,20 @@ class RingReduceScatter {
   c10::intrusive_ptr<c10d::Work> run(const at::Tensor& output, const at::Tensor& input,
                                      const at::Tensor& scratch, std::chrono::milliseconds timeout);
 
+  // REQUIRES: CPU tensors of one dtype, output (n), input (N*n) and scratch (N*n, or undefined:
+  // allocated) flat and contiguous. output = (sum over ranks r = 0..N-1 of block `rank` of rank
+  // r's input) [/ N when `average`], computed as Communicator's alltoall path computes it. Lifetime
+  // and timeout as run().
+  c10::intrusive_ptr<c10d::Work> run_rank_order(const at::Tensor& output, const at::Tensor& input,
+                                                const at::Tensor& scratch, bool average,
+                                                std::chrono::milliseconds timeout);
+
  private:
   struct Job;
   void worker_loop();
+  c10::intrusive_ptr<c10d::Work> enqueue(Job job);
   void reduce(Job& job);
+  void reduce_rank_order(Job& job);
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   uint32_t rings_ = 0;  // rings issued: the tag space of the next one

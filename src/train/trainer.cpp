@@ -60,12 +60,14 @@ bool is_allocation_failure(const char* what) {
          m.find("std::bad_alloc") != std::string::npos;
 }
 
-// Runs f; an allocation failure becomes an fsdp::Error naming `what` and the settings behind it.
+// Runs f; an allocation failure becomes an fsdp::Error naming `what` and the settings behind it
+// (and `or_else`, another way out, when not empty).
 template <class F>
-void naming_allocation_failure(const std::string& what, const std::string& settings, F&& f) {
+void naming_allocation_failure(const std::string& what, const std::string& settings, F&& f,
+                               const std::string& or_else = "") {
   auto fail = [&](const char* detail) {
     throw Error(detail::cat(what, " ran out of memory (", detail, "); its size comes from ",
-                            settings, ": lower them"));
+                            settings, ": lower them", or_else.empty() ? "" : ", or ", or_else));
   };
   try {
     f();
@@ -296,12 +298,21 @@ class Trainer {
     const int64_t micro = cfg_.micro_batch(world_);
     const int64_t row0 = rank_ * (cfg_.batch / world_);
     double sum = 0;
-    for (int64_t b = 0; b < cfg_.eval_batches; ++b)
-      for (int64_t k = 0; k < cfg_.grad_accum; ++k) {
-        const int64_t begin = row0 + k * micro;
-        val_stream_->fill(b, begin, begin + micro, x_host_, y_host_);
-        sum += model_->gpt(tensor_of(x_host_, micro), tensor_of(y_host_, micro)).item<double>();
-      }
+    naming_allocation_failure(
+        "the evaluation",
+        detail::cat("--batch ", cfg_.batch, " / ", world_, " ranks / --grad-accum ",
+                    cfg_.grad_accum, " = ", micro, " rows x --seq ", cfg_.seq, " x --width ",
+                    cfg_.width, " x --layers ", cfg_.layers),
+        [&] {
+          for (int64_t b = 0; b < cfg_.eval_batches; ++b)
+            for (int64_t k = 0; k < cfg_.grad_accum; ++k) {
+              const int64_t begin = row0 + k * micro;
+              val_stream_->fill(b, begin, begin + micro, x_host_, y_host_);
+              sum +=
+                  model_->gpt(tensor_of(x_host_, micro), tensor_of(y_host_, micro)).item<double>();
+            }
+        },
+        "skip the evaluation (--eval-every 0)");
     auto t = torch::tensor({sum}, torch::kDouble);
     if (comm_) comm_->all_reduce(t, ReduceOp::kSum).wait();
     const double val =
@@ -381,13 +392,21 @@ class Trainer {
     so.temperature = cfg_.temperature;
     so.seed = cfg_.seed;
     so.context = cfg_.seq;
-    summary_.sample = generate_text(cfg_.prompt, so, [&](const std::vector<int64_t>& ctx) {
-      const auto idx = torch::tensor(ctx, torch::kInt64).view({1, -1});
-      const auto logits =
-          model_->gpt(idx).select(0, 0).select(0, -1).to(torch::kFloat).contiguous();
-      const float* p = logits.data_ptr<float>();
-      return std::vector<float>(p, p + logits.numel());
-    });
+    // One row of up to --seq tokens: its attention scores (--heads x seq x seq) dominate.
+    naming_allocation_failure(
+        "the closing sample",
+        detail::cat("1 row x --seq ", cfg_.seq, " (the context) x --heads ", cfg_.heads,
+                    " x --width ", cfg_.width, " x --layers ", cfg_.layers),
+        [&] {
+          summary_.sample = generate_text(cfg_.prompt, so, [&](const std::vector<int64_t>& ctx) {
+            const auto idx = torch::tensor(ctx, torch::kInt64).view({1, -1});
+            const auto logits =
+                model_->gpt(idx).select(0, 0).select(0, -1).to(torch::kFloat).contiguous();
+            const float* p = logits.data_ptr<float>();
+            return std::vector<float>(p, p + logits.numel());
+          });
+        },
+        "generate no sample (--sample-tokens 0)");
   }
 
   void write_plot() {
