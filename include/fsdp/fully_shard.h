@@ -82,6 +82,13 @@ void visit_output_tensors(T& v, F& f) {
   }
 }
 
+// The tensors in `v` (visit_output_tensors' rules), in order.
+template <class T>
+void collect_output_tensors(const T& v, std::vector<at::Tensor>& out) {
+  auto push = [&](const at::Tensor& t) { out.push_back(t); };
+  visit_output_tensors(v, push);
+}
+
 // The forward interception, one object per call of a sharded module.
 class ForwardScope {
  public:

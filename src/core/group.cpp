@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include "core/backward_pass.h"
+#include "core/buffers.h"
 #include "core/context.h"
 #include "core/guard.h"
 
@@ -270,6 +271,8 @@ void Group::pre_forward() {
   transition(TrainingState::kForward,
              {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
   context_->on_pre_forward(this);
+  if (is_root() && options_.broadcast_buffers && state_before_forward_ == TrainingState::kIdle)
+    broadcast_buffers_to_all();
   // Gathered values older than the shards (an optimizer step since the gather, e.g. after an
   // evaluation forward that kept the root gathered) are dropped and gathered again. Every rank
   // steps the same shards, so every rank takes the same decision.
@@ -335,6 +338,13 @@ at::Tensor Group::wrap_input(const at::Tensor& input) {
   torch::autograd::impl::set_gradient_edge(y, {node, 0});
   input_nodes_.push_back(node);
   return y;
+}
+
+void Group::broadcast_buffers_to_all() {
+  // DDP's broadcast_buffers: rank 0's buffers (e.g. BatchNorm running statistics) on every rank,
+  // before each forward of the root. Under HSDP, within the replica, then across replicas.
+  broadcast_buffers(*module_, *comm_);
+  if (context_->replicate()) broadcast_buffers(*module_, *context_->replicate());
 }
 
 at::Tensor Group::cast_output(const at::Tensor& y) const {

@@ -160,6 +160,7 @@ class Group : public std::enable_shared_from_this<Group> {
  private:
   void transition(TrainingState to, std::initializer_list<TrainingState> allowed);
   void start_replicate(PendingReduce& p);  // waits the reduce-scatter, issues the all-reduce
+  void broadcast_buffers_to_all();         // ShardOptions::broadcast_buffers, on the root
   void end_backward_span();
 
   torch::nn::Module* module_;
