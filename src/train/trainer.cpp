@@ -183,7 +183,8 @@ class Trainer {
         std::fputs(text.c_str(), stdout);
         std::fflush(stdout);
       }
-      start_step_ = checkpoint::load(p.checkpoint, model_->root, opt_.get(), *comm_).step;
+      start_step_ =
+          checkpoint::load(p.checkpoint, model_->root, opt_.get(), model_->shard_group()).step;
     } else if (!cfg_.init_from.empty()) {
       checkpoint::init_from(cfg_.init_from, model_->root);
     }
@@ -346,7 +347,7 @@ class Trainer {
     state.step = steps_taken;
     state.data_position = steps_taken;
     state.extra = checkpoint_extra(cfg_, schedule_);
-    checkpoint::save(cfg_.run_dir, model_->root, opt_.get(), state, *comm_);
+    checkpoint::save(cfg_.run_dir, model_->root, opt_.get(), state, model_->shard_group());
     if (rank_ == 0) remove_old_checkpoints(cfg_.run_dir, cfg_.keep_last);
 #else
     (void)steps_taken;
