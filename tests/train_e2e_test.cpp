@@ -180,7 +180,7 @@ TEST(TrainE2E, HsdpMatchesPlainFsdpAndResumes) {
   expect_close(want, losses(plain), 1e-5, "--hsdp 2 vs plain FSDP at N=4");
   ASSERT_TRUE(std::filesystem::exists(dir + "/step_00000003/index.json"));
   std::filesystem::remove_all(dir + "/step_00000006");
-  r = run(tiny(dir, 6), {"--nproc", "4", "--hsdp", "2", "--resume", dir});
+  r = run(tiny(dir, 6), {"--nproc", "4", "--batch", "8", "--hsdp", "2", "--resume", dir});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("resuming from " + dir + "/step_00000003"), std::string::npos)
       << r.output;
