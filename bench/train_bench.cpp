@@ -285,6 +285,12 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
     if (o.mode == "fsdp") model = (2.0 * t->params + t->block_params) * f;
     if (o.mode == "fsdp-noreshard") model = 2.0 * t->params * f;
     j["bytes_model_per_step"] = static_cast<int64_t>(std::llround(model));
+    // The same check as --compare's summary, on every run of a communicating mode (so that a
+    // bf16 run, which --compare does not make, is checked against its 2-byte model too).
+    const double sent = mean[1].item<double>();
+    if (model > 0 && std::abs(sent - model) > 0.05 * model)
+      std::cerr << "fsdp-bench: WARNING: " << o.mode << " (" << o.mixed_precision << ") sent "
+                << sent << " bytes per step, the volume model predicts " << model << "\n";
     j["params"] = t->params;
     j["mixed_precision"] = o.mixed_precision;
     j["preset"] = o.preset;

@@ -179,6 +179,9 @@ TEST(TrainE2E, HsdpMatchesPlainFsdpAndResumes) {
   ASSERT_EQ(want.size(), 6u);
   expect_close(want, losses(plain), 1e-5, "--hsdp 2 vs plain FSDP at N=4");
   ASSERT_TRUE(std::filesystem::exists(dir + "/step_00000003/index.json"));
+  // Replica 0 wrote it through the shard group: N/R = 2 shard files, not 4.
+  EXPECT_TRUE(std::filesystem::exists(dir + "/step_00000003/rank1.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/step_00000003/rank2.safetensors"));
   std::filesystem::remove_all(dir + "/step_00000006");
   r = run(tiny(dir, 6), {"--nproc", "4", "--batch", "8", "--hsdp", "2", "--resume", dir});
   ASSERT_EQ(r.exit_code, 0) << r.output;
