@@ -196,6 +196,11 @@ struct TrainCli {
         ->capture_default_str();
     g->add_option("--lr", o.lr, "AdamW learning rate")->capture_default_str();
     g->add_option("--seed", o.seed, "weights and data seed")->capture_default_str();
+    g->add_option("--mixed-precision", o.mixed_precision,
+                  "--mode fsdp/fsdp-noreshard: bf16 gathers, computes and reduce-scatters in "
+                  "bfloat16 (half the bytes per step); none: fp32")
+        ->check(CLI::IsMember({"none", "bf16"}))
+        ->capture_default_str();
     g->add_option("--trace", o.trace_dir,
                   "write a Chrome trace per rank to DIR/rank<k>.json (--compare: DIR/<mode>/)");
   }
@@ -316,6 +321,11 @@ int main(int argc, char** argv) {
         1) {
       std::cerr << "fsdp-bench: choose exactly one of --comm, --activation-checkpointing, --mode "
                    "M, --compare, --memory-scaling, --max-model (see --help)\n";
+      return 2;
+    }
+    if (train.options.mixed_precision != "none" && train.mode.empty()) {
+      std::cerr << "fsdp-bench: --mixed-precision " << train.options.mixed_precision
+                << " applies to one fsdp training mode: add --mode fsdp or --mode fsdp-noreshard\n";
       return 2;
     }
     train.options.warmup = comm_options.warmup;  // one --warmup option serves both

@@ -50,6 +50,7 @@ std::unique_ptr<Trainer> build_trainer(const TrainBenchOptions& o,
   tc.layers = o.layers, tc.heads = o.heads, tc.width = o.width, tc.seq = o.seq;
   tc.lr = o.lr, tc.seed = o.seed, tc.reshard_after_forward = o.mode == "fsdp";
   const bool sharded = o.mode == "fsdp" || o.mode == "fsdp-noreshard";
+  tc.mixed_precision = sharded ? o.mixed_precision : "none";
   auto m = train::build_model(tc, sharded ? comm : nullptr);
   auto t = std::make_unique<Trainer>();
   t->gpt = m->gpt;
@@ -166,6 +167,13 @@ void check_options(const TrainBenchOptions& o) {
              "--bucket-mb > 0; got steps ",
              o.steps, ", warmup ", o.warmup, ", threads ", o.threads, ", batch ", o.batch,
              ", bucket-mb ", o.bucket_mb);
+  FSDP_CHECK(o.mixed_precision == "none" || o.mixed_precision == "bf16", "--mixed-precision '",
+             o.mixed_precision,
+             "': the training bench runs bf16 or none (fp16 compute needs CUDA)");
+  FSDP_CHECK(o.mixed_precision == "none" || o.mode == "fsdp" || o.mode == "fsdp-noreshard",
+             "--mixed-precision ", o.mixed_precision,
+             " is a policy of the fsdp modes, but --mode is ", o.mode,
+             "; use --mode fsdp or fsdp-noreshard");
 }
 
 // Runs one mode on `comm`'s ranks; returns rank 0's JSON line (empty on other ranks).
@@ -267,14 +275,24 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
     j["collectives_per_step"] = round_to(mean[2].item<double>(), 100);
     // Volume model (ring): all-reduce 2(N-1)/N of the buffer, all-gather and reduce-scatter
     // (N-1)/N each. fsdp gathers every group in forward, the blocks again in backward (the root
-    // is kept), and reduce-scatters everything once; padding to N rows adds a little.
-    const double f = ws > 1 ? (ws - 1.0) / ws * 4.0 : 0.0;
+    // is kept), and reduce-scatters everything once; padding to N rows adds a little. With bf16
+    // the fsdp modes gather and reduce-scatter 2-byte elements (the reduce-scatter's default
+    // reduce_dtype is the param_dtype); ddp stays fp32.
+    const double elem = o.mixed_precision == "bf16" ? 2.0 : 4.0;
+    const double f = ws > 1 ? (ws - 1.0) / ws * elem : 0.0;
     double model = 0;
-    if (o.mode == "ddp") model = 2.0 * t->params * f;
+    if (o.mode == "ddp") model = 2.0 * t->params * f;  // elem is 4 here (check_options)
     if (o.mode == "fsdp") model = (2.0 * t->params + t->block_params) * f;
     if (o.mode == "fsdp-noreshard") model = 2.0 * t->params * f;
     j["bytes_model_per_step"] = static_cast<int64_t>(std::llround(model));
+    // The same check as --compare's summary, on every run of a communicating mode (so that a
+    // bf16 run, which --compare does not make, is checked against its 2-byte model too).
+    const double sent = mean[1].item<double>();
+    if (model > 0 && std::abs(sent - model) > 0.05 * model)
+      std::cerr << "fsdp-bench: WARNING: " << o.mode << " (" << o.mixed_precision << ") sent "
+                << sent << " bytes per step, the volume model predicts " << model << "\n";
     j["params"] = t->params;
+    j["mixed_precision"] = o.mixed_precision;
     j["preset"] = o.preset;
     j["layers"] = o.layers;
     j["width"] = o.width;

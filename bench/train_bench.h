@@ -9,6 +9,7 @@
 //                   AccumulateGrad hooks, overlapped with backward, as torch's Python DDP does
 //   fsdp            fully_shard on every block and the root, reshard after forward (ZeRO-3)
 //   fsdp-noreshard  the same without resharding the blocks after forward (ZeRO-2-like)
+//   (--mixed-precision bf16: the fsdp modes gather and reduce-scatter in bf16, half the bytes)
 //
 // Every mode uses AdamW, the same initial weights (one seed) and the same synthetic token batches,
 // so all four see the same loss at step 1, and ddp and the fsdp modes the same losses throughout
@@ -41,6 +42,9 @@ struct TrainBenchOptions {
   double lr = 3e-4;
   uint64_t seed = 1234;
   std::string trace_dir;  // non-empty: write <trace_dir>/rank<k>.json
+  // fsdp modes: "bf16" gathers and computes in bfloat16 (fsdp-train's --mixed-precision policy),
+  // halving the all-gather and reduce-scatter bytes; "none": fp32.
+  std::string mixed_precision = "none";
 };
 
 // The sizes `preset` stands for; fields the user set explicitly (`explicit_sizes`, option names

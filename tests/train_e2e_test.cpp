@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -160,6 +161,65 @@ TEST(TrainE2E, ClipAndActivationCheckpointingMatchNoShard) {
     clipped += got[i].grad_norm > 0.5;
   }
   EXPECT_GT(clipped, 0) << "no step clipped: the test would not see the clip";
+}
+
+// --hsdp 2 at N=4 (2 replicas of 2 ranks) applies the same mean gradients as plain FSDP at N=4,
+// and resumes from its own checkpoint (written by replica 0 through the shard group).
+TEST(TrainE2E, HsdpMatchesPlainFsdpAndResumes) {
+  const std::vector<std::string> n4 = {"--nproc", "4", "--batch", "8"};
+  const auto plain = scratch_dir("hsdp_plain");
+  auto args = n4;
+  auto r = run(tiny(plain, 6), args);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto dir = scratch_dir("hsdp2");
+  args.insert(args.end(), {"--hsdp", "2", "--save-every", "3"});
+  r = run(tiny(dir, 6), args);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto want = losses(dir);
+  ASSERT_EQ(want.size(), 6u);
+  expect_close(want, losses(plain), 1e-5, "--hsdp 2 vs plain FSDP at N=4");
+  ASSERT_TRUE(std::filesystem::exists(dir + "/step_00000003/index.json"));
+  // Replica 0 wrote it through the shard group: N/R = 2 shard files, not 4.
+  EXPECT_TRUE(std::filesystem::exists(dir + "/step_00000003/rank1.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/step_00000003/rank2.safetensors"));
+  std::filesystem::remove_all(dir + "/step_00000006");
+  r = run(tiny(dir, 6), {"--nproc", "4", "--batch", "8", "--hsdp", "2", "--resume", dir});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resuming from " + dir + "/step_00000003"), std::string::npos)
+      << r.output;
+  expect_close(losses(dir), want, 1e-5, "--hsdp 2 resumed from its step-3 checkpoint");
+}
+
+// --mixed-precision bf16 (gather and compute in bf16, fp32 shards and loss) trains: finite losses
+// that fall, close to fp32's; and a resumed run may not switch the policy.
+TEST(TrainE2E, MixedPrecisionBf16TrainsCloseToFp32) {
+  const int steps = 16;
+  const auto fp32 = scratch_dir("mp_fp32");
+  auto r = run(tiny(fp32, steps), {"--nproc", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto dir = scratch_dir("mp_bf16");
+  r = run(tiny(dir, steps), {"--nproc", "2", "--mixed-precision", "bf16", "--save-every", "8"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ref = losses(fp32), got = losses(dir);
+  ASSERT_EQ(got.size(), static_cast<size_t>(steps));
+  ASSERT_EQ(ref.size(), got.size());
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << "step " << i + 1;
+    worst = std::max(worst, std::abs(got[i] - ref[i]) / std::abs(ref[i]));
+  }
+  std::printf("bf16 vs fp32 losses over %d steps: largest relative difference %.3g\n", steps,
+              worst);
+  EXPECT_LT(worst, 5e-2);
+  EXPECT_NE(got, ref) << "bf16 gave fp32's losses exactly: the policy was not applied";
+  double head = 0, tail = 0;
+  for (int i = 0; i < 3; ++i) head += got[i] / 3, tail += got[got.size() - 1 - i] / 3;
+  EXPECT_LT(tail, head - 0.2) << "bf16 loss did not fall: " << head << " -> " << tail;
+  r = run(tiny(dir, steps), {"--nproc", "2", "--resume", dir, "--mixed-precision", "none"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--mixed-precision \"none\" (the checkpoint has \"bf16\")"),
+            std::string::npos)
+      << r.output;
 }
 
 TEST(TrainE2E, SameSeedSameLossesSequentialOrder) {
@@ -621,6 +681,8 @@ TEST(TrainE2E, BadInputFailsBeforeAnyRankStarts) {
       {{"--val-fraction", "0.9"}, "--val-fraction is 0.9"},
       {{"--resume", "auto"}, "--resume auto continues the run in --run-dir"},
       {{"--resume", dir}, "holds no complete checkpoint"},
+      {{"--mixed-precision", "fp16"}, "float16, which LibTorch 1.13's CPU kernels lack"},
+      {{"--nproc", "4", "--batch", "12", "--hsdp", "3"}, "--hsdp 3 does not divide the 4 ranks"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> argv{bin};

@@ -89,6 +89,16 @@ TEST(TrainConfig, FlagsOverrideDefaults) {
   ASSERT_TRUE(t.config.has_value()) << t.message;
   EXPECT_DOUBLE_EQ(t.config->clip, 0.5);
   EXPECT_TRUE(t.config->activation_checkpointing);
+  EXPECT_EQ(r.config->mixed_precision, "none");
+  EXPECT_EQ(r.config->hsdp, 1);
+  auto m = parse_args({"fsdp-train", "--mixed-precision", "bf16", "--hsdp", "2"});
+  ASSERT_TRUE(m.config.has_value()) << m.message;
+  EXPECT_EQ(m.config->mixed_precision, "bf16");
+  EXPECT_EQ(m.config->hsdp, 2);
+  auto bad = parse_args({"fsdp-train", "--mixed-precision", "fp8"});
+  EXPECT_FALSE(bad.config.has_value());
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.message.find("--mixed-precision"), std::string::npos) << bad.message;
   EXPECT_TRUE(r.config->was_set("steps"));
   EXPECT_FALSE(r.config->was_set("batch"));
 }
@@ -194,6 +204,11 @@ TEST(TrainConfig, ValidationNamesTheSetting) {
       {{"--clip", "-1"}, "--clip is -1"},
       {{"--clip", "inf"}, "--clip is inf"},
       {{"--no-shard", "--activation-checkpointing"}, "--activation-checkpointing applies"},
+      {{"--mixed-precision", "fp16"}, "LibTorch 1.13's CPU kernels lack"},
+      {{"--mixed-precision", "fp16"}, "it would work on CUDA"},
+      {{"--no-shard", "--mixed-precision", "bf16"}, "--mixed-precision bf16 is a policy"},
+      {{"--hsdp", "0"}, "--hsdp is 0"},
+      {{"--no-shard", "--hsdp", "2"}, "--hsdp 2 shards within replicas"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args{"fsdp-train"};
@@ -205,6 +220,12 @@ TEST(TrainConfig, ValidationNamesTheSetting) {
   c.batch = 5;
   const auto msg = error_of([&] { c.validate_world(2); });
   EXPECT_NE(msg.find("--batch 5 is not divisible by the 2 ranks"), std::string::npos) << msg;
+  TrainConfig h;
+  h.hsdp = 3;
+  const auto hmsg = error_of([&] { h.validate_world(4); });
+  EXPECT_NE(hmsg.find("--hsdp 3 does not divide the 4 ranks"), std::string::npos) << hmsg;
+  h.hsdp = 2;
+  EXPECT_NO_THROW(h.validate_world(4));
 }
 
 TEST(TrainConfig, JsonRoundTrip) {

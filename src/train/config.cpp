@@ -226,6 +226,16 @@ void add_options(App& a, TrainConfig& c) {
                "blocks keep no activations after forward and recompute them in backward (less "
                "memory, about one more forward of compute; sharded runs only)")
       ->group("Processes");
+  app.add_option("--mixed-precision", c.mixed_precision,
+                 "bf16: gather parameters and compute in bfloat16 (half the all-gather and "
+                 "reduce-scatter bytes; shards, optimizer state and the loss stay fp32); fp16 "
+                 "needs CUDA; none: fp32")
+      ->check(CLI::IsMember({"none", "bf16", "fp16"}))
+      ->group("Processes");
+  app.add_option("--hsdp", c.hsdp,
+                 "HSDP: R replicas of N/R ranks each shard the model within their replica and "
+                 "average gradients across replicas (R must divide the ranks; 1: plain FSDP)")
+      ->group("Processes");
 
   app.add_option("--layers", c.layers, "transformer blocks")->group("Model");
   app.add_option("--heads", c.heads, "attention heads per block")->group("Model");
@@ -287,6 +297,21 @@ void TrainConfig::validate() const {
   FSDP_CHECK(!(activation_checkpointing && no_shard),
              "--activation-checkpointing applies to the sharded blocks, but --no-shard trains "
              "the plain model; drop one of the two");
+  FSDP_CHECK(mixed_precision == "none" || mixed_precision == "bf16" || mixed_precision == "fp16",
+             "--mixed-precision is '", mixed_precision, "'; expected bf16, fp16 or none");
+  FSDP_CHECK(
+      mixed_precision != "fp16",
+      "--mixed-precision fp16 computes forward and backward in float16, which LibTorch "
+      "1.13's CPU kernels lack (no Half LayerNorm or matmul; it would work on CUDA); this "
+      "build trains on CPU: use --mixed-precision bf16 (the same bytes on the wire) or none");
+  FSDP_CHECK(!(mixed_precision != "none" && no_shard), "--mixed-precision ", mixed_precision,
+             " is a policy of the sharded model, but --no-shard trains the plain model; drop "
+             "one of the two");
+  FSDP_CHECK(hsdp >= 1, "--hsdp is ", hsdp,
+             "; it must be a positive number of replicas that divides the ranks (1: plain FSDP)");
+  FSDP_CHECK(!(hsdp > 1 && no_shard), "--hsdp ", hsdp,
+             " shards within replicas, but --no-shard trains the plain model in one process; "
+             "drop one of the two");
   positive("eval-batches", eval_batches, "e.g. --eval-batches 4");
   FSDP_CHECK(eval_every >= 0, "--eval-every is ", eval_every, "; use 0 (never) or a step count");
   FSDP_CHECK(keep_last >= 0, "--keep-last is ", keep_last, "; use 0 (keep all) or a count");
@@ -339,6 +364,10 @@ void TrainConfig::validate() const {
 }
 
 void TrainConfig::validate_world(int world_size) const {
+  FSDP_CHECK(world_size % hsdp == 0, "--hsdp ", hsdp, " does not divide the ", world_size,
+             " ranks; each replica must hold the same number of ranks: choose --hsdp that "
+             "divides ",
+             world_size, " (1: plain FSDP) or an --nproc that is a multiple of ", hsdp);
   FSDP_CHECK(batch % world_size == 0, "--batch ", batch, " is not divisible by the ", world_size,
              " ranks; the global batch is split evenly: use a multiple of ", world_size,
              " (e.g. --batch ", (batch / world_size + 1) * world_size, ") or another --nproc");
@@ -356,6 +385,8 @@ std::string TrainConfig::to_json() const {
   j["no-shard"] = no_shard;
   j["reshard-after-forward"] = reshard_after_forward;
   j["activation-checkpointing"] = activation_checkpointing;
+  j["mixed-precision"] = mixed_precision;
+  j["hsdp"] = hsdp;
   j["layers"] = layers;
   j["heads"] = heads;
   j["width"] = width;
@@ -428,12 +459,15 @@ ParseResult parse_args(int argc, const char* const* argv) {
 }
 
 const std::vector<std::string>& resumable_keys() {
-  // World size, schedule end, evaluation, logging and outputs: none changes the model, the
-  // optimizer state or the training stream (grad-accum splits the same batch differently).
+  // World size and layout (--hsdp: a checkpoint loads into any layout), schedule end,
+  // evaluation, logging and outputs: none changes the model, the optimizer state or the training
+  // stream (grad-accum splits the same batch differently). --mixed-precision is not here: the
+  // shards stay fp32, but it changes the gradients, so a resumed run keeps the checkpoint's.
   static const std::vector<std::string> keys = {"nproc",
                                                 "threads",
                                                 "reshard-after-forward",
                                                 "activation-checkpointing",
+                                                "hsdp",
                                                 "steps",
                                                 "min-lr-ratio",
                                                 "grad-accum",

@@ -20,6 +20,8 @@ struct TrainConfig {
   bool no_shard = false;  // one process, plain LibTorch (the parity reference)
   bool reshard_after_forward = true;      // blocks free gathered parameters after forward
   bool activation_checkpointing = false;  // blocks recompute their activations in backward
+  std::string mixed_precision = "none";   // "none", "bf16" (gather and compute) or "fp16" (CUDA)
+  int hsdp = 1;  // replicas of HSDP (init_mesh); 1 = plain FSDP over all ranks
   // ---- model ----
   int64_t layers = 4;
   int64_t heads = 4;

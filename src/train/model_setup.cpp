@@ -2,9 +2,23 @@
 // <torch/torch.h>.
 #include "train/model_setup.h"
 
+#include <fsdp/error.h>
 #include <torch/torch.h>
 
 namespace fsdp::train {
+
+MixedPrecisionPolicy mixed_precision_policy(const std::string& name, bool root) {
+  FSDP_CHECK(name != "fp16",
+             "--mixed-precision fp16 computes in float16, which LibTorch 1.13's CPU kernels lack "
+             "(no Half LayerNorm or matmul; it would work on CUDA): use bf16 or none");
+  FSDP_CHECK(name == "none" || name == "bf16", "--mixed-precision is '", name,
+             "'; expected bf16, fp16 or none");
+  MixedPrecisionPolicy p;
+  if (name == "none") return p;
+  p.param_dtype = torch::kBFloat16;  // the reduce-scatter too (FSDP2's default reduce_dtype)
+  if (root) p.output_dtype = torch::kFloat;
+  return p;
+}
 
 std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
                                         const std::shared_ptr<Communicator>& comm) {
@@ -20,10 +34,16 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
   auto m = std::make_unique<TrainModel>();
   m->gpt = fsdp::Sharded<models::GPT>(mc);
   if (comm) {
+    m->mesh = init_mesh(comm, cfg.hsdp);
     ShardOptions block_options;
     block_options.reshard_after_forward = cfg.reshard_after_forward;
     block_options.activation_checkpointing = cfg.activation_checkpointing;
-    m->root = models::shard_gpt(m->gpt, comm, block_options, ShardOptions{});
+    block_options.mixed_precision = mixed_precision_policy(cfg.mixed_precision, false);
+    ShardOptions root_options;
+    root_options.mixed_precision = mixed_precision_policy(cfg.mixed_precision, true);
+    // models::shard_gpt's layout (one group per block, the root another), over the mesh.
+    for (auto& b : m->gpt->blocks) fully_shard(b, m->mesh, block_options);
+    m->root = fully_shard(m->gpt, m->mesh, root_options);
     for (const ShardInfo& s : m->root.shards()) {
       int64_t numel = 1;
       for (int64_t d : s.global_shape) numel *= d;

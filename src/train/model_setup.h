@@ -6,10 +6,12 @@
 #pragma once
 
 #include <fsdp/fully_shard.h>
+#include <fsdp/mesh.h>
 #include <fsdp/models/gpt.h>
 #include <torch/optim/adamw.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "train/config.h"
@@ -19,17 +21,29 @@ namespace fsdp::train {
 struct TrainModel {
   fsdp::Sharded<models::GPT> gpt{nullptr};
   FSDPModule root;                   // undefined when built without a communicator
+  DeviceMesh mesh;                   // --hsdp's layout; mesh.shard = the world for plain FSDP
   std::vector<at::Tensor> decay;     // 2-D weights (local shards when sharded): weight decay
   std::vector<at::Tensor> no_decay;  // biases and LayerNorm parameters
   int64_t parameter_count = 0;       // of the full model
   bool sharded() const { return root.defined(); }
+  // The ranks that hold one copy of the shards: what checkpoint save/load take (under HSDP the
+  // replica, since replicas hold equal shards; metrics reduce over the world instead).
+  Communicator& shard_group() const { return *mesh.shard; }
 };
 
 // Seeds torch with cfg.seed, builds the GPT (layers, heads, width, seq, vocab) and, when `comm` is
-// non-null, shards it (blocks with cfg.reshard_after_forward). Every rank gets the same initial
-// weights. Throws fsdp::Error for invalid sizes.
+// non-null, shards it over init_mesh(comm, cfg.hsdp) (blocks with cfg.reshard_after_forward and
+// cfg.activation_checkpointing; every group with cfg.mixed_precision's policy, the root casting
+// its output to fp32 so the loss is fp32). Every rank gets the same initial weights. Collective
+// over `comm` when cfg.hsdp > 1. Throws fsdp::Error for invalid sizes, an --hsdp that does not
+// divide the world, or fp16 (no CPU kernels).
 std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
                                         const std::shared_ptr<Communicator>& comm);
+
+// The MixedPrecisionPolicy of --mixed-precision (none: the empty policy, fp32 throughout). `root`:
+// also cast the output to fp32. Throws fsdp::Error for fp16 (LibTorch 1.13 has no CPU Half
+// LayerNorm/matmul) or another name.
+MixedPrecisionPolicy mixed_precision_policy(const std::string& name, bool root);
 
 // AdamW(lr, beta1, beta2, eps) with two groups: decay (cfg.weight_decay) and no_decay (0).
 std::unique_ptr<torch::optim::AdamW> build_optimizer(const TrainConfig& cfg, TrainModel& m);

@@ -2,6 +2,7 @@
 
 #include <fsdp/error.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -36,9 +37,11 @@ double flops_per_token(const TrainConfig& c) {
 MemoryEstimate estimate_memory(const TrainConfig& c, int world_size) {
   const bool sharded = !c.no_shard && world_size > 1;
   const double n = sharded ? static_cast<double>(world_size) : 1.0;
+  // Under --hsdp the state is sharded over one replica's ranks only.
+  const double shards = sharded ? static_cast<double>(std::max(1, world_size / c.hsdp)) : 1.0;
   MemoryEstimate m;
-  // Parameter, gradient and two AdamW moments per (sharded) parameter.
-  m.state_bytes = 4 * kFloat * parameter_count(c) / n;
+  // Parameter, gradient and two AdamW moments per (sharded) parameter (fp32 with bf16 too).
+  m.state_bytes = 4 * kFloat * parameter_count(c) / shards;
   // Gathered: the root and up to two blocks (prefetch), each with its unsharded gradients and a
   // reduce-scatter buffer.
   if (sharded) m.gathered_bytes = kFloat * (3 * root_parameters(c) + 6 * block_parameters(c));

@@ -15,7 +15,10 @@ std::string model_description(const TrainConfig& cfg, int64_t params) {
                 static_cast<long long>(cfg.layers), static_cast<long long>(cfg.width),
                 static_cast<long long>(cfg.heads), static_cast<long long>(cfg.seq),
                 static_cast<long long>(cfg.vocab), static_cast<double>(params) / 1e6);
-  return buf;
+  std::string d = buf;
+  if (cfg.mixed_precision != "none") d += ", " + cfg.mixed_precision + " compute";
+  if (cfg.hsdp > 1) d += ", HSDP " + std::to_string(cfg.hsdp) + " replicas";
+  return d;
 }
 
 std::string format_summary(const TrainConfig& cfg, const Summary& s, int world, int64_t params,

@@ -183,7 +183,8 @@ class Trainer {
         std::fputs(text.c_str(), stdout);
         std::fflush(stdout);
       }
-      start_step_ = checkpoint::load(p.checkpoint, model_->root, opt_.get(), *comm_).step;
+      start_step_ =
+          checkpoint::load(p.checkpoint, model_->root, opt_.get(), model_->shard_group()).step;
     } else if (!cfg_.init_from.empty()) {
       checkpoint::init_from(cfg_.init_from, model_->root);
     }
@@ -260,7 +261,7 @@ class Trainer {
               model_->root.set_requires_gradient_sync(k + 1 == cfg_.grad_accum);
             const int64_t begin = row0 + k * micro;
             train_stream_->fill(s, begin, begin + micro, x_host_, y_host_);
-            auto loss = model_->gpt(tensor_of(x_host_, micro), tensor_of(y_host_, micro));
+            auto loss = loss_of(tensor_of(x_host_, micro), tensor_of(y_host_, micro));
             (loss / static_cast<double>(cfg_.grad_accum)).backward();
             loss_sum += loss.item<double>();
           }
@@ -269,6 +270,14 @@ class Trainer {
           clear_grads(*opt_);
         });
     return loss_sum / static_cast<double>(cfg_.grad_accum);
+  }
+
+  // The mean cross-entropy of the logits, outside the model's forward: with --mixed-precision the
+  // root casts the logits to fp32 (output_dtype), so the loss is computed in fp32, not bf16.
+  // In fp32 the same operations as GPT::forward(idx, targets).
+  at::Tensor loss_of(const at::Tensor& x, const at::Tensor& y) {
+    auto logits = model_->gpt(x);
+    return torch::nn::functional::cross_entropy(logits.view({-1, cfg_.vocab}), y.reshape({-1}));
   }
 
   // --clip: the global gradient 2-norm before clipping (every rank gets the same value).
@@ -308,8 +317,7 @@ class Trainer {
             for (int64_t k = 0; k < cfg_.grad_accum; ++k) {
               const int64_t begin = row0 + k * micro;
               val_stream_->fill(b, begin, begin + micro, x_host_, y_host_);
-              sum +=
-                  model_->gpt(tensor_of(x_host_, micro), tensor_of(y_host_, micro)).item<double>();
+              sum += loss_of(tensor_of(x_host_, micro), tensor_of(y_host_, micro)).item<double>();
             }
         },
         "skip the evaluation (--eval-every 0)");
@@ -346,7 +354,7 @@ class Trainer {
     state.step = steps_taken;
     state.data_position = steps_taken;
     state.extra = checkpoint_extra(cfg_, schedule_);
-    checkpoint::save(cfg_.run_dir, model_->root, opt_.get(), state, *comm_);
+    checkpoint::save(cfg_.run_dir, model_->root, opt_.get(), state, model_->shard_group());
     if (rank_ == 0) remove_old_checkpoints(cfg_.run_dir, cfg_.keep_last);
 #else
     (void)steps_taken;
