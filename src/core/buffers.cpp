@@ -7,28 +7,14 @@
 
 #include <cstring>
 
+#include "core/value_agreement.h"
+
 namespace fsdp::detail {
 
 namespace {
 
 int64_t byte_size(const at::Tensor& t) {
   return t.numel() * static_cast<int64_t>(t.element_size());
-}
-
-// FNV-1a over 64-bit words of the tensor's bytes: equal values give equal sums on every rank.
-int64_t bytes_checksum(const at::Tensor& t) {
-  at::Tensor c = t.detach().contiguous();
-  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
-  const size_t n = static_cast<size_t>(byte_size(c));
-  uint64_t h = 1469598103934665603ULL;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, p + i, 8);
-    h = (h ^ w) * 1099511628211ULL;
-  }
-  for (; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
-  return static_cast<int64_t>(h & 0x7fffffffffffffffULL);
 }
 
 }  // namespace
@@ -79,18 +65,11 @@ std::optional<BufferDifference> first_differing_buffer(const torch::nn::Module& 
   if (c.size() == 1) return std::nullopt;
   const auto buffers = defined_buffers(m);
   if (buffers.empty()) return std::nullopt;
-  std::vector<int64_t> sums;
-  for (const auto& [name, b] : buffers) sums.push_back(bytes_checksum(b));
-  at::Tensor mine = at::tensor(sums, at::kLong);
-  at::Tensor all = at::empty({c.size() * mine.numel()}, at::kLong);
-  c.all_gather(all, mine).wait();
-  // (world, buffers)
-  auto rows = all.view({c.size(), mine.numel()});
-  auto acc = rows.accessor<int64_t, 2>();
-  for (int64_t i = 0; i < mine.numel(); ++i)
-    for (int r = 1; r < c.size(); ++r)
-      if (acc[r][i] != acc[0][i]) return BufferDifference{buffers[i].first, r};
-  return std::nullopt;
+  std::vector<at::Tensor> values;
+  for (const auto& [name, b] : buffers) values.push_back(b);
+  auto diff = first_value_difference(c, values);
+  if (!diff) return std::nullopt;
+  return BufferDifference{buffers[diff->index].first, diff->rank};
 }
 
 }  // namespace fsdp::detail

@@ -4,7 +4,6 @@
 #include <fsdp/fully_shard.h>
 #include <torch/nn/module.h>
 
-#include <cstring>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -13,6 +12,7 @@
 
 #include "core/context.h"
 #include "core/group.h"
+#include "core/value_agreement.h"
 
 namespace fsdp {
 namespace detail {
@@ -90,23 +90,6 @@ void check_same_on_all_ranks(Communicator& comm, const std::string& module,
       "fully_shard."));
 }
 
-// A checksum of a tensor's bytes (FNV-1a over 64-bit words): identical values give identical
-// sums whatever the thread count, unlike a floating-point reduction.
-int64_t value_checksum(const at::Tensor& t) {
-  at::Tensor c = t.detach().contiguous();
-  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
-  const size_t n = c.numel() * c.element_size();
-  uint64_t h = 1469598103934665603ULL;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, p + i, 8);
-    h = (h ^ w) * 1099511628211ULL;
-  }
-  for (; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
-  return static_cast<int64_t>(h & 0x7fffffffffffffffULL);
-}
-
 // Every rank must start from the same values: broadcasts rank 0's (sync), or compares checksums
 // with rank 0's and names the first parameter that differs, on every rank.
 void agree_on_values(Communicator& comm, const std::string& module,
@@ -121,22 +104,16 @@ void agree_on_values(Communicator& comm, const std::string& module,
     }
     return;
   }
-  std::vector<int64_t> sums;
-  for (const auto& [name, t] : params) sums.push_back(value_checksum(t));
-  auto mine = at::tensor(sums, at::kLong);
-  auto all = at::empty({comm.size() * mine.numel()}, at::kLong);
-  comm.all_gather(all, mine).wait();
-  auto rows = all.view({comm.size(), mine.numel()});
-  for (int64_t i = 0; i < mine.numel(); ++i)
-    for (int r = 1; r < comm.size(); ++r)
-      if (rows[r][i].item<int64_t>() != rows[0][i].item<int64_t>())
-        throw Error(detail::cat(
-            "fully_shard(", module, "): parameter '", params[i].first,
-            "' has different initial values on rank ", r, " than on rank 0 (this is rank ",
-            comm.rank(),
-            "). Every rank must start from the same weights: seed the random generator "
-            "identically on every rank before building the model (torch::manual_seed), or set "
-            "ShardOptions::sync_module_states = true to broadcast rank 0's values"));
+  std::vector<at::Tensor> values;
+  for (const auto& [name, t] : params) values.push_back(t);
+  if (auto diff = first_value_difference(comm, values))
+    throw Error(detail::cat(
+        "fully_shard(", module, "): parameter '", params[diff->index].first,
+        "' has different initial values on rank ", diff->rank, " than on rank 0 (this is rank ",
+        comm.rank(),
+        "). Every rank must start from the same weights: seed the random generator "
+        "identically on every rank before building the model (torch::manual_seed), or set "
+        "ShardOptions::sync_module_states = true to broadcast rank 0's values"));
 }
 
 // The groups at or below `g`'s module, in the context's registration order.
