@@ -248,28 +248,29 @@ class Trainer {
     const int64_t micro = cfg_.micro_batch(world_);
     const int64_t row0 = rank_ * (cfg_.batch / world_);  // this rank's slice of the global batch
     double loss_sum = 0;
-    naming_allocation_failure(
-        "a training step",
-        detail::cat("--batch ", cfg_.batch, " / ", world_, " ranks / --grad-accum ",
-                    cfg_.grad_accum, " = ", micro, " rows x --seq ", cfg_.seq, " x --width ",
-                    cfg_.width, " x --layers ", cfg_.layers),
-        [&] {
-          for (int64_t k = 0; k < cfg_.grad_accum; ++k) {
-            // Micro-batches before the last keep their gradients unreduced; the last reduces
-            // the sum (the mean over micro-batches, as each loss is divided by grad_accum).
-            if (model_->sharded())
-              model_->root.set_requires_gradient_sync(k + 1 == cfg_.grad_accum);
-            const int64_t begin = row0 + k * micro;
-            train_stream_->fill(s, begin, begin + micro, x_host_, y_host_);
-            auto loss = loss_of(tensor_of(x_host_, micro), tensor_of(y_host_, micro));
-            (loss / static_cast<double>(cfg_.grad_accum)).backward();
-            loss_sum += loss.item<double>();
-          }
-          if (cfg_.clip > 0) grad_norm_ = clip_gradients();
-          opt_->step();
-          clear_grads(*opt_);
-        });
+    naming_allocation_failure("a training step", micro_batch_settings(micro), [&] {
+      for (int64_t k = 0; k < cfg_.grad_accum; ++k) {
+        // Micro-batches before the last keep their gradients unreduced; the last reduces
+        // the sum (the mean over micro-batches, as each loss is divided by grad_accum).
+        if (model_->sharded()) model_->root.set_requires_gradient_sync(k + 1 == cfg_.grad_accum);
+        const int64_t begin = row0 + k * micro;
+        train_stream_->fill(s, begin, begin + micro, x_host_, y_host_);
+        auto loss = loss_of(tensor_of(x_host_, micro), tensor_of(y_host_, micro));
+        (loss / static_cast<double>(cfg_.grad_accum)).backward();
+        loss_sum += loss.item<double>();
+      }
+      if (cfg_.clip > 0) grad_norm_ = clip_gradients();
+      opt_->step();
+      clear_grads(*opt_);
+    });
     return loss_sum / static_cast<double>(cfg_.grad_accum);
+  }
+
+  // Where a micro-batch's size comes from, for allocation-failure messages.
+  std::string micro_batch_settings(int64_t micro) const {
+    return detail::cat("--batch ", cfg_.batch, " / ", world_, " ranks / --grad-accum ",
+                       cfg_.grad_accum, " = ", micro, " rows x --seq ", cfg_.seq, " x --width ",
+                       cfg_.width, " x --layers ", cfg_.layers);
   }
 
   // The mean cross-entropy of the logits, outside the model's forward: with --mixed-precision the
@@ -308,10 +309,7 @@ class Trainer {
     const int64_t row0 = rank_ * (cfg_.batch / world_);
     double sum = 0;
     naming_allocation_failure(
-        "the evaluation",
-        detail::cat("--batch ", cfg_.batch, " / ", world_, " ranks / --grad-accum ",
-                    cfg_.grad_accum, " = ", micro, " rows x --seq ", cfg_.seq, " x --width ",
-                    cfg_.width, " x --layers ", cfg_.layers),
+        "the evaluation", micro_batch_settings(micro),
         [&] {
           for (int64_t b = 0; b < cfg_.eval_batches; ++b)
             for (int64_t k = 0; k < cfg_.grad_accum; ++k) {
