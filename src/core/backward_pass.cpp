@@ -82,6 +82,7 @@ BackwardPass::BackwardPass(Context& ctx, const void* task_key, const torch::auto
   }
   plan_gathers();
   plan_reductions();
+  gather_elements();
   // Groups this rank's backward does not touch: done now (a gathered one may reshard at once;
   // a resharded one is still gathered and dropped when its turn in the plan comes).
   for (Group* g : groups)
@@ -90,6 +91,19 @@ BackwardPass::BackwardPass(Context& ctx, const void* task_key, const torch::auto
       if (g->shard_state() == ShardState::kUnsharded) g->post_backward();
     }
   try_issue_reductions();
+}
+
+// Elements gathered on use (fully_shard_elements) have no output hook to gather them again before
+// their nodes run; the forward leaves them gathered. One resharded since (an explicit reshard())
+// is gathered here, when the pass begins: the plan up to it, in order, like a catch-up.
+void BackwardPass::gather_elements() {
+  size_t end = 0;
+  for (size_t k = 0; k < gather_plan_.size(); ++k)
+    if (gather_plan_[k]->gathers_on_use()) end = k + 1;
+  gather_through(end);
+  for (size_t k = 0; k < end; ++k)
+    if (gather_plan_[k]->gathers_on_use() && slot(*gather_plan_[k]).needed())
+      gather_plan_[k]->wait_for_unshard();
 }
 
 BackwardPass::Slot& BackwardPass::slot(const Group& g) {

@@ -66,6 +66,7 @@ class BackwardPass {
   Slot& slot(const Group& g);
   void plan_gathers();
   void plan_reductions();
+  void gather_elements();  // elements gathered on use: never left resharded into their backward
   void gather_through(size_t plan_end);  // issue plan entries [cursor, plan_end)
   void prefetch_after(Group& g);
   void maybe_post_backward(Group& g);

@@ -113,6 +113,12 @@ void Context::reset_peaks() {
 // ---------------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------------
+bool Context::in_forward() const {
+  for (const Group* g : groups_)
+    if (g->training_state() == TrainingState::kForward) return true;
+  return false;
+}
+
 void Context::on_pre_forward(Group* g) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   const bool in_backward = torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr;

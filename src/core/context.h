@@ -60,6 +60,7 @@ class Context {
   const std::shared_ptr<Communicator>& replicate() const { return replicate_; }
 
   // ---- forward ----
+  bool in_forward() const;  // a forward of a sharded module of this context is running
   // Starts a new iteration at the first forward after a backward; records the call order.
   void on_pre_forward(Group* g);
   void on_post_forward(Group* g);

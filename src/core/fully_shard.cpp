@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "core/context.h"
+#include "core/deferred_init.h"
 #include "core/group.h"
 #include "core/value_agreement.h"
 
@@ -95,6 +96,9 @@ void check_same_on_all_ranks(Communicator& comm, const std::string& module,
 void agree_on_values(Communicator& comm, const std::string& module,
                      const std::vector<std::pair<std::string, at::Tensor>>& params, bool sync) {
   if (comm.size() == 1 || params.empty()) return;
+  // Built under deferred_init: no values yet (materialize compares them across ranks).
+  for (const auto& [name, t] : params)
+    if (deferred::is_pending(t)) return;
   if (sync) {
     at::NoGradGuard no_grad;
     for (const auto& [name, t] : params) {
@@ -286,6 +290,24 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                                         group->flat_numel(), " padded elements per rank"));
   return FSDPModule(group);
 }
+
+namespace deferred {
+bool deliver_to_shard(const at::Tensor& param, const at::Tensor& full) {
+  auto& reg = registry();
+  std::shared_ptr<Group> g;
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    g = Registry::find(reg.params, param.unsafeGetTensorImpl());
+  }
+  if (!g) return false;
+  for (size_t i = 0; i < g->params().size(); ++i)
+    if (g->params()[i].param().unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) {
+      g->materialize_param(i, full);
+      return true;
+    }
+  return false;
+}
+}  // namespace deferred
 
 // ---------------------------------------------------------------------------------------------
 // ForwardScope

@@ -174,7 +174,17 @@ int64_t Group::full_bytes() const {
 }
 
 bool Group::resolved_reshard_after_forward() const {
+  if (on_use_) return false;  // its forward's end is not observable (gathers_on_use)
   return options_.reshard_after_forward.value_or(!is_root());
+}
+
+void Group::set_reshard_after_forward(bool v) {
+  FSDP_CHECK(!on_use_ || !v, "set_reshard_after_forward(true) on '", name_, "' (", type_name_,
+             "): an element sharded by fully_shard_elements stays gathered from its first use in "
+             "forward to the end of backward, because nothing marks the end of its forward. To "
+             "reshard after forward, declare the block fsdp::Sharded<...> and call it through "
+             "the holder");
+  options_.reshard_after_forward = v;
 }
 
 void Group::set_forward_prefetch(std::vector<Group*> g) {
@@ -202,8 +212,24 @@ void Group::transition(TrainingState to, std::initializer_list<TrainingState> al
 // ---------------------------------------------------------------------------------------------
 // Storage
 // ---------------------------------------------------------------------------------------------
+void Group::materialize_param(size_t i, const at::Tensor& full) {
+  FSDP_CHECK(shard_state_ == ShardState::kSharded, "materialize: sharded module '", name_,
+             "' is gathered; materialize before the first forward");
+  params_[i].materialize(full);
+}
+
+bool Group::materialized() const {
+  for (const auto& p : params_)
+    if (!p.materialized()) return false;
+  return true;
+}
+
 void Group::unshard() {
   if (shard_state_ != ShardState::kSharded) return;
+  FSDP_CHECK(materialized(), "sharded module '", name_, "' (", type_name_,
+             ") was built under fsdp::deferred_init and has no values yet. Fix: call "
+             "fsdp::materialize(model) after fully_shard and before the first forward (or "
+             "unshard, state dict or checkpoint save)");
   auto& lane = context_->gather_lane();
   auto& pool = context_->pool();
   const auto dtype = gather_dtype_;
@@ -277,6 +303,7 @@ void Group::pre_forward() {
   // evaluation forward that kept the root gathered) are dropped and gathered again. Every rank
   // steps the same shards, so every rank takes the same decision.
   if (stale()) reshard();
+  if (is_root()) reshard_stale_elements();
   unshard();
   context_->prefetch_forward(this);
   wait_for_unshard();
@@ -305,6 +332,32 @@ void Group::post_forward(const std::vector<at::Tensor>& outs) {
   context_->on_post_forward(this);
   transition(state_before_forward_, {TrainingState::kForward});
   if (resolved_reshard_after_forward() && state_before_forward_ == TrainingState::kIdle) reshard();
+  // Elements gathered on use in a forward without grad mode have no backward to wait for.
+  if (is_root() && !at::GradMode::is_enabled())
+    for (Group* g : context_->groups())
+      if (g->gathers_on_use() && g->training_state() == TrainingState::kIdle) g->reshard();
+}
+
+void Group::reshard_stale_elements() {
+  // An element kept gathered (set_reshard_after_backward(false), or a forward without backward)
+  // is not gathered again on use, so its values must not be older than its shards: drop them
+  // when an optimizer stepped since. Every rank steps the same shards: the same decision.
+  for (Group* g : context_->groups())
+    if (g->gathers_on_use() && g->stale()) g->reshard();
+}
+
+bool Group::gather_on_use() {
+  if (!on_use_ || !context_->in_forward()) return false;
+  // Inside the root's forward: the forward all-gathers follow the order of first use, which is
+  // the call order of the elements (the same on every rank: the documented requirement).
+  context_->on_pre_forward(this);
+  unshard();
+  context_->prefetch_forward(this);
+  wait_for_unshard();
+  forwarded_ = true;
+  if (at::GradMode::is_enabled()) forwarded_with_grad_ = true;
+  context_->on_post_forward(this);
+  return true;
 }
 
 void Group::abort_forward() noexcept {
@@ -386,7 +439,10 @@ void Group::post_backward() {
   transition(TrainingState::kPostBackward,
              {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
   end_backward_span();
-  if (reshard_after_backward_) reshard();
+  // An element's parameters may still be read by nodes of its forward that neither lead to its
+  // gradients nor pass an output hook or input-side node of its own (it has none): only the final
+  // callback is known to come after all of them.
+  if (reshard_after_backward_ && !on_use_) reshard();
 }
 
 void Group::finalize_backward() {

@@ -95,6 +95,10 @@ class Group : public std::enable_shared_from_this<Group> {
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   int64_t full_bytes() const;
 
+  // Deferred initialisation: parameter i's values (full shape); its shard takes this rank's rows.
+  void materialize_param(size_t i, const at::Tensor& full);
+  bool materialized() const;
+
   // ---- storage (FSDP2 order: unshard, wait_for_unshard, reshard) ----
   // Issues the all-gather unless gathered (with current shards) or in flight.
   void unshard();
@@ -124,6 +128,18 @@ class Group : public std::enable_shared_from_this<Group> {
     return output_nodes_;
   }
 
+  // ---- elements gathered on first use (fully_shard_elements) ----
+  // LibTorch's containers call their elements directly, so no holder can intercept an element's
+  // forward. Such a group is gathered when an operator first reaches one of its resharded
+  // parameters inside a forward of the root (the resharded-parameter guard calls
+  // gather_on_use), and stays gathered until the end of that forward's backward (or of the
+  // root's forward, without grad mode): nothing marks where its forward or backward ends.
+  bool gathers_on_use() const { return on_use_; }
+  void set_gathers_on_use() { on_use_ = true; }
+  // Gathers now and records the use as this group's forward call; false (doing nothing) unless
+  // the group gathers on use and a forward of the root is running.
+  bool gather_on_use();
+
   // ---- backward: each hook is a one-line adapter onto one of these ----
   // Tensor hook on an output of this group's forward; `node` is the output's grad_fn.
   void pre_backward(const torch::autograd::Node* node);
@@ -145,7 +161,7 @@ class Group : public std::enable_shared_from_this<Group> {
 
   // ---- settings ----
   bool resolved_reshard_after_forward() const;
-  void set_reshard_after_forward(bool v) { options_.reshard_after_forward = v; }
+  void set_reshard_after_forward(bool v);
   bool reshard_after_backward() const { return reshard_after_backward_; }
   void set_reshard_after_backward(bool v) { reshard_after_backward_ = v; }
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
@@ -162,6 +178,7 @@ class Group : public std::enable_shared_from_this<Group> {
   void start_replicate(PendingReduce& p);  // waits the reduce-scatter, issues the all-reduce
   void broadcast_buffers_to_all();         // ShardOptions::broadcast_buffers, on the root
   void end_backward_span();
+  void reshard_stale_elements();  // the root, before its forward
 
   torch::nn::Module* module_;
   std::string type_name_;
@@ -180,6 +197,7 @@ class Group : public std::enable_shared_from_this<Group> {
   TrainingState state_before_forward_ = TrainingState::kIdle;
   PendingGather gather_;
 
+  bool on_use_ = false;
   bool reshard_after_backward_ = true;
   bool requires_gradient_sync_ = true;
   std::vector<Group*> forward_prefetch_, backward_prefetch_;

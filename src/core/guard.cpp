@@ -1,6 +1,7 @@
 #include "core/guard.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <fsdp/error.h>
 
 #include <mutex>
@@ -8,6 +9,7 @@
 #include <unordered_map>
 
 #include "compat.h"
+#include "core/deferred_init.h"
 #include "core/group.h"
 
 namespace fsdp::detail::guard {
@@ -52,36 +54,29 @@ bool harmless_on_marker(const c10::OperatorHandle& op) {
   return name == "aten::detach" || name == "aten::detach_" || name == "aten::zero_";
 }
 
-// The boxed kernel every operator reaches when an argument is a guarded (resharded) parameter.
-void reject(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const c10::StorageImpl* found = nullptr;
-  const size_t n = op.schema().arguments().size();
-  for (const auto& v : torch::jit::last(*stack, n)) {
-    if (v.isTensor() && v.toTensor().unsafeGetTensorImpl()->is_python_dispatch())
-      found = key_of(v.toTensor());
-    if (v.isTensorList())
-      for (const at::Tensor& t : v.toTensorList().vec())
-        if (t.defined() && t.unsafeGetTensorImpl()->is_python_dispatch()) found = key_of(t);
-    if (found) break;
-  }
-  const auto entry = find(found);
-  if (entry && entry->moved_grad) {
-    if (harmless_on_marker(op)) {
-      at::Tensor self = torch::jit::peek(*stack, 0, n).toTensor();
-      torch::jit::drop(*stack, n);
-      stack->emplace_back(std::move(self));
-      return;
-    }
-    throw Error(detail::cat(
-        op.schema().name(), " was called on the gradient of the full ", describe(entry),
-        ". fsdp-cpp reduce-scatters that gradient into the parameter's shard, so the full "
-        "parameter's gradient holds nothing. This is what an optimizer or "
-        "torch::nn::utils::clip_grad_norm_ built on model->parameters() does. Fix: build the "
-        "optimizer on the root FSDPModule's parameters() (the shards), clip with "
-        "fsdp::clip_grad_norm_(root, ...), and read gradients from root.named_parameters()"));
-  }
+[[noreturn]] void reject_moved_grad(const c10::OperatorHandle& op, const std::optional<Entry>& e) {
   throw Error(detail::cat(
-      op.schema().name(), " was called on ", describe(entry),
+      op.schema().name(), " was called on the gradient of the full ", describe(e),
+      ". fsdp-cpp reduce-scatters that gradient into the parameter's shard, so the full "
+      "parameter's gradient holds nothing. This is what an optimizer or "
+      "torch::nn::utils::clip_grad_norm_ built on model->parameters() does. Fix: build the "
+      "optimizer on the root FSDPModule's parameters() (the shards), clip with "
+      "fsdp::clip_grad_norm_(root, ...), and read gradients from root.named_parameters()"));
+}
+
+[[noreturn]] void reject_resharded(const c10::OperatorHandle& op, const std::optional<Entry>& e) {
+  auto g = e ? e->group.lock() : nullptr;
+  if (g && g->gathers_on_use())
+    throw Error(detail::cat(
+        op.schema().name(), " was called on ", describe(e),
+        ", whose full storage is freed (resharded). The module is an element sharded by "
+        "fsdp::fully_shard_elements: its parameters are gathered on first use inside a forward "
+        "of the sharded root and kept until that forward's backward ends. Fix: use them only "
+        "inside the root's forward; to read values outside it, use the local shards "
+        "(FSDPModule::named_parameters()), or call unshard() on the element's FSDPModule first "
+        "and reshard() after"));
+  throw Error(detail::cat(
+      op.schema().name(), " was called on ", describe(e),
       ", whose full storage is freed (resharded). A sharded module's full parameters exist only "
       "inside its forward and backward. Fix: call the module through its fsdp::Sharded holder "
       "(block(x), not block->forward(x)) and use its parameters only inside that forward; to read "
@@ -90,9 +85,58 @@ void reject(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       "FSDPModule::parameters(), not on the model's."));
 }
 
+// The guarded tensors among an operator's arguments.
+std::vector<at::Tensor> guarded_arguments(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  std::vector<at::Tensor> out;
+  const size_t n = op.schema().arguments().size();
+  for (const auto& v : torch::jit::last(*stack, n)) {
+    if (v.isTensor() && v.toTensor().unsafeGetTensorImpl()->is_python_dispatch())
+      out.push_back(v.toTensor());
+    if (v.isTensorList())
+      for (const at::Tensor& t : v.toTensorList().vec())
+        if (t.defined() && t.unsafeGetTensorImpl()->is_python_dispatch()) out.push_back(t);
+  }
+  return out;
+}
+
+const thread_local Interceptor* t_interceptor = nullptr;
+
+// The boxed kernel every operator reaches when an argument carries the Python key: a guarded
+// (resharded) parameter, a moved-gradient marker, or a tensor built under deferred_init. The
+// call proceeds only when every such argument has its values: a parameter of a group gathered
+// meanwhile, or of an element group that gathers on use inside the root's forward
+// (fully_shard_elements); anything else throws, naming the parameter and the fix.
+void on_python_key(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (t_interceptor) return (*t_interceptor)(op, stack);
+  const auto args = guarded_arguments(op, stack);
+  for (const at::Tensor& t : args) {
+    const auto entry = find(key_of(t));
+    if (entry && entry->moved_grad) {
+      if (!harmless_on_marker(op)) reject_moved_grad(op, entry);
+      const size_t n = op.schema().arguments().size();
+      at::Tensor self = torch::jit::peek(*stack, 0, n).toTensor();
+      torch::jit::drop(*stack, n);
+      stack->emplace_back(std::move(self));
+      return;
+    }
+    if (!entry && deferred::is_pending(t))
+      throw Error(detail::cat(op.schema().name(),
+                              " was called on a tensor built under "
+                              "fsdp::deferred_init that has no values yet. Fix: call "
+                              "fsdp::materialize(model) (after fully_shard) before using it"));
+    auto g = entry ? entry->group.lock() : nullptr;
+    const bool has_values = g && (g->shard_state() == ShardState::kUnsharded || g->gather_on_use());
+    if (!has_values) reject_resharded(op, entry);
+    compat::set_python_key(t, false);  // a copy of a parameter gathered meanwhile
+  }
+  // Every argument has its values now: the operator runs below this key.
+  c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::Python);
+  op.callBoxed(stack);
+}
+
 void install_once() {
   static std::once_flag once;
-  std::call_once(once, [] { compat::register_for_all_operators_at_python_key(&reject); });
+  std::call_once(once, [] { compat::register_for_all_operators_at_python_key(&on_python_key); });
 }
 
 }  // namespace
@@ -120,6 +164,15 @@ at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Group> group
   entries()[key_of(m)] = Entry{std::move(group), index, /*moved_grad=*/true};
   return m;
 }
+
+void install() { install_once(); }
+
+ScopedInterceptor::ScopedInterceptor(Interceptor f) : fn_(std::move(f)), previous_(t_interceptor) {
+  install_once();
+  t_interceptor = &fn_;
+}
+
+ScopedInterceptor::~ScopedInterceptor() { t_interceptor = previous_; }
 
 void forget_marker(const at::Tensor& t) {
   std::lock_guard<std::mutex> lock(mu());

@@ -12,7 +12,14 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
+#include <vector>
+
+namespace c10 {
+class OperatorHandle;
+struct IValue;
+}  // namespace c10
 
 namespace fsdp::detail {
 class Group;
@@ -31,6 +38,23 @@ void set_active(const at::Tensor& param, bool on);
 // does nothing. The group clears it before the parameter's next forward.
 at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Group> group, size_t index);
 void forget_marker(const at::Tensor& t);  // its group is gone
+
+// While one is installed on a thread, every operator that reaches the Python key on that thread
+// goes to the interceptor instead of the guard (deferred initialisation's recorder, which also
+// includes the key in the thread's dispatch set). Nested scopes restore the previous one.
+using Interceptor = std::function<void(const c10::OperatorHandle&, std::vector<c10::IValue>*)>;
+void install();  // registers the Python-key kernel (once per process)
+class ScopedInterceptor {
+ public:
+  explicit ScopedInterceptor(Interceptor f);
+  ~ScopedInterceptor();
+  ScopedInterceptor(const ScopedInterceptor&) = delete;
+  ScopedInterceptor& operator=(const ScopedInterceptor&) = delete;
+
+ private:
+  Interceptor fn_;
+  const Interceptor* previous_;
+};
 
 }  // namespace guard
 }  // namespace fsdp::detail

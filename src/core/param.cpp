@@ -1,9 +1,11 @@
 #include "core/param.h"
 
 #include <ATen/ATen.h>
+#include <fsdp/error.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "compat.h"
+#include "core/deferred_init.h"
 #include "core/guard.h"
 
 namespace fsdp::detail {
@@ -19,8 +21,13 @@ ParamState::ParamState(std::string name, at::Tensor param, int rank, int world,
   std::vector<int64_t> shape = param_.sizes().vec();
   if (shape.empty()) shape = {1};
   shape[0] = mine;
-  at::Tensor source = param_.detach().reshape({rows_, row_numel_});
-  shard_ = source.narrow(0, row_offset(), mine).reshape(shape).clone();
+  if (deferred::is_pending(param_)) {
+    materialized_ = false;  // values come with materialize(); no operator may touch param_
+    shard_ = at::empty(shape, at::TensorOptions().dtype(param_.scalar_type()));
+  } else {
+    at::Tensor source = param_.detach().reshape({rows_, row_numel_});
+    shard_ = source.narrow(0, row_offset(), mine).reshape(shape).clone();
+  }
   shard_.set_requires_grad(param_.requires_grad());
   if (compute_dtype && *compute_dtype != param_.scalar_type()) {
     // set_data keeps the Variable (the module's registration, autograd identity, version counter)
@@ -31,6 +38,18 @@ ParamState::ParamState(std::string name, at::Tensor param, int rank, int world,
     param_.set_data(at::empty(param_.sizes(), param_.options().dtype(*compute_dtype)));
   }
   if (param_.requires_grad()) acc_ = torch::autograd::impl::grad_accumulator(param_);
+}
+
+void ParamState::materialize(const at::Tensor& full) {
+  FSDP_CHECK(full.sizes() == param_.sizes(), "materialize: '", name_, "' has shape ",
+             param_.sizes(), " but its recorded values have shape ", full.sizes());
+  at::NoGradGuard no_grad;
+  if (shard_.numel() > 0)
+    shard_.detach().copy_(full.detach()
+                              .reshape({rows_, row_numel_})
+                              .narrow(0, row_offset(), rows_of(rank_))
+                              .reshape(shard_.sizes()));
+  materialized_ = true;
 }
 
 int64_t ParamState::rows_of(int rank) const {

@@ -28,6 +28,11 @@ class ParamState {
   ParamState(std::string name, at::Tensor param, int rank, int world,
              std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
+  // A parameter built under fsdp::deferred_init (core/deferred_init.h) has no values yet: its
+  // shard is allocated but unset until materialize() copies in this rank's rows.
+  bool materialized() const { return materialized_; }
+  void materialize(const at::Tensor& full);
+
   const std::string& name() const { return name_; }
   const at::Tensor& param() const { return param_; }
   const at::Tensor& shard() const { return shard_; }
@@ -87,6 +92,7 @@ class ParamState {
   uintptr_t hook_key_ = 0;
   at::Tensor moved_grad_;
   int64_t gathered_version_ = -1;  // the shard's version when last copied into a gather
+  bool materialized_ = true;
 };
 
 }  // namespace fsdp::detail
