@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <fsdp/communicator.h>
 
 namespace fsdp::detail::deferred {
 
@@ -18,9 +19,9 @@ void add_pending(const at::Tensor& t);     // t: storageless, carrying the Pytho
 void remove_pending(const at::Tensor& t);  // materialised (or its recording dropped)
 
 // If `param` is a module parameter that fully_shard manages (it was pending when sharded), copies
-// this rank's rows of `full` (its values, full shape) into the shard and returns true; the full
-// parameter stays without bytes. False for any other tensor. (Implemented in fully_shard.cpp,
-// which owns the parameter registry.)
-bool deliver_to_shard(const at::Tensor& param, const at::Tensor& full);
+// this rank's rows of `full` (its values, full shape) into the shard and returns the ranks that
+// shard it (to compare the values across them); the full parameter stays without bytes. Null for
+// any other tensor. (Implemented in fully_shard.cpp, which owns the parameter registry.)
+Communicator* deliver_to_shard(const at::Tensor& param, const at::Tensor& full);
 
 }  // namespace fsdp::detail::deferred

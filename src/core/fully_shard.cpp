@@ -292,20 +292,20 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
 }
 
 namespace deferred {
-bool deliver_to_shard(const at::Tensor& param, const at::Tensor& full) {
+Communicator* deliver_to_shard(const at::Tensor& param, const at::Tensor& full) {
   auto& reg = registry();
   std::shared_ptr<Group> g;
   {
     std::lock_guard<std::mutex> lock(reg.mu);
     g = Registry::find(reg.params, param.unsafeGetTensorImpl());
   }
-  if (!g) return false;
+  if (!g) return nullptr;
   for (size_t i = 0; i < g->params().size(); ++i)
     if (g->params()[i].param().unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) {
       g->materialize_param(i, full);
-      return true;
+      return &g->comm();
     }
-  return false;
+  return nullptr;
 }
 }  // namespace deferred
 
