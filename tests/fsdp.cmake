@@ -16,3 +16,5 @@ target_include_directories(state_dict_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
 fsdp_add_test(adoption_models_test LABEL adoption PCH torch SOURCES adoption_models_test.cpp
               LIBS fsdp fsdp_models)
 target_include_directories(adoption_models_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
+# Containers: one group per element of Sequential, ModuleList, TransformerEncoder/Decoder.
+fsdp_add_test(containers_test LABEL adoption PCH torch SOURCES containers_test.cpp LIBS fsdp)

@@ -5,6 +5,7 @@
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/clip_grad_norm.h>
 #include <fsdp/communicator.h>
+#include <fsdp/containers.h>
 #include <fsdp/error.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/init.h>

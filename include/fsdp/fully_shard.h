@@ -247,10 +247,12 @@ Archive& operator<<(Archive& archive, const Sharded<Holder>& module) {
 }
 
 namespace detail {
+// `gathers_on_use`: a container element (fsdp/containers.h), owned by the registry until a
+// sharded ancestor absorbs it, then by that ancestor's group.
 FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                             std::shared_ptr<Communicator> comm,
                             std::shared_ptr<Communicator> replicate, const ShardOptions& options,
-                            bool already_attached);
+                            bool already_attached, bool gathers_on_use = false);
 }  // namespace detail
 
 // Shards `module`'s parameters that no sharded descendant manages. Apply bottom-up. The module must

@@ -41,8 +41,8 @@ std::vector<FSDPModule> fully_shard_elements_impl(
   std::vector<FSDPModule> out;
   for (const auto& e : elements) {
     if (e->parameters(/*recurse=*/true).empty()) continue;
-    out.push_back(fully_shard_impl(e, comm, replicate, options, /*already_attached=*/false));
-    out.back().group()->set_gathers_on_use();
+    out.push_back(fully_shard_impl(e, comm, replicate, options, /*already_attached=*/false,
+                                   /*gathers_on_use=*/true));
   }
   return out;
 }

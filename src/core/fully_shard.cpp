@@ -26,6 +26,8 @@ struct Registry {
   std::mutex mu;
   std::unordered_map<const torch::nn::Module*, std::weak_ptr<Group>> modules;
   std::unordered_map<const c10::TensorImpl*, std::weak_ptr<Group>> params;
+  // Container elements (no holder owns their groups) until a sharded ancestor absorbs them.
+  std::vector<std::shared_ptr<Group>> unowned_elements;
 
   template <class K>
   static std::shared_ptr<Group> find(std::unordered_map<const K*, std::weak_ptr<Group>>& m,
@@ -229,6 +231,22 @@ std::shared_ptr<Context> absorb_children(Registry& reg, const ModulePaths& paths
   return context;
 }
 
+// The container elements below `group`'s module that no sharded ancestor owned yet become owned
+// by `group` (they live as long as it). REQUIRES: the registry's lock.
+void adopt_elements(Registry& reg, Group& group) {
+  std::set<const torch::nn::Module*> below;
+  for (const auto& m : group.module()->modules(/*include_self=*/false)) below.insert(m.get());
+  auto& v = reg.unowned_elements;
+  for (auto it = v.begin(); it != v.end();) {
+    if (below.count((*it)->module())) {
+      group.own(*it);
+      it = v.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 // Buffers are replicated: rank 0's values win. Sharded children broadcast their own already.
 void broadcast_own_buffers(Registry& reg, const torch::nn::Module& module, const ModulePaths& paths,
                            Communicator& comm) {
@@ -255,7 +273,7 @@ void broadcast_own_buffers(Registry& reg, const torch::nn::Module& module, const
 FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                             std::shared_ptr<Communicator> comm,
                             std::shared_ptr<Communicator> replicate, const ShardOptions& options,
-                            bool already_attached) {
+                            bool already_attached, bool gathers_on_use) {
   FSDP_CHECK(module != nullptr, "fully_shard: the module is empty (construct it first)");
   FSDP_CHECK(comm != nullptr, "fully_shard: the communicator is null (call init_process_group)");
   const std::string type = module->name();
@@ -281,6 +299,11 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   group->set_context(context);
   context->add(group.get());
   group->attach_hooks();
+  adopt_elements(reg, *group);
+  if (gathers_on_use) {
+    group->set_gathers_on_use();
+    reg.unowned_elements.push_back(group);
+  }
   reg.modules[module.get()] = group;
   for (const auto& p : group->params()) reg.params[p.param().unsafeGetTensorImpl()] = group;
   lock.unlock();

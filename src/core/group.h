@@ -135,6 +135,8 @@ class Group : public std::enable_shared_from_this<Group> {
   // gather_on_use), and stays gathered until the end of that forward's backward (or of the
   // root's forward, without grad mode): nothing marks where its forward or backward ends.
   bool gathers_on_use() const { return on_use_; }
+  // Keeps an element group below this one alive as long as this one (its owner: no holder is).
+  void own(std::shared_ptr<Group> element) { owned_elements_.push_back(std::move(element)); }
   void set_gathers_on_use() { on_use_ = true; }
   // Gathers now and records the use as this group's forward call; false (doing nothing) unless
   // the group gathers on use and a forward of the root is running.
@@ -207,6 +209,9 @@ class Group : public std::enable_shared_from_this<Group> {
   std::vector<std::weak_ptr<torch::autograd::Node>> input_nodes_, output_nodes_;
   bool forwarded_ = false, forwarded_with_grad_ = false;
   int64_t forward_start_us_ = -1, backward_start_us_ = -1;  // open timeline spans
+
+  // Last: destroyed first, while this group's context is still held.
+  std::vector<std::shared_ptr<Group>> owned_elements_;
 };
 
 }  // namespace fsdp::detail
