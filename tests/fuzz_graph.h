@@ -72,6 +72,9 @@ struct Program {
   bool input_requires_grad = false;
   // Settings.
   std::vector<int> child_reshard;  // per block: -1 default, 0 false, 1 true
+  // Per block: sharded as a container element would be (gathered on first use, no holder
+  // interception: fully_shard_elements' mode) rather than through its fsdp::Sharded holder.
+  std::vector<bool> on_use;
   int root_reshard = -1;
   int max_unsharded_groups = 2;
   bool audit = true;
@@ -85,6 +88,8 @@ struct Program {
                     std::to_string(root_reshard) +
                     (eval_forward_before_step ? ", eval forward before step" : "") +
                     (grad_forward_before_step ? ", grad forward without backward" : "");
+    for (size_t b = 0; b < on_use.size(); ++b)
+      if (on_use[b]) s += ", block " + std::to_string(b) + " gathered on use";
     return s;
   }
 };
@@ -125,6 +130,8 @@ inline Program make_program(uint64_t seed, int world) {
   p.audit = pick(4) != 0;
   p.eval_forward_before_step = pick(3) == 0;
   p.grad_forward_before_step = pick(4) == 0;
+  // Drawn last, so that the earlier draws of a seed stay what they were.
+  for (int b = 0; b < blocks; ++b) p.on_use.push_back(pick(3) == 0);
   return p;
 }
 

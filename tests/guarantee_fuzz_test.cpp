@@ -1,8 +1,9 @@
 // The guarantee fuzzer: random graphs over sharded modules (tests/fuzz_graph.h) whose ranks take
 // different paths through the same modules, against the unsharded model in fp64 (the mean of
 // every rank's full gradients, tolerance 1e-9), over two iterations with an SGD step between
-// them, random reshard/prefetch/audit settings, and optional evaluation or grad-only forwards
-// between backward and step.
+// them, random reshard/prefetch/audit settings, blocks gathered on first use (container elements)
+// or through their holder, and optional evaluation or grad-only forwards between backward and
+// step.
 //
 // Many seeds run in one launch of N ranks. A failing seed prints itself ("FUZZ FAILED: seed S
 // world N ..."); rerun just it with FSDP_FUZZ_FIRST_SEED=S FSDP_FUZZ_SEEDS=1. For long runs set
@@ -62,8 +63,16 @@ bool run_seed(Rank& r, uint64_t seed) {
     Net ref(p);
     torch::manual_seed(static_cast<int64_t>(seed));
     fsdp::Sharded<Net> model{Net(p)};
-    for (size_t b = 0; b < model->blocks.size(); ++b)
-      fully_shard(model->blocks[b], r.world(), options_for(p, p.child_reshard[b]));
+    for (size_t b = 0; b < model->blocks.size(); ++b) {
+      if (p.on_use[b]) {
+        // What fully_shard_elements does to each element: the holder stays unattached, so its
+        // calls reach forward directly, and the group gathers on first use.
+        detail::fully_shard_impl(model->blocks[b].ptr(), r.world(), nullptr, options_for(p, -1),
+                                 /*already_attached=*/false, /*gathers_on_use=*/true);
+      } else {
+        fully_shard(model->blocks[b], r.world(), options_for(p, p.child_reshard[b]));
+      }
+    }
     auto root = fully_shard(model, r.world(), options_for(p, p.root_reshard));
     for (int it = 0; it < 2; ++it) {
       auto loss = model(input_for(p, r.rank, it), r.rank);
