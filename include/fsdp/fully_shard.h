@@ -283,7 +283,10 @@ template <class Holder>
 FSDPModule fully_shard(Holder&, std::shared_ptr<Communicator>, const ShardOptions& = {}) {
   static_assert(sizeof(Holder) == 0,
                 "fsdp::fully_shard needs the module declared as fsdp::Sharded<T> (a one-word "
-                "change in the model) so that its forward can be intercepted");
+                "change in the model) so that its forward can be intercepted. For the elements "
+                "of a torch::nn::Sequential or ModuleList, or the layers of a "
+                "TransformerEncoder/Decoder, call fsdp::fully_shard_elements on the container "
+                "(fsdp/containers.h)");
   return {};
 }
 
