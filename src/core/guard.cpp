@@ -127,7 +127,7 @@ void on_python_key(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     auto g = entry ? entry->group.lock() : nullptr;
     const bool has_values = g && (g->shard_state() == ShardState::kUnsharded || g->gather_on_use());
     if (!has_values) reject_resharded(op, entry);
-    compat::set_python_key(t, false);  // a copy of a parameter gathered meanwhile
+    // A shallow copy of a parameter gathered meanwhile keeps its mark: checked again at each use.
   }
   // Every argument has its values now: the operator runs below this key.
   c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::Python);
