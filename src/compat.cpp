@@ -35,7 +35,8 @@ void resize_bytes(const at::Tensor& t, size_t bytes) {
 
 void free_storage(const at::Tensor& t) {
   auto* impl = t.storage().unsafeGetStorageImpl();
-  if (impl->nbytes() == 0) return;
+  // A 0-byte borrowed storage still holds its block's reference: release that too.
+  if (impl->nbytes() == 0 && impl->data_ptr().get() == nullptr) return;
   // resize_bytes_cpu swaps in a fresh (empty) DataPtr: the old bytes are released immediately,
   // and every view sharing this StorageImpl (autograd's saved tensors) sees the swap.
   resize_bytes(t, 0);
@@ -46,6 +47,24 @@ void alloc_storage(const at::Tensor& t) {
   const size_t want = static_cast<size_t>(t.storage_offset() + t.numel()) * t.element_size();
   if (impl->nbytes() == want) return;
   resize_bytes(t, want);
+}
+
+void borrow_storage(const at::Tensor& t, const at::Tensor& block, size_t byte_offset) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  const size_t want = static_cast<size_t>(t.storage_offset() + t.numel()) * t.element_size();
+  c10::StorageImpl* owner = block.storage().unsafeGetStorageImpl();
+  FSDP_CHECK(byte_offset + want <= owner->nbytes() && t.device() == block.device(),
+             "borrow_storage: ", want, " bytes at offset ", byte_offset, " exceed the block of ",
+             owner->nbytes(), " bytes");
+  c10::raw::intrusive_ptr::incref(owner);
+  void* data = static_cast<char*>(owner->data_ptr().get()) + byte_offset;
+  // The DataPtr's context is the block's storage: releasing the DataPtr (free_storage swaps in an
+  // empty one) drops the reference.
+  impl->set_data_ptr_noswap(c10::DataPtr(
+      data, owner,
+      [](void* ctx) { c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(ctx)); },
+      block.device()));
+  impl->set_nbytes(want);
 }
 
 at::Tensor storageless_like(const at::Tensor& t) {

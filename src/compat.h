@@ -29,6 +29,9 @@ namespace fsdp::compat {
 void free_storage(const at::Tensor& t);
 void alloc_storage(const at::Tensor& t);
 bool storage_allocated(const at::Tensor& t);
+// Points t's storage at t's bytes inside `block` from `byte_offset` on, instead of allocating
+// them: t holds a reference to block's storage until free_storage (pooled parameter storage).
+void borrow_storage(const at::Tensor& t, const at::Tensor& block, size_t byte_offset);
 // A tensor of t's shape and dtype with no bytes (guarded markers; never read by a kernel).
 at::Tensor storageless_like(const at::Tensor& t);
 

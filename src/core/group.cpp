@@ -119,6 +119,14 @@ Group::Group(torch::nn::Module* module, std::string type_name, std::vector<Param
     offsets_.push_back(flat_numel_);
     flat_numel_ += p.padded_numel();
   }
+  size_t bytes = 0;
+  for (auto& p : params_) {
+    bytes = (bytes + 63) / 64 * 64;
+    full_offsets_.push_back(bytes);
+    bytes += static_cast<size_t>(p.full_bytes());
+  }
+  const int64_t elem = params_.empty() ? 1 : params_[0].param().element_size();
+  full_block_numel_ = static_cast<int64_t>((bytes + elem - 1) / elem);
   // One dtype per group (check_placement): the full parameters are already in param_dtype.
   if (!params_.empty()) {
     gather_dtype_ = params_[0].param().scalar_type();
@@ -248,7 +256,9 @@ void Group::wait_for_unshard() {
   if (shard_state_ != ShardState::kGathering) return;
   gather_.work.wait();
   auto rows = gather_.recv.view({context_->gather_lane().size(), flat_numel_});
-  for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_out(rows, offsets_[i]);
+  full_block_ = context_->pool().acquire(full_block_numel_, gather_dtype_);
+  for (size_t i = 0; i < params_.size(); ++i)
+    params_[i].copy_out(rows, offsets_[i], full_block_, full_offsets_[i]);
   context_->pool().release(std::move(gather_.recv));
   context_->pool().release(std::move(gather_.send));
   gather_ = PendingGather();
@@ -271,6 +281,9 @@ void Group::reshard() {
   }
   if (shard_state_ != ShardState::kUnsharded) return;
   for (auto& p : params_) p.free_full();
+  // No parameter points into the block any more (free_full dropped their references).
+  context_->pool().release(std::move(full_block_));
+  full_block_ = at::Tensor();
   shard_state_ = ShardState::kSharded;
   context_->on_resharded(this);
   context_->log(this, "reshard: UNSHARDED->SHARDED");

@@ -192,6 +192,12 @@ class Group : public std::enable_shared_from_this<Group> {
   ShardOptions options_;
   int64_t flat_numel_ = 0;
   std::vector<int64_t> offsets_;  // per parameter, into the flat block
+  // The full parameters' storage while gathered: one pooled block (BufferPool), each parameter at
+  // its byte offset (64-byte aligned), so that gathering and resharding reuse the same memory
+  // across groups of equal size and across iterations instead of going through malloc.
+  at::Tensor full_block_;
+  int64_t full_block_numel_ = 0;
+  std::vector<size_t> full_offsets_;
   at::ScalarType gather_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
 
   ShardState shard_state_ = ShardState::kSharded;

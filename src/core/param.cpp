@@ -69,8 +69,9 @@ bool ParamState::shard_changed_since_gather() const {
   return gathered_version_ != static_cast<int64_t>(shard_._version());
 }
 
-void ParamState::copy_out(const at::Tensor& gathered, int64_t offset) {
-  compat::alloc_storage(param_);
+void ParamState::copy_out(const at::Tensor& gathered, int64_t offset, const at::Tensor& block,
+                          size_t byte_offset) {
+  compat::borrow_storage(param_, block, byte_offset);
   guard::set_active(param_, false);
   at::Tensor full = flat_full();
   for (int r = 0; r < world_; ++r) {

@@ -52,10 +52,12 @@ class ParamState {
   // shard's version, so that a later in-place change of the shard (an optimizer step) is seen.
   void copy_in_shard(const at::Tensor& dst);
   bool shard_changed_since_gather() const;
-  // Allocates the full storage (lifting the resharded-parameter guard) and fills it from the
-  // gathered flat buffer `gathered` (world, S), taking columns [offset, offset + padded_numel) of
-  // each rank's row.
-  void copy_out(const at::Tensor& gathered, int64_t offset);
+  // Gives the full parameter its storage at `byte_offset` in `block` (the group's pooled block
+  // of full parameters; lifting the resharded-parameter guard) and fills it from the gathered
+  // flat buffer `gathered` (world, S), taking columns [offset, offset + padded_numel) of each
+  // rank's row.
+  void copy_out(const at::Tensor& gathered, int64_t offset, const at::Tensor& block,
+                size_t byte_offset);
   void free_full();  // frees the full storage and guards the parameter (core/guard.h)
   bool full_allocated() const;
 
