@@ -150,10 +150,11 @@ TEST(Containers, SequentialTrainsLikeUnshardedWorld3) { sequential_trains(3); }
 TEST(Containers, ModuleListOfBlocksWithRankDependentPaths) {
   const int world = 2;
   run_ranks(world, [&](Rank& r) {
-    // Rank 0's inputs are positive, rank 1's negative: each uses a different Linear per block.
+    // The ranks' inputs have opposite signs, which swap at every step: each rank uses a
+    // different Linear of the same block, and a Linear used at one step is unused at the next.
     auto batch = [](int rank, int step) {
       torch::manual_seed(200 + 10 * step + rank);
-      auto x = torch::rand({4, 8}, torch::kDouble) * (rank == 0 ? 1.0 : -1.0);
+      auto x = torch::rand({4, 8}, torch::kDouble) * ((rank + step) % 2 == 0 ? 1.0 : -1.0);
       return std::make_pair(x, torch::randn({4, 3}, torch::kDouble));
     };
     torch::manual_seed(0);

@@ -91,7 +91,9 @@ bool ParamState::full_allocated() const { return compat::storage_allocated(param
 void ParamState::pack_grad(const at::Tensor& send, int64_t offset) {
   // Writes every element of this parameter's columns (`send` is not zero-initialised): the
   // gradient's rows, zeros for padding, all zeros when there is no gradient (frozen or unused).
-  at::Tensor g = trainable() ? param_.grad() : at::Tensor();
+  // The marker means the last gradient was handed over already and nothing accumulated since
+  // (the parameter got no gradient in this backward): zeros, like an undefined gradient.
+  at::Tensor g = trainable() && !grad_is_marker() ? param_.grad() : at::Tensor();
   at::Tensor flat = g.defined() ? g.reshape({-1}) : at::Tensor();
   for (int r = 0; r < world_; ++r) {
     const int64_t n = g.defined() ? rows_of(r) * row_numel_ : 0;
