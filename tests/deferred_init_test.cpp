@@ -40,6 +40,7 @@ void expect_same_values(const Named& want, const Named& got) {
     ASSERT_EQ(want[i].first, got[i].first);
     EXPECT_TRUE(got[i].second.storage().nbytes() > 0 || got[i].second.numel() == 0)
         << got[i].first << " has no bytes";
+    EXPECT_EQ(want[i].second.scalar_type(), got[i].second.scalar_type()) << got[i].first;
     EXPECT_TRUE(torch::equal(want[i].second, got[i].second)) << got[i].first;
   }
 }
@@ -189,6 +190,18 @@ TEST(DeferredInit, UnshardedModelsEqualEagerIncludingBuffers) {
     auto lazy = fsdp::deferred_init([] { return std::make_shared<TiedImpl>(); });
     const auto report = fsdp::materialize(lazy);
     EXPECT_EQ(report.tensors, 4);  // view, lin.weight (= tied), lin.bias, table
+    expect_same_values(named_tensors(*eager, true), named_tensors(*lazy, true));
+    // Module::to inside the build (set_data onto a converted copy) is recorded too.
+    torch::manual_seed(8);
+    eager = std::make_shared<TiedImpl>();
+    eager->to(torch::kDouble);
+    torch::manual_seed(8);
+    lazy = fsdp::deferred_init([] {
+      auto m = std::make_shared<TiedImpl>();
+      m->to(torch::kDouble);
+      return m;
+    });
+    fsdp::materialize(lazy);
     expect_same_values(named_tensors(*eager, true), named_tensors(*lazy, true));
   }
   // The GPT too (no buffers), unsharded.

@@ -63,6 +63,15 @@ c10::TypePtr unwrap_optional(c10::TypePtr t) {
   if (auto o = t->cast<c10::OptionalType>()) return o->getElementType();
   return t;
 }
+// Whether an operator returns tensors (a factory, when it takes none).
+bool returns_tensors(const c10::FunctionSchema& s) {
+  for (const auto& r : s.returns()) {
+    auto t = unwrap_optional(r.type());
+    if (auto l = t->cast<c10::ListType>()) t = unwrap_optional(l->getElementType());
+    if (t->kind() == c10::TypeKind::TensorType) return true;
+  }
+  return false;
+}
 bool is_device_arg(const c10::Argument& a) {
   return unwrap_optional(a.type())->kind() == c10::TypeKind::DeviceObjType;
 }
@@ -182,7 +191,7 @@ void Recorder::on_operator(const c10::OperatorHandle& op, Stack* stack) {
       refs.push_back(r);
     });
   if (refs.empty()) {
-    if (!any_tensor && !schema.returns().empty()) return factory(op, stack, args);
+    if (!any_tensor && returns_tensors(schema)) return factory(op, stack, args);
     op.callBoxed(stack);
     return;
   }
