@@ -147,6 +147,8 @@ std::string first_line(const char* what) {
 
 }  // namespace
 
+struct Call;
+
 class Recorder {
  public:
   explicit Recorder(Recording& rec) : rec_(rec) {}
@@ -155,7 +157,11 @@ class Recorder {
  private:
   void factory(const c10::OperatorHandle& op, Stack* stack, const Stack& args);
   void on_values(const c10::OperatorHandle& op, Stack* stack, const Stack& args,
-                 std::vector<TensorRef> refs, const std::vector<at::Tensor>& others);
+                 std::vector<TensorRef> refs);
+  Stack stand_ins(Call& call);
+  void run_on_meta(const Call& call, Stack& meta);
+  Stack results_of(const Call& call, const Stack& meta, Step& step);
+  void record(Call& call, Step step);
   void check_devices_and_generators(const c10::FunctionSchema& s, Stack& meta_args);
   int64_t new_value(const at::Tensor& meta_out, at::Tensor* pending);
   std::string describe(const c10::OperatorHandle& op) const { return op.schema().name(); }
@@ -170,7 +176,6 @@ void Recorder::on_operator(const c10::OperatorHandle& op, Stack* stack) {
   const Stack args(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
   bool any_tensor = false;
   std::vector<TensorRef> refs;
-  std::vector<at::Tensor> others;  // ordinary tensor arguments
   for (size_t i = 0; i < n; ++i)
     for_each_tensor(args[i], [&](const at::Tensor& t, int64_t element) {
       any_tensor = true;
@@ -180,8 +185,7 @@ void Recorder::on_operator(const c10::OperatorHandle& op, Stack* stack) {
                    " was called on a tensor that this deferred_init did not build (a sharded "
                    "module's parameter, or a tensor of another deferred_init call). Fix: build "
                    "the whole model inside one deferred_init and use only its own tensors there");
-        others.push_back(t);
-        return;
+        return;  // an ordinary tensor
       }
       TensorRef r = rec_.ref_of(t, v);
       r.position = i;
@@ -203,7 +207,7 @@ void Recorder::on_operator(const c10::OperatorHandle& op, Stack* stack) {
   FSDP_CHECK(!unsupported().count(schema.name()), "deferred_init: ", describe(op),
              " on a tensor built under fsdp::deferred_init is not supported (it replaces the "
              "tensor's storage). Fix: create the tensor with its final shape");
-  on_values(op, stack, args, std::move(refs), others);
+  on_values(op, stack, args, std::move(refs));
 }
 
 void Recorder::check_devices_and_generators(const c10::FunctionSchema& s, Stack& meta_args) {
@@ -276,66 +280,96 @@ void Recorder::factory(const c10::OperatorHandle& op, Stack* stack, const Stack&
   for (auto& r : results) stack->push_back(std::move(r));
 }
 
+// One call of an operator with values among its arguments.
+struct Call {
+  const c10::OperatorHandle& op;
+  const Stack& args;
+  std::vector<TensorRef> refs;
+  std::vector<at::Tensor> meta_ref;    // per ref: its meta stand-in
+  std::vector<at::Tensor> meta_other;  // stand-ins of ordinary tensor arguments
+  const std::string& name() const { return op.schema().name(); }
+  at::Tensor argument(const TensorRef& r) const {
+    const c10::IValue& a = args[r.position];
+    if (r.element < 0) return a.toTensor();
+    return a.isTensorList() ? a.toTensorList().get(r.element)
+                            : a.toList().get(r.element).toTensor();
+  }
+};
+
 void Recorder::on_values(const c10::OperatorHandle& op, Stack* stack, const Stack& args,
-                         std::vector<TensorRef> refs, const std::vector<at::Tensor>& others) {
-  const auto& schema = op.schema();
-  const std::string& name = schema.name();
-  // Stand-ins: meta aliases of the values (fresh per call, so that metadata changes stay local)
-  // and meta copies of ordinary tensors.
-  Stack meta = args;
-  std::vector<at::Tensor> meta_ref(refs.size()), meta_other;
+                         std::vector<TensorRef> refs) {
+  Call call{op, args, std::move(refs), {}, {}};
+  Stack meta = stand_ins(call);
+  run_on_meta(call, meta);
+  Step step(op);
+  Stack results = results_of(call, meta, step);
+  record(call, std::move(step));
+  torch::jit::drop(*stack, args.size());
+  for (auto& r : results) stack->push_back(std::move(r));
+}
+
+// The arguments with meta stand-ins: meta aliases of the values (new per call, so that metadata
+// changes stay local) and meta copies of ordinary tensors.
+Stack Recorder::stand_ins(Call& call) {
+  const auto& schema = call.op.schema();
+  Stack meta = call.args;
+  call.meta_ref.resize(call.refs.size());
   size_t k = 0;
-  for (size_t i = 0; i < args.size(); ++i) {
+  for (size_t i = 0; i < call.args.size(); ++i) {
     const auto* alias = schema.arguments()[i].alias_info();
-    for_each_tensor(args[i], [&](const at::Tensor& t, int64_t element) {
+    for_each_tensor(call.args[i], [&](const at::Tensor& t, int64_t element) {
+      const auto& refs = call.refs;
       if (k < refs.size() && refs[k].position == i && refs[k].element == element) {
-        meta_ref[k] = meta_alias(rec_.values[refs[k].value], refs[k]);
-        meta[i] = with_tensor(meta[i], element, meta_ref[k]);
+        call.meta_ref[k] = meta_alias(rec_.values[refs[k].value], refs[k]);
+        meta[i] = with_tensor(meta[i], element, call.meta_ref[k]);
         ++k;
         return;
       }
-      FSDP_CHECK(!(alias && alias->isWrite()), "deferred_init: ", name,
+      FSDP_CHECK(!(alias && alias->isWrite()), "deferred_init: ", call.name(),
                  " would write values computed from tensors built under deferred_init into a "
                  "tensor built outside it, which deferred_init cannot defer. Fix: create that "
                  "tensor inside the build too");
-      meta_other.push_back(meta_copy(t));
-      meta[i] = with_tensor(meta[i], element, meta_other.back());
+      call.meta_other.push_back(meta_copy(t));
+      meta[i] = with_tensor(meta[i], element, call.meta_other.back());
     });
   }
   check_devices_and_generators(schema, meta);
-  const auto& rets = schema.returns();
-  const bool in_place = refs[0].position == 0 && refs[0].element < 0 && refs[0].written &&
+  return meta;
+}
+
+void Recorder::run_on_meta(const Call& call, Stack& meta) {
+  const auto& rets = call.op.schema().returns();
+  const auto& first = call.refs[0];
+  const bool in_place = first.position == 0 && first.element < 0 && first.written &&
                         rets.size() == 1 && rets[0].alias_info() && rets[0].alias_info()->isWrite();
   try {
-    op.callBoxed(&meta);
+    call.op.callBoxed(&meta);
   } catch (const c10::Error& e) {
     // An in-place operator's result is its argument: its shape needs no meta kernel.
     if (!in_place)
-      throw Error(detail::cat("deferred_init: ", name, " has no meta kernel in this LibTorch (",
-                              first_line(e.what()),
+      throw Error(detail::cat("deferred_init: ", call.name(),
+                              " has no meta kernel in this LibTorch (", first_line(e.what()),
                               "), so the shape of its result cannot be known without values. "
                               "Fix: apply it after fsdp::materialize"));
-    meta = {c10::IValue(meta_ref[0])};
+    meta = {c10::IValue(call.meta_ref[0])};
   }
+}
 
-  Step step(op);
-  auto result_tensor = [&](const at::Tensor& m, std::vector<int64_t>& fresh) -> at::Tensor {
+// The CPU results for the meta results: an argument (in-place, out=), a view of an argument's
+// value, or a new value (listed in step.fresh).
+Stack Recorder::results_of(const Call& call, const Stack& meta, Step& step) {
+  auto result = [&](const at::Tensor& m, std::vector<int64_t>& fresh) -> at::Tensor {
     if (!m.defined()) return m;
-    for (size_t j = 0; j < refs.size(); ++j) {
-      const at::Tensor arg =
-          refs[j].element < 0
-              ? args[refs[j].position].toTensor()
-              : (args[refs[j].position].isTensorList()
-                     ? args[refs[j].position].toTensorList().get(refs[j].element)
-                     : args[refs[j].position].toList().get(refs[j].element).toTensor());
-      if (m.unsafeGetTensorImpl() == meta_ref[j].unsafeGetTensorImpl()) return arg;
-      if (m.is_alias_of(meta_ref[j])) {
-        const c10::Storage s = arg.storage();
-        return make_pending(m, &s);  // a view of the argument's value
+    for (size_t j = 0; j < call.refs.size(); ++j) {
+      if (m.unsafeGetTensorImpl() == call.meta_ref[j].unsafeGetTensorImpl())
+        return call.argument(call.refs[j]);
+      if (m.is_alias_of(call.meta_ref[j])) {
+        const c10::Storage s = call.argument(call.refs[j]).storage();
+        return make_pending(m, &s);
       }
     }
-    for (const auto& o : meta_other)
-      FSDP_CHECK(!m.is_alias_of(o), "deferred_init: ", name,
+    for (const auto& o : call.meta_other)
+      FSDP_CHECK(!m.is_alias_of(o), "deferred_init: ", call.name(),
                  " returns a view of a tensor built outside deferred_init while it also takes "
                  "tensors built inside, which deferred_init does not support");
     at::Tensor p;
@@ -343,56 +377,60 @@ void Recorder::on_values(const c10::OperatorHandle& op, Stack* stack, const Stac
     return p;
   };
   Stack results;
-  bool any_fresh = false;
   for (const auto& r : meta) {
     std::vector<int64_t> fresh;
     if (r.isTensor()) {
-      results.emplace_back(result_tensor(r.toTensor(), fresh));
+      results.emplace_back(result(r.toTensor(), fresh));
     } else if (r.isTensorList()) {
       c10::List<at::Tensor> out;
-      for (const at::Tensor& m : r.toTensorList().vec()) out.push_back(result_tensor(m, fresh));
+      for (const at::Tensor& m : r.toTensorList().vec()) out.push_back(result(m, fresh));
       results.emplace_back(std::move(out));
     } else {
       results.push_back(r);
     }
-    any_fresh = any_fresh || !fresh.empty();
     step.fresh.push_back(std::move(fresh));
   }
+  return results;
+}
 
-  bool writes = false;
-  for (const auto& r : refs) writes = writes || r.written;
-  if (metadata_only().count(name)) {
-    // Not recorded (no bytes change); the argument takes the stand-in's new sizes and strides.
-    for (size_t j = 0; j < refs.size(); ++j)
-      if (refs[j].written && refs[j].element < 0)
-        args[refs[j].position].toTensor().unsafeGetTensorImpl()->set_sizes_and_strides(
-            meta_ref[j].sizes(), meta_ref[j].strides(), meta_ref[j].storage_offset());
-  } else if (writes || any_fresh) {
-    step.args = args;
-    for (const auto& r : refs)
-      step.args[r.position] = with_tensor(step.args[r.position], r.element, at::Tensor());
-    // Ordinary tensors are copied: the user may change them before materialize.
-    at::NoGradGuard no_grad;
-    for (auto& a : step.args)
-      for_each_tensor(a, [&](const at::Tensor& t, int64_t element) {
-        at::Tensor c = t.detach().clone();
-        if (t.unsafeGetTensorImpl()->is_wrapped_number())
-          c.unsafeGetTensorImpl()->set_wrapped_number(true);
-        a = with_tensor(a, element, c);
-      });
-    if (overwriting().count(name))
-      for (const auto& r : refs) {
-        bool read_elsewhere = false;
-        for (const auto& o : refs)
-          read_elsewhere = read_elsewhere || (o.value == r.value && !o.written);
-        if (r.written && r.whole && r.element < 0 && !read_elsewhere)
-          step.overwritten.push_back(r.value);
-      }
-    step.refs = std::move(refs);
-    rec_.steps.push_back(std::move(step));
+// Keeps the step when it writes bytes or creates values; views and metadata changes need none.
+void Recorder::record(Call& call, Step step) {
+  bool writes = false, creates = false;
+  for (const auto& r : call.refs) writes = writes || r.written;
+  for (const auto& f : step.fresh) creates = creates || !f.empty();
+  if (metadata_only().count(call.name())) {
+    // No bytes change; the argument takes its stand-in's new sizes and strides.
+    for (size_t j = 0; j < call.refs.size(); ++j)
+      if (call.refs[j].written && call.refs[j].element < 0)
+        call.argument(call.refs[j])
+            .unsafeGetTensorImpl()
+            ->set_sizes_and_strides(call.meta_ref[j].sizes(), call.meta_ref[j].strides(),
+                                    call.meta_ref[j].storage_offset());
+    return;
   }
-  torch::jit::drop(*stack, args.size());
-  for (auto& r : results) stack->push_back(std::move(r));
+  if (!writes && !creates) return;
+  step.args = call.args;
+  for (const auto& r : call.refs)
+    step.args[r.position] = with_tensor(step.args[r.position], r.element, at::Tensor());
+  // Ordinary tensors are copied: the user may change them before materialize.
+  at::NoGradGuard no_grad;
+  for (auto& a : step.args)
+    for_each_tensor(a, [&](const at::Tensor& t, int64_t element) {
+      at::Tensor c = t.detach().clone();
+      if (t.unsafeGetTensorImpl()->is_wrapped_number())
+        c.unsafeGetTensorImpl()->set_wrapped_number(true);
+      a = with_tensor(a, element, c);
+    });
+  if (overwriting().count(call.name()))
+    for (const auto& r : call.refs) {
+      bool read_elsewhere = false;
+      for (const auto& o : call.refs)
+        read_elsewhere = read_elsewhere || (o.value == r.value && !o.written);
+      if (r.written && r.whole && r.element < 0 && !read_elsewhere)
+        step.overwritten.push_back(r.value);
+    }
+  step.refs = std::move(call.refs);
+  rec_.steps.push_back(std::move(step));
 }
 
 // ---------------------------------------------------------------------------------------------
