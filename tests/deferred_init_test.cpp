@@ -465,6 +465,12 @@ TEST(DeferredInit, UnsupportedBuildsFailByName) {
       {"aten::randn", "draws from its own generator", "default CPU generator"});
   expect_error([] { fsdp::deferred_init([] { fsdp::deferred_init([] {}); }); },
                {"called inside another deferred_init's build"});
+  auto gpt = deferred_gpt(tiny_gpt(), 2);
+  expect_error([&] { fsdp::materialize(gpt->blocks[0]); },
+               {"also built tensors outside it",
+                "call materialize on the module deferred_init "
+                "returned"});
+  fsdp::materialize(gpt);  // still possible, whole
   auto built = fsdp::deferred_init([] { return torch::nn::Linear(2, 2); });
   expect_error([&] { fsdp::deferred_init([&] { return built->weight * 2; }); },
                {"aten::mul", "a tensor that this deferred_init did not build"});

@@ -321,6 +321,15 @@ MaterializeReport materialize(torch::nn::Module& model) {
   FSDP_CHECK(rec != nullptr, "materialize(", model.name(),
              "): no parameter or buffer of this module waits for values from fsdp::deferred_init "
              "(it was built eagerly, or materialised already)");
+  for (const auto& k : rec->known) {
+    const auto t = k.tensor.lock();
+    FSDP_CHECK(!t || seen.count(t.get()) || !is_pending(at::Tensor(t)), "materialize(",
+               model.name(),
+               "): the deferred_init that built this module also built tensors outside it (",
+               rec->known.size(),
+               " parameters and buffers in all), which would never get their "
+               "values. Fix: call materialize on the module deferred_init returned");
+  }
   forget_recording(*rec);  // once: a second call finds nothing to do and says so
   return Replay(*rec, std::move(targets)).run();
 }
