@@ -236,6 +236,13 @@ void check_sharded_values(Rank& r) {
     EXPECT_EQ(report.sharded, report.tensors);
     expect_rows(named_tensors(*eager, false), root.named_parameters(), r.rank, r.size);
   }
+  {  // materialised before fully_shard: an ordinary model by then
+    auto eager = eager_gpt(cfg, 24);
+    auto lazy = deferred_gpt(cfg, 24);
+    EXPECT_EQ(fsdp::materialize(lazy).sharded, 0);
+    auto root = fsdp::models::shard_gpt(lazy, r.world());
+    expect_rows(named_tensors(*eager, false), root.named_parameters(), r.rank, r.size);
+  }
   {  // mixed precision gives the full parameters a bf16 storage at fully_shard: shards stay fp32
     ShardOptions bf16;
     bf16.mixed_precision.param_dtype = torch::kBFloat16;
