@@ -204,6 +204,31 @@ TEST(DeferredInit, UnshardedModelsEqualEagerIncludingBuffers) {
     fsdp::materialize(lazy);
     expect_same_values(named_tensors(*eager, true), named_tensors(*lazy, true));
   }
+  {  // torch::nn::init's functions (orthogonal_: QR and sign on a random matrix; dirac_, eye_)
+    struct InitsImpl : torch::nn::Module {
+      InitsImpl() {
+        namespace init = torch::nn::init;
+        torch::NoGradGuard no_grad;
+        auto add = [&](const char* name, std::vector<int64_t> shape) {
+          return register_parameter(name, torch::empty(shape));
+        };
+        init::xavier_uniform_(add("xu", {5, 7}));
+        init::xavier_normal_(add("xn", {7, 5}));
+        init::kaiming_normal_(add("kn", {4, 3, 2, 2}), 0.1, torch::kFanOut);
+        init::orthogonal_(add("orth", {6, 4}), 0.5);
+        init::dirac_(add("dirac", {3, 3, 3}));
+        init::eye_(add("eye", {4, 6}));
+        init::constant_(add("const", {3}), 0.75);
+        register_buffer("perm", torch::randperm(9));  // no meta kernel in 1.13
+      }
+    };
+    torch::manual_seed(13);
+    auto eager = std::make_shared<InitsImpl>();
+    torch::manual_seed(13);
+    auto lazy = fsdp::deferred_init([] { return std::make_shared<InitsImpl>(); });
+    fsdp::materialize(lazy);
+    expect_same_values(named_tensors(*eager, true), named_tensors(*lazy, true));
+  }
   // The GPT too (no buffers), unsharded.
   auto eager = eager_gpt(tiny_gpt(), 5);
   auto lazy = deferred_gpt(tiny_gpt(), 5);
@@ -433,6 +458,12 @@ TEST(DeferredInit, HostReadsInsideBuildFail) {
   expect_error(
       [] { fsdp::deferred_init([] { return torch::equal(torch::ones({2}), torch::ones({2})); }); },
       {"aten::equal", "reads the values"});
+  // torch::nn::init::sparse_ indexes with a 0-d tensor it creates, which reads it (item()).
+  expect_error(
+      [] {
+        fsdp::deferred_init([] { return torch::nn::init::sparse_(torch::empty({4, 3}), 0.5); });
+      },
+      {"aten::_local_scalar_dense", "reads the values"});
   // Nothing was left marked: an eager tensor afterwards works.
   EXPECT_EQ(torch::ones({2}).sum().item<float>(), 2.0f);
 }

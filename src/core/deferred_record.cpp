@@ -54,6 +54,13 @@ const std::set<std::string>& overwriting() {
                                        "aten::geometric_",   "aten::bernoulli_"};
   return s;
 }
+// Operators without a meta kernel in LibTorch 1.13 that return new tensors whose shapes depend
+// only on their arguments' shapes (torch::nn::init::orthogonal_ uses diag): their results' shapes
+// come from a run on zero-filled CPU stand-ins.
+const std::set<std::string>& shape_only_without_meta() {
+  static const std::set<std::string> s{"aten::diag"};
+  return s;
+}
 const std::set<std::string>& unsupported() {
   static const std::set<std::string> s{"aten::resize_", "aten::resize_as_", "aten::set_"};
   return s;
@@ -140,6 +147,18 @@ at::Tensor meta_copy(const at::Tensor& t) {
   return m;
 }
 
+at::Tensor generator_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_generator_state(const at::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
 std::string first_line(const char* what) {
   std::string s = what;
   return s.substr(0, s.find('\n'));
@@ -160,6 +179,7 @@ class Recorder {
                  std::vector<TensorRef> refs);
   Stack stand_ins(Call& call);
   void run_on_meta(const Call& call, Stack& meta);
+  Stack shapes_on_cpu(const Call& call);
   Stack results_of(const Call& call, const Stack& meta, Step& step);
   void record(Call& call, Step step);
   void check_devices_and_generators(const c10::FunctionSchema& s, Stack& meta_args);
@@ -254,10 +274,15 @@ void Recorder::factory(const c10::OperatorHandle& op, Stack* stack, const Stack&
   check_devices_and_generators(schema, meta);
   try {
     op.callBoxed(&meta);
-  } catch (const c10::Error& e) {
-    throw Error(detail::cat("deferred_init: ", describe(op), " cannot run on the meta device (",
-                            first_line(e.what()),
-                            "). Fix: create that tensor outside deferred_init"));
+  } catch (const c10::Error&) {
+    // No meta kernel (randperm in 1.13): a factory's result shape depends only on its arguments,
+    // so run it on the CPU once, with the generator put back, and keep only the shape.
+    meta = args;
+    const at::Tensor state = generator_state();
+    op.callBoxed(&meta);
+    set_generator_state(state);
+    for (auto& r : meta)
+      if (r.isTensor() && r.toTensor().defined()) r = meta_copy(r.toTensor());
   }
   Step step(op);
   step.args = args;
@@ -345,6 +370,10 @@ void Recorder::run_on_meta(const Call& call, Stack& meta) {
   try {
     call.op.callBoxed(&meta);
   } catch (const c10::Error& e) {
+    if (shape_only_without_meta().count(call.name())) {
+      meta = shapes_on_cpu(call);
+      return;
+    }
     // An in-place operator's result is its argument: its shape needs no meta kernel.
     if (!in_place)
       throw Error(detail::cat("deferred_init: ", call.name(),
@@ -353,6 +382,21 @@ void Recorder::run_on_meta(const Call& call, Stack& meta) {
                               "Fix: apply it after fsdp::materialize"));
     meta = {c10::IValue(call.meta_ref[0])};
   }
+}
+
+// The results of a shape_only_without_meta operator, as meta tensors.
+Stack Recorder::shapes_on_cpu(const Call& call) {
+  Stack cpu = call.args;
+  for (size_t k = 0; k < call.refs.size(); ++k) {
+    const auto& m = call.meta_ref[k];
+    at::Tensor z = at::zeros(m.sizes(), at::TensorOptions().dtype(m.scalar_type()));
+    if (call.refs[k].wrapped) z.unsafeGetTensorImpl()->set_wrapped_number(true);
+    cpu[call.refs[k].position] = with_tensor(cpu[call.refs[k].position], call.refs[k].element, z);
+  }
+  call.op.callBoxed(&cpu);
+  for (auto& r : cpu)
+    if (r.isTensor() && r.toTensor().defined()) r = meta_copy(r.toTensor());
+  return cpu;
 }
 
 // The CPU results for the meta results: an argument (in-place, out=), a view of an argument's
@@ -438,12 +482,6 @@ void Recorder::record(Call& call, Step step) {
 // ---------------------------------------------------------------------------------------------
 namespace {
 thread_local bool t_recording = false;
-
-at::Tensor generator_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
 }  // namespace
 
 struct RecordingScope::State {
