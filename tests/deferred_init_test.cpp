@@ -396,16 +396,22 @@ double gpt_build_peak_mb(bool deferred) {
     fsdp::memory::trim();
     const double before = fsdp::memory::current_rss_mb();
     fsdp::memory::reset_peak_rss();
+    std::string detail;
     if (deferred) {
       auto lazy = deferred_gpt(cfg, 9);
-      fsdp::models::shard_gpt(lazy, r.world());
-      fsdp::materialize(lazy);
+      auto root = fsdp::models::shard_gpt(lazy, r.world());
+      const auto report = fsdp::materialize(lazy);
+      int64_t shards = 0;
+      for (const auto& s : root.parameters()) shards += s.nbytes();
+      detail = detail::cat(" shards_mb ", shards / 1048576.0, " peak_live_mb ",
+                           report.peak_live_bytes / 1048576.0, " largest_parameter_mb ",
+                           report.largest_tensor_bytes / 1048576.0);
     } else {
       auto eager = eager_gpt(cfg, 9);
       fsdp::models::shard_gpt(eager, r.world());
     }
     std::cout << "peak_rss_growth_mb " << fsdp::memory::peak_rss_mb() - before << " layers "
-              << cfg.n_layer << " width " << cfg.n_embd << "\n";
+              << cfg.n_layer << " width " << cfg.n_embd << detail << "\n";
   });
   double peak = 0;
   for (const auto& out : result.output) {
