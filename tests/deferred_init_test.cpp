@@ -9,6 +9,7 @@
 #include <fsdp/models/gpt.h>
 #include <malloc.h>
 
+#include <array>
 #include <cmath>
 #include <iostream>
 #include <random>
@@ -74,6 +75,9 @@ fsdp::Sharded<GPT> deferred_gpt(const GPTConfig& cfg, uint64_t seed) {
 // ---------------------------------------------------------------------------------------------
 // Generated models: random layers, then random custom init over every parameter.
 // ---------------------------------------------------------------------------------------------
+constexpr int kInitKinds = 11;
+std::array<int, kInitKinds> init_kinds_used{};  // how often each custom init ran (eager + deferred)
+
 struct GenNetImpl : torch::nn::Module {
   GenNetImpl(uint64_t seed, bool with_buffers, const torch::Tensor& outside) {
     namespace nn = torch::nn;
@@ -115,7 +119,9 @@ struct GenNetImpl : torch::nn::Module {
     auto pick = [&](int n) { return static_cast<int64_t>(g() % static_cast<uint64_t>(n)); };
     const double x = 0.1 + 0.1 * static_cast<double>(pick(9));
     const int64_t rows = p.dim() == 0 ? 1 : p.size(0);
-    switch (pick(10)) {
+    const int64_t kind = pick(kInitKinds);
+    ++init_kinds_used[kind];
+    switch (kind) {
       case 0:
         p.normal_(x, 0.5);
         break;
@@ -144,6 +150,12 @@ struct GenNetImpl : torch::nn::Module {
       case 8:
         p.add_(outside);
         break;  // reads a tensor built outside deferred_init
+      case 9:   // index tensors built inside: index_fill_, index_put_ (a list of optional tensors)
+        if (p.dim() >= 1) {
+          p.index_fill_(0, torch::arange(0, rows, 2), x);
+          p.index_put_({torch::arange(1, rows, 2)}, torch::full({}, -x));
+        }
+        break;
       default:
         if (p.dim() >= 1) p.select(0, rows - 1).uniform_(0, x);
     }
@@ -173,6 +185,7 @@ TEST(DeferredInit, UnshardedModelsEqualEagerIncludingBuffers) {
     EXPECT_EQ(report.tensors, static_cast<int64_t>(named_tensors(*eager, true).size()));
     expect_same_values(named_tensors(*eager, true), named_tensors(*lazy, true));
   }
+  for (int k = 0; k < kInitKinds; ++k) EXPECT_GT(init_kinds_used[k], 0) << "custom init " << k;
   {  // A parameter that is a view, one registered twice (tied), a buffer from an init list.
     struct TiedImpl : torch::nn::Module {
       TiedImpl() {
