@@ -15,7 +15,6 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <fsdp/deferred_init.h>
 #include <fsdp/error.h>
-#include <torch/nn/module.h>
 
 #include <optional>
 #include <set>
@@ -145,18 +144,6 @@ at::Tensor meta_copy(const at::Tensor& t) {
   if (t.unsafeGetTensorImpl()->is_wrapped_number())
     m.unsafeGetTensorImpl()->set_wrapped_number(true);
   return m;
-}
-
-at::Tensor generator_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-void set_generator_state(const at::Tensor& state) {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
 }
 
 std::string first_line(const char* what) {
@@ -477,80 +464,21 @@ void Recorder::record(Call& call, Step step) {
   rec_.steps.push_back(std::move(step));
 }
 
-// ---------------------------------------------------------------------------------------------
-// RecordingScope
-// ---------------------------------------------------------------------------------------------
-namespace {
-thread_local bool t_recording = false;
-}  // namespace
-
-struct RecordingScope::State {
-  std::shared_ptr<Recording> rec = std::make_shared<Recording>();
-  Recorder recorder{*rec};
-  std::optional<guard::ScopedInterceptor> interceptor;
-  std::optional<c10::impl::IncludeDispatchKeyGuard> include;
-  bool kept = false;
-
-  void stop() {
-    include.reset();
-    interceptor.reset();
-    t_recording = false;
-  }
-};
-
-RecordingScope::RecordingScope() {
-  FSDP_CHECK(!t_recording,
-             "deferred_init: called inside another deferred_init's build. Fix: build the whole "
-             "model in one deferred_init call");
-  state_ = std::make_unique<State>();
-  state_->rec->generator_state = generator_state();
-  Recorder* r = &state_->recorder;
-  state_->interceptor.emplace(
-      [r](const c10::OperatorHandle& op, Stack* stack) { r->on_operator(op, stack); });
-  state_->include.emplace(c10::DispatchKey::Python);  // factories reach the recorder too
-  t_recording = true;
+guard::Interceptor make_recorder(Recording& rec) {
+  auto r = std::make_shared<Recorder>(rec);
+  return [r](const c10::OperatorHandle& op, Stack* stack) { r->on_operator(op, stack); };
 }
 
-RecordingScope::~RecordingScope() {
-  if (!state_) return;
-  if (t_recording && state_->include) state_->stop();
-  if (!state_->kept) drop_recording(*state_->rec);
+at::Tensor generator_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
 }
 
-void RecordingScope::run(const std::function<void()>& build) {
-  try {
-    build();
-  } catch (const c10::Error& e) {
-    const std::string what = e.what();
-    if (what.find("data is not allocated yet") == std::string::npos) throw;
-    throw Error(
-        "deferred_init: the build read the bytes of a tensor built under fsdp::deferred_init "
-        "(data_ptr, an accessor, printing), but deferred_init records operators without "
-        "running them, so there are no bytes yet. Fix: move the read after fsdp::materialize, "
-        "or compute it from tensors built outside deferred_init");
-  }
-}
-
-void RecordingScope::finish(const torch::nn::Module* model) {
-  state_->stop();
-  FSDP_CHECK(generator_state().equal(state_->rec->generator_state),
-             "deferred_init: the random generator's state changed during the build outside the "
-             "recorded operators (torch::manual_seed inside the build, or a random operator on a "
-             "tensor built outside it), so materialize could not replay the draws in order. Fix: "
-             "seed before deferred_init, and draw only into tensors the build creates");
-  auto& rec = *state_->rec;
-  if (model) {
-    auto keep = [&](const at::Tensor& t) {
-      const int64_t v = rec.value_of(t);
-      if (v < 0) return;
-      rec.known.push_back(Recording::Known{
-          c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), rec.ref_of(t, v)});
-    };
-    for (const auto& p : model->named_parameters(/*recurse=*/true)) keep(p.value());
-    for (const auto& b : model->named_buffers(/*recurse=*/true)) keep(b.value());
-  }
-  add_recording(state_->rec);
-  state_->kept = true;
+void set_generator_state(const at::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
 }
 
 }  // namespace fsdp::detail::deferred

@@ -19,6 +19,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/guard.h"
+
 namespace torch::nn {
 class Module;
 }
@@ -86,6 +88,12 @@ struct Recording {
   int64_t value_of(const at::Tensor& t) const;
   TensorRef ref_of(const at::Tensor& t, int64_t value) const;
 };
+
+// The interceptor that records operators into `rec` (core/deferred_record.cpp).
+guard::Interceptor make_recorder(Recording& rec);
+// The default CPU generator's state, under its mutex.
+at::Tensor generator_state();
+void set_generator_state(const at::Tensor& state);
 
 // Live recordings (built, not yet materialised).
 void add_recording(std::shared_ptr<Recording> r);

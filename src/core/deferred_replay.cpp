@@ -10,7 +10,6 @@
 // value right after its last step: so the GPT's kaiming_uniform_ runs on scratch, init_weights'
 // normal_ fills the weight, and the weight goes to its shard before the next parameter is made.
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <fsdp/deferred_init.h>
 #include <fsdp/error.h>
@@ -287,11 +286,7 @@ MaterializeReport Replay::run() {
   c10::impl::ExcludeDispatchKeyGuard no_python(c10::DispatchKey::Python);
   at::NoGradGuard no_grad;
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rec_.generator_state);
-  }
+  set_generator_state(rec_.generator_state);
   for (size_t k = 0; k < rec_.steps.size(); ++k) run_step(k);
   check_agreement();
   return report_;
