@@ -22,8 +22,7 @@
 // data_ptr, accessor, indexing with a 0-d tensor built there as torch::nn::init::sparse_ does)
 // throws naming the operator; a tensor built outside `build` may be read by it but not written
 // with recorded values; the whole model must come from one deferred_init call and be
-// materialised as a whole; buffers of modules that fully_shard manages are not supported yet
-// (fully_shard broadcasts them before they have values).
+// materialised as a whole.
 // Thread-safety: deferred_init records the calling thread's operators; materialize is a
 // collective (a checksum per tensor compared with rank 0's) when the model is sharded.
 #pragma once

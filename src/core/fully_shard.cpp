@@ -254,7 +254,9 @@ void broadcast_own_buffers(Registry& reg, const torch::nn::Module& module, const
     bool in_child = false;
     for (const auto& [m, path] : paths.path_of)
       if (Registry::find(reg.modules, m) && item.key().rfind(path + ".", 0) == 0) in_child = true;
-    if (in_child || !item.value().defined()) continue;
+    // A buffer built under deferred_init has no values yet: materialize fills it (and compares
+    // it across ranks).
+    if (in_child || !item.value().defined() || deferred::is_pending(item.value())) continue;
     at::Tensor b = item.value();
     at::Tensor wire = b.scalar_type() == at::kBool ? b.view(at::kByte) : b;
     if (wire.is_contiguous()) {

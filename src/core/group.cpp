@@ -232,12 +232,16 @@ bool Group::materialized() const {
   return true;
 }
 
-void Group::unshard() {
-  if (shard_state_ != ShardState::kSharded) return;
+void Group::check_materialized() const {
   FSDP_CHECK(materialized(), "sharded module '", name_, "' (", type_name_,
              ") was built under fsdp::deferred_init and has no values yet. Fix: call "
              "fsdp::materialize(model) after fully_shard and before the first forward (or "
              "unshard, state dict or checkpoint save)");
+}
+
+void Group::unshard() {
+  if (shard_state_ != ShardState::kSharded) return;
+  check_materialized();
   auto& lane = context_->gather_lane();
   auto& pool = context_->pool();
   const auto dtype = gather_dtype_;
@@ -306,6 +310,7 @@ void Group::begin_iteration() {
 }
 
 void Group::pre_forward() {
+  check_materialized();  // before any state changes: the module stays usable after the error
   state_before_forward_ = training_state_;
   transition(TrainingState::kForward,
              {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});

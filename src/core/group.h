@@ -98,6 +98,7 @@ class Group : public std::enable_shared_from_this<Group> {
   // Deferred initialisation: parameter i's values (full shape); its shard takes this rank's rows.
   void materialize_param(size_t i, const at::Tensor& full);
   bool materialized() const;
+  void check_materialized() const;  // throws naming fsdp::materialize
 
   // ---- storage (FSDP2 order: unshard, wait_for_unshard, reshard) ----
   // Issues the all-gather unless gathered (with current shards) or in flight.

@@ -125,6 +125,7 @@ void on_python_key(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                               "fsdp::deferred_init that has no values yet. Fix: call "
                               "fsdp::materialize(model) (after fully_shard) before using it"));
     auto g = entry ? entry->group.lock() : nullptr;
+    if (g) g->check_materialized();  // sharded before its values came: name materialize
     const bool has_values = g && (g->shard_state() == ShardState::kUnsharded || g->gather_on_use());
     if (!has_values) reject_resharded(op, entry);
     // A shallow copy of a parameter gathered meanwhile keeps its mark: checked again at each use.
