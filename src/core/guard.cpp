@@ -66,23 +66,22 @@ bool harmless_on_marker(const c10::OperatorHandle& op) {
 
 [[noreturn]] void reject_resharded(const c10::OperatorHandle& op, const std::optional<Entry>& e) {
   auto g = e ? e->group.lock() : nullptr;
+  const std::string what = detail::cat(op.schema().name(), " was called on ", describe(e),
+                                       ", whose full storage is freed (resharded). ");
   if (g && g->gathers_on_use())
-    throw Error(detail::cat(
-        op.schema().name(), " was called on ", describe(e),
-        ", whose full storage is freed (resharded). The module is an element sharded by "
-        "fsdp::fully_shard_elements: its parameters are gathered on first use inside a forward "
-        "of the sharded root and kept until that forward's backward ends. Fix: use them only "
-        "inside the root's forward; to read values outside it, use the local shards "
-        "(FSDPModule::named_parameters()), or call unshard() on the element's FSDPModule first "
-        "and reshard() after"));
-  throw Error(detail::cat(
-      op.schema().name(), " was called on ", describe(e),
-      ", whose full storage is freed (resharded). A sharded module's full parameters exist only "
-      "inside its forward and backward. Fix: call the module through its fsdp::Sharded holder "
-      "(block(x), not block->forward(x)) and use its parameters only inside that forward; to read "
-      "values outside it, use the local shards (FSDPModule::named_parameters()), or call unshard() "
-      "on the module's FSDPModule first and reshard() after; build the optimizer on "
-      "FSDPModule::parameters(), not on the model's."));
+    throw Error(what +
+                "The module is an element sharded by fsdp::fully_shard_elements: its parameters "
+                "are gathered on first use inside a forward of the sharded root and kept until "
+                "that forward's backward ends. Fix: use them only inside the root's forward; to "
+                "read values outside it, use the local shards (FSDPModule::named_parameters()), "
+                "or call unshard() on the element's FSDPModule first and reshard() after");
+  throw Error(what +
+              "A sharded module's full parameters exist only inside its forward and backward. "
+              "Fix: call the module through its fsdp::Sharded holder (block(x), not "
+              "block->forward(x)) and use its parameters only inside that forward; to read values "
+              "outside it, use the local shards (FSDPModule::named_parameters()), or call "
+              "unshard() on the module's FSDPModule first and reshard() after; build the "
+              "optimizer on FSDPModule::parameters(), not on the model's.");
 }
 
 // The guarded tensors among an operator's arguments.
