@@ -2,7 +2,9 @@
 # Debian 12 machine (missing packages are installed by scripts/setup.sh).
 BUILD   ?= build
 JOBS    ?= $(shell nproc)
-CTEST_J ?= 2
+# Three tests at a time on two cores: many tests mostly wait (process start-up, timeouts, the
+# consumer's second build), so a third slot shortens the suite without slowing the others much.
+CTEST_J ?= 3
 
 .PHONY: all setup setup-test configure build run test sanitize fuzz format clean
 
