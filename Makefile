@@ -2,9 +2,7 @@
 # Debian 12 machine (missing packages are installed by scripts/setup.sh).
 BUILD   ?= build
 JOBS    ?= $(shell nproc)
-# Three tests at a time on two cores: many tests mostly wait (process start-up, timeouts, the
-# consumer's second build), so a third slot shortens the suite without slowing the others much.
-CTEST_J ?= 3
+CTEST_J ?= 2
 
 .PHONY: all setup setup-test configure build run test sanitize fuzz format clean
 
