@@ -334,7 +334,7 @@ std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
 }
 
 namespace {
-std::string rank_list(const std::vector<int>& ranks) {
+std::string bracketed_ranks(const std::vector<int>& ranks) {
   std::string s = "[";
   for (size_t i = 0; i < ranks.size(); ++i) s += (i ? "," : "") + std::to_string(ranks[i]);
   return s + "]";
@@ -345,13 +345,13 @@ std::shared_ptr<Communicator> Communicator::subgroup(const std::string& name,
                                                      const std::vector<int>& ranks) {
   auto me = std::find(ranks.begin(), ranks.end(), rank_);
   FSDP_CHECK(me != ranks.end(), "subgroup '", name, "': this rank (", rank_,
-             ") is not in the list ", rank_list(ranks),
+             ") is not in the list ", bracketed_ranks(ranks),
              "; only the ranks of a subgroup may create it");
   for (size_t i = 0; i < ranks.size(); ++i)
     FSDP_CHECK(ranks[i] >= 0 && ranks[i] < size_ && (i == 0 || ranks[i] > ranks[i - 1]),
-               "subgroup '", name, "': ranks ", rank_list(ranks),
+               "subgroup '", name, "': ranks ", bracketed_ranks(ranks),
                " must be ascending ranks of the ", size_, "-rank communicator '", name_, "'");
-  std::string prefix = detail::cat(name_, "/", name, rank_list(ranks), "#", splits_++);
+  std::string prefix = detail::cat(name_, "/", name, bracketed_ranks(ranks), "#", splits_++);
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
   const int sub_rank = static_cast<int>(me - ranks.begin());
   const int sub_size = static_cast<int>(ranks.size());

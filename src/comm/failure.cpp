@@ -17,12 +17,6 @@ bool process_alive(int64_t pid) {
   return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH;
 }
 
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-  return s;
-}
-
 std::string seconds(double s) {
   std::ostringstream os;
   os.precision(s < 10 ? 2 : 3);
@@ -117,6 +111,12 @@ std::string describe_failure(const std::string& what, const std::string& cause, 
       break;
   }
   return cat(out, " [", cause, "]");
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
 }
 
 }  // namespace fsdp::detail

@@ -38,6 +38,9 @@ std::string describe_failure(const std::string& what, const std::string& cause, 
                              std::chrono::milliseconds timeout, const std::vector<PeerInfo>& peers,
                              int self, const std::function<bool(int64_t pid)>& alive = nullptr);
 
+// "rank 3" or "ranks 1, 2" for failure messages.
+std::string rank_list(const std::vector<int>& ranks);
+
 // This host's name (gethostname), as PeerInfo::host holds it.
 std::string this_host();
 

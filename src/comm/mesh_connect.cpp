@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "compat.h"
+#include "failure.h"
 
 namespace fsdp::detail {
 namespace {
@@ -15,12 +16,6 @@ namespace {
 std::string first_line(std::string s) {
   s = s.substr(0, s.find('\n'));
   while (!s.empty() && (s.back() == '.' || s.back() == ' ')) s.pop_back();
-  return s;
-}
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
   return s;
 }
 
