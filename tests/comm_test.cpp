@@ -183,8 +183,8 @@ at::Tensor order_sensitive_values(int64_t n, uint64_t seed, at::ScalarType t) {
 
 // From three ranks on, reduce-scatter exchanges chunks point to point and sums each chunk in rank
 // order as it arrives (src/comm/ring_reduce_scatter.h): bitwise the plain alltoall + sum's result
-// (FSDP_REDUCE_SCATTER=alltoall) for every dtype, both ops and sizes from one element to many
-// chunks of several pieces (the last one short). The reverse-order check shows the data would
+// (FSDP_REDUCE_SCATTER=alltoall) for every dtype, both ops and sizes from one element to more
+// chunks than are received ahead (the last one short). The reverse-order check shows the data would
 // expose a different summation order.
 class RankOrderReduceScatterTest : public ::testing::TestWithParam<int> {};
 
@@ -194,7 +194,10 @@ TEST_P(RankOrderReduceScatterTest, BitwiseEqualToAlltoallThenSum) {
     const int ws = c->size();
     bool order_visible = false;
     for (at::ScalarType t : kDtypes) {
-      for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1031}, int64_t{70001}, int64_t{600000}}) {
+      // 1200001: more chunks (5 fp32, 10 fp64) than the exchange receives ahead (kWindowChunks),
+      // so chunk slots are received into again.
+      for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1031}, int64_t{70001}, int64_t{600000},
+                        int64_t{1200001}}) {
         std::vector<at::Tensor> blocks;
         at::Tensor mine;
         for (int q = 0; q < ws; ++q) {

@@ -277,8 +277,9 @@ TEST(FullyShard, DebugLogsOneLinePerHookEvent) {
   RunOptions o;
   o.env["FSDP_DEBUG"] = "1";
   auto res = run_ranks(
-      1,
+      2,
       [](Rank& r) {
+        torch::manual_seed(0);
         fsdp::Sharded<Plain> m{Plain()};
         fully_shard(m->a, r.world());
         fully_shard(m, r.world());

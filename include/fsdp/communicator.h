@@ -100,7 +100,8 @@ class Communicator {
   // output = op over ranks of input[rank * n : (rank + 1) * n]. Low-precision data is summed in
   // fp32.
   // `scratch` (optional, same size and dtype as input, contiguous) receives the exchanged blocks;
-  // without it a buffer is allocated per call.
+  // without it a buffer is allocated per call: the whole exchange for the plain alltoall path
+  // (FSDP_REDUCE_SCATTER=alltoall), a few chunks for the pipelined paths on CPU.
   Work reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
                       const at::Tensor& scratch = {});
   // In place, all ranks end with the reduction.
@@ -148,6 +149,7 @@ class Communicator {
   std::map<std::string, std::shared_ptr<Communicator>> lanes_;
   std::shared_ptr<CommStats> stats_ = std::make_shared<CommStats>();
   std::unique_ptr<detail::RingReduceScatter> ring_;  // reduce_scatter's pipelined ring, lazily
+  std::unique_ptr<detail::RingReduceScatter> gather_p2p_;  // all_gather's direct exchange, lazily
   std::shared_ptr<const std::vector<PeerInfo>> peers_ = std::make_shared<std::vector<PeerInfo>>();
 };
 

@@ -3,6 +3,7 @@
 #include <fsdp/trace.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -206,6 +207,18 @@ Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, 
   return Work(std::move(impl));
 }
 
+namespace {
+// FSDP_ALL_GATHER: "direct" (point to point, the default on CPU) or "collective" (the backend's
+// allgather); read at every call, so that fsdp-bench --comm can compare them in one process.
+bool direct_all_gather(const at::Tensor& output) {
+  const char* env = std::getenv("FSDP_ALL_GATHER");
+  const std::string choice = env && *env ? env : "direct";
+  FSDP_CHECK(choice == "direct" || choice == "collective", "FSDP_ALL_GATHER='", choice,
+             "' is not one of direct, collective");
+  return choice == "direct" && (!output.defined() || output.is_cpu());
+}
+}  // namespace
+
 Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
   check_supported(output, "all_gather", "output");
   check_supported(input, "all_gather", "input");
@@ -223,6 +236,14 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
   auto out = as_wire(output.view({-1}), backend_);
   auto in = as_wire(input.view({-1}), backend_);
   stats_->bytes_sent += nbytes(input) * (size_ - 1);
+  if (direct_all_gather(output)) {
+    // Its own worker (all-gathers do not queue behind reduce-scatters) and its own tags.
+    if (!gather_p2p_)
+      gather_p2p_ =
+          std::make_unique<detail::RingReduceScatter>(pg_, detail::RingReduceScatter::kTagRange);
+    return make_work({gather_p2p_->run_all_gather(out, in, timeout_)}, "all_gather", nbytes(output),
+                     nullptr);
+  }
   return make_work({compat::all_gather_flat(*pg_, out, in)}, "all_gather", nbytes(output), nullptr);
 }
 
@@ -250,31 +271,31 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
     finish_sum(input);
     return make_work({}, "reduce_scatter", nbytes(input), nullptr);
   }
-  at::Tensor received;
   if (scratch.defined()) {
     check_supported(scratch, "reduce_scatter", "scratch");
     check_same_dtype(scratch, input, "reduce_scatter");
     FSDP_CHECK(scratch.numel() == input.numel(), "reduce_scatter: scratch has ", scratch.numel(),
                " elements but the input has ", input.numel(), "; they must match");
-    received = scratch.view({-1});
-  } else {
-    received = at::empty_like(input.view({-1}));
   }
   using Algorithm = detail::RingReduceScatter::Algorithm;
   if (const auto algorithm = detail::RingReduceScatter::choose(input, ws)) {
-    // Point-to-point, pipelined: the sums overlap the transfer.
+    // Point-to-point, pipelined: the sums overlap the transfer, and only a few chunks are ever
+    // received ahead of them (a caller's scratch is used when given, else a small one).
+    const at::Tensor window = scratch.defined() ? scratch.view({-1}) : at::Tensor();
     if (!ring_) ring_ = std::make_unique<detail::RingReduceScatter>(pg_);
     stats_->bytes_sent += nbytes(output) * (ws - 1);
     if (*algorithm == Algorithm::kRankOrder) {
-      return make_work({ring_->run_rank_order(output.view({-1}), input.view({-1}), received,
+      return make_work({ring_->run_rank_order(output.view({-1}), input.view({-1}), window,
                                               op == ReduceOp::kAvg, timeout_)},
                        "reduce_scatter", nbytes(input), nullptr);
     }
-    return make_work({ring_->run(output.view({-1}), input.view({-1}), received, timeout_)},
+    return make_work({ring_->run(output.view({-1}), input.view({-1}), window, timeout_)},
                      "reduce_scatter", nbytes(input), [output, op, ws] {
                        if (op == ReduceOp::kAvg) output.div_(ws);
                      });
   }
+  const at::Tensor received =
+      scratch.defined() ? scratch.view({-1}) : at::empty_like(input.view({-1}));
   auto work = compat::exchange_blocks(*pg_, as_wire(received, backend_),
                                       as_wire(input.view({-1}), backend_));
   stats_->bytes_sent += nbytes(output) * (ws - 1);

@@ -17,7 +17,7 @@ namespace {
 // for completion callbacks (the communicator's trace spans).
 class RingWork : public c10d::Work {
  public:
-  RingWork() : c10d::Work(-1, c10d::OpType::REDUCE_SCATTER) {}
+  explicit RingWork(c10d::OpType op) : c10d::Work(-1, op) {}
   void complete(std::exception_ptr error) {
     finish(error);
     if (error) {
@@ -44,8 +44,19 @@ void add_into(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 // Tags: 2^18 rings in flight before reuse, 4096 (step, piece) pairs per ring.
-constexpr int kTagsPerRing = 4096;
+constexpr int kTagsPerRing = static_cast<int>(RingReduceScatter::kTagsPerJob);
 constexpr uint32_t kRingTagSpace = 1u << 18;
+
+// The rank-order exchange's chunk, in elements of a block of n: at most kMaxPieceBytes, at least
+// kMinPiecesPerStep chunks of at least kMinPieceBytes, within the tag space.
+int64_t rank_order_chunk(int64_t n, int64_t element_size) {
+  using R = RingReduceScatter;
+  const int64_t block_bytes = n * element_size;
+  const int64_t wanted = std::max((block_bytes + R::kMaxPieceBytes - 1) / R::kMaxPieceBytes,
+                                  std::min(R::kMinPiecesPerStep, block_bytes / R::kMinPieceBytes));
+  const int64_t count = std::clamp<int64_t>(wanted, 1, kTagsPerRing);
+  return std::max<int64_t>(1, (n + count - 1) / count);
+}
 
 }  // namespace
 
@@ -56,10 +67,13 @@ struct RingReduceScatter::Job {
   c10::intrusive_ptr<RingWork> work;
   Algorithm algorithm = Algorithm::kRing;
   bool average = false;  // kRankOrder: divide by the world size as the alltoall path does
+  // kAllGather: piece i of peer j lands in into[j][i]; from `pieces` (else input) to every peer.
+  std::vector<std::vector<at::Tensor>> into;
+  std::vector<at::Tensor> pieces;
 };
 
-RingReduceScatter::RingReduceScatter(c10::intrusive_ptr<c10d::ProcessGroup> pg)
-    : pg_(std::move(pg)) {}
+RingReduceScatter::RingReduceScatter(c10::intrusive_ptr<c10d::ProcessGroup> pg, int tag_offset)
+    : pg_(std::move(pg)), tag_offset_(tag_offset) {}
 
 RingReduceScatter::~RingReduceScatter() {
   {
@@ -68,6 +82,12 @@ RingReduceScatter::~RingReduceScatter() {
   }
   cv_.notify_all();
   if (worker_.joinable()) worker_.join();
+}
+
+int64_t RingReduceScatter::rank_order_scratch_numel(int64_t n, int world, int64_t element_size) {
+  const int64_t chunk = rank_order_chunk(n, element_size);
+  const int64_t chunks = n == 0 ? 0 : (n + chunk - 1) / chunk;
+  return std::min<int64_t>(chunks, kWindowChunks) * world * chunk;
 }
 
 bool RingReduceScatter::supports(const at::Tensor& input, int world) {
@@ -103,7 +123,8 @@ c10::intrusive_ptr<c10d::Work> RingReduceScatter::run(const at::Tensor& output,
   const int64_t ws = pg_->getSize(), n = output.numel();
   FSDP_CHECK(input.numel() == ws * n, "ring reduce_scatter: input has ", input.numel(),
              " elements, expected ", ws * n);
-  Job job{output, input, scratch, timeout, 0, c10::make_intrusive<RingWork>()};
+  Job job{output,  input, scratch,
+          timeout, 0,     c10::make_intrusive<RingWork>(c10d::OpType::REDUCE_SCATTER)};
   if (!job.scratch.defined() || job.scratch.numel() < (ws - 2) * n)
     job.scratch = at::empty({std::max<int64_t>(ws - 2, 0) * n}, input.options());
   return enqueue(std::move(job));
@@ -115,16 +136,52 @@ c10::intrusive_ptr<c10d::Work> RingReduceScatter::run_rank_order(
   const int64_t ws = pg_->getSize(), n = output.numel();
   FSDP_CHECK(input.numel() == ws * n, "rank-order reduce_scatter: input has ", input.numel(),
              " elements, expected ", ws * n);
-  Job job{output, input, scratch, timeout, 0, c10::make_intrusive<RingWork>()};
+  Job job{output,  input, scratch,
+          timeout, 0,     c10::make_intrusive<RingWork>(c10d::OpType::REDUCE_SCATTER)};
   job.algorithm = Algorithm::kRankOrder;
   job.average = average;
-  if (!job.scratch.defined() || job.scratch.numel() < ws * n)
-    job.scratch = at::empty({ws * n}, input.options());
+  const int64_t need = rank_order_scratch_numel(n, ws, input.element_size());
+  if (!job.scratch.defined() || job.scratch.numel() < need)
+    job.scratch = at::empty({need}, input.options());
+  return enqueue(std::move(job));
+}
+
+c10::intrusive_ptr<c10d::Work> RingReduceScatter::run_all_gather(
+    const at::Tensor& output, const at::Tensor& input, std::chrono::milliseconds timeout) {
+  const int ws = pg_->getSize();
+  const int64_t n = input.numel();
+  FSDP_CHECK(output.numel() == ws * n, "direct all_gather: output has ", output.numel(),
+             " elements, expected ", ws * n);
+  std::vector<std::vector<at::Tensor>> into(ws);
+  for (int j = 0; j < ws; ++j) into[j].push_back(output.narrow(0, j * n, n));
+  into[pg_->getRank()][0].copy_(input);
+  return run_all_gather_pieces(std::move(into), {input}, timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> RingReduceScatter::run_all_gather_pieces(
+    std::vector<std::vector<at::Tensor>> outputs, std::vector<at::Tensor> inputs,
+    std::chrono::milliseconds timeout) {
+  FSDP_CHECK(inputs.size() <= kTagsPerJob, "all_gather of ", inputs.size(), " pieces: at most ",
+             kTagsPerJob, " fit one collective");
+  FSDP_CHECK(outputs.size() == static_cast<size_t>(pg_->getSize()),
+             "all_gather pieces: one output list per rank expected");
+  for (const auto& row : outputs)
+    FSDP_CHECK(row.size() == inputs.size(), "all_gather pieces: ", row.size(),
+               " outputs for a rank but ", inputs.size(), " inputs");
+  Job job{at::Tensor(),
+          at::Tensor(),
+          at::Tensor(),
+          timeout,
+          0,
+          c10::make_intrusive<RingWork>(c10d::OpType::ALLGATHER)};
+  job.algorithm = Algorithm::kAllGather;
+  job.into = std::move(outputs);
+  job.pieces = std::move(inputs);
   return enqueue(std::move(job));
 }
 
 c10::intrusive_ptr<c10d::Work> RingReduceScatter::enqueue(Job job) {
-  job.tag_base = static_cast<int>(rings_++ % kRingTagSpace) * kTagsPerRing;
+  job.tag_base = tag_offset_ + static_cast<int>(rings_++ % kRingTagSpace) * kTagsPerRing;
   auto work = job.work;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -155,8 +212,10 @@ void RingReduceScatter::worker_loop() {
     try {
       if (job.algorithm == Algorithm::kRing) {
         reduce(job);
-      } else {
+      } else if (job.algorithm == Algorithm::kRankOrder) {
         reduce_rank_order(job);
+      } else {
+        all_gather(job);
       }
       job.work->complete(nullptr);
     } catch (...) {
@@ -217,52 +276,76 @@ void RingReduceScatter::reduce(Job& job) {
   for (auto& w : sends) wait(w);
 }
 
+void RingReduceScatter::all_gather(Job& job) {
+  const int ws = pg_->getSize(), r = pg_->getRank();
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (int d = 1; d < ws; ++d) {  // from r-1, r-2, ... and to r+1, r+2, ...: no common first peer
+    const int from = (r - d + ws) % ws, to = (r + d) % ws;
+    for (size_t i = 0; i < job.pieces.size(); ++i) {
+      const int tag = job.tag_base + static_cast<int>(i);
+      if (job.into[from][i].numel() > 0) {
+        std::vector<at::Tensor> t{job.into[from][i]};
+        works.push_back(pg_->recv(t, from, tag));
+      }
+      if (job.pieces[i].numel() > 0) {
+        std::vector<at::Tensor> t{job.pieces[i]};
+        works.push_back(pg_->send(t, to, tag));
+      }
+    }
+  }
+  for (auto& w : works) w->wait(job.timeout);
+}
+
 void RingReduceScatter::reduce_rank_order(Job& job) {
   const int ws = pg_->getSize(), r = pg_->getRank();
   const int64_t n = job.output.numel();
   if (n == 0) return;
-  // Chunks as the ring's pieces: at most kMaxPieceBytes of each block, at least kMinPiecesPerStep
-  // of at least kMinPieceBytes, within the tag space.
-  const int64_t block_bytes = n * job.input.element_size();
-  const int64_t wanted = std::max((block_bytes + kMaxPieceBytes - 1) / kMaxPieceBytes,
-                                  std::min(kMinPiecesPerStep, block_bytes / kMinPieceBytes));
-  const int64_t count = std::clamp<int64_t>(wanted, 1, kTagsPerRing);
-  const int64_t chunk = (n + count - 1) / count;
+  const int64_t chunk = rank_order_chunk(n, job.input.element_size());
   const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t window = std::min<int64_t>(chunks, kWindowChunks);
   auto cols = [&](int64_t k) { return std::make_pair(k * chunk, std::min(chunk, n - k * chunk)); };
-  const at::Tensor blocks = job.scratch.narrow(0, 0, ws * n).view({ws, n});  // (N, n), row j from j
-  auto piece = [&](const at::Tensor& flat_block, int64_t k) {
+  // Chunk k from every rank lands in slot k % window: (N, chunk), row j from rank j. The slot is
+  // received into again (chunk k + window) once chunk k is summed.
+  const at::Tensor slots = job.scratch.narrow(0, 0, window * ws * chunk).view({window, ws, chunk});
+  auto landing = [&](int64_t k, int j) {
+    return slots[k % window][j].narrow(0, 0, cols(k).second);
+  };
+  auto mine_for = [&](int j, int64_t k) {
     const auto [off, len] = cols(k);
-    return flat_block.narrow(0, off, len);
+    return job.input.narrow(0, j * n + off, len);
   };
   auto wait = [&](const c10::intrusive_ptr<c10d::Work>& w) { w->wait(job.timeout); };
 
-  // recvs[k * ws + j]: chunk k of the block from rank j. Sends go to r+1, r+2, ... so that every
-  // rank does not start with the same peer.
+  // recvs[k * ws + j]: chunk k of the block from rank j, posted `window` chunks ahead. Sends are
+  // all posted up front (Gloo moves a send once its receive is posted) and go to r+1, r+2, ... so
+  // that every rank does not start with the same peer.
   std::vector<c10::intrusive_ptr<c10d::Work>> recvs(chunks * ws), sends;
-  for (int64_t k = 0; k < chunks; ++k) {
+  auto post_recvs = [&](int64_t k) {
     for (int j = 0; j < ws; ++j) {
       if (j == r) continue;
-      std::vector<at::Tensor> t{piece(blocks[j], k)};
+      std::vector<at::Tensor> t{landing(k, j)};
       recvs[k * ws + j] = pg_->recv(t, j, job.tag_base + static_cast<int>(k));
     }
+  };
+  for (int64_t k = 0; k < window; ++k) post_recvs(k);
+  for (int64_t k = 0; k < chunks; ++k)
     for (int i = 1; i < ws; ++i) {
       const int j = (r + i) % ws;
-      std::vector<at::Tensor> t{piece(job.input.narrow(0, j * n, n), k)};
+      std::vector<at::Tensor> t{mine_for(j, k)};
       sends.push_back(pg_->send(t, j, job.tag_base + static_cast<int>(k)));
     }
-  }
   const bool low = job.input.scalar_type() == at::kHalf || job.input.scalar_type() == at::kBFloat16;
   for (int64_t k = 0; k < chunks; ++k) {
     const auto [off, len] = cols(k);
-    piece(blocks[r], k).copy_(piece(job.input.narrow(0, r * n, n), k));
+    landing(k, r).copy_(mine_for(r, k));
     for (int j = 0; j < ws; ++j)
       if (j != r) wait(recvs[k * ws + j]);
     // The alltoall path's finish, on these columns: (N, len) summed over the ranks in order.
-    const at::Tensor b = blocks.narrow(1, off, len);
+    const at::Tensor b = slots[k % window].narrow(1, 0, len);
     at::Tensor sum = low ? b.to(at::kFloat).sum(0) : b.sum(0);
     if (job.average) sum.div_(ws);
     job.output.narrow(0, off, len).copy_(sum);
+    if (k + window < chunks) post_recvs(k + window);
   }
   for (auto& w : sends) wait(w);
 }

@@ -33,6 +33,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <vector>
 
 namespace c10d {
 class ProcessGroup;
@@ -48,8 +49,14 @@ class RingReduceScatter {
   static constexpr int64_t kMaxPieceBytes = 1 << 20;
   static constexpr int64_t kMinPieceBytes = 64 << 10;
   static constexpr int64_t kMinPiecesPerStep = 4;
+  // The rank-order exchange receives at most this many chunks ahead of its sums: its scratch is
+  // kWindowChunks x N chunks (a few MiB), not the whole (N, n) exchange.
+  static constexpr int64_t kWindowChunks = 4;
 
-  explicit RingReduceScatter(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+  // `tag_offset`: the first point-to-point tag this instance uses (instances on one process group
+  // need disjoint ranges: kTagRange tags each).
+  static constexpr int kTagRange = 1 << 30;
+  explicit RingReduceScatter(c10::intrusive_ptr<c10d::ProcessGroup> pg, int tag_offset = 0);
   // Rings already running finish (each bounded by its timeout); queued ones fail.
   ~RingReduceScatter();
   RingReduceScatter(const RingReduceScatter&) = delete;
@@ -68,6 +75,7 @@ class RingReduceScatter {
   enum class Algorithm {
     kRing,       // the pipelined ring: fp32/fp64 at two ranks (supports())
     kRankOrder,  // the chunked exchange summed in rank order: any CPU dtype, any world size
+    kAllGather,  // run_all_gather and run_all_gather_pieces
   };
   // The algorithm the communicator uses for `input` on `world` (>= 2) ranks; nullopt: none (the
   // plain alltoall + sum at wait). FSDP_REDUCE_SCATTER chooses instead of the default ("auto": the
@@ -82,13 +90,31 @@ class RingReduceScatter {
   c10::intrusive_ptr<c10d::Work> run(const at::Tensor& output, const at::Tensor& input,
                                      const at::Tensor& scratch, std::chrono::milliseconds timeout);
 
-  // REQUIRES: CPU tensors of one dtype, output (n), input (N*n) and scratch (N*n, or undefined:
-  // allocated) flat and contiguous. output = (sum over ranks r = 0..N-1 of block `rank` of rank
+  // Elements of the scratch run_rank_order needs for blocks of n elements on `world` ranks.
+  static int64_t rank_order_scratch_numel(int64_t n, int world, int64_t element_size);
+
+  // REQUIRES: CPU tensors of one dtype, output (n), input (N*n) and scratch (at least
+  // rank_order_scratch_numel, or undefined: allocated) flat and contiguous. output = (sum over
+  // ranks r = 0..N-1 of block `rank` of rank
   // r's input) [/ N when `average`], computed as Communicator's alltoall path computes it. Lifetime
   // and timeout as run().
   c10::intrusive_ptr<c10d::Work> run_rank_order(const at::Tensor& output, const at::Tensor& input,
                                                 const at::Tensor& scratch, bool average,
                                                 std::chrono::milliseconds timeout);
+
+  // REQUIRES: CPU tensors of one dtype, output (N*n) and input (n) flat and contiguous. An
+  // all-gather over point-to-point messages straight into `output` (one per peer). 1.13 Gloo's
+  // allgather gathers into a temporary as large as the output on its own thread and copies it
+  // out: this needs neither the second buffer nor the copy. Lifetime and timeout as run().
+  c10::intrusive_ptr<c10d::Work> run_all_gather(const at::Tensor& output, const at::Tensor& input,
+                                                std::chrono::milliseconds timeout);
+  // The all-gather of a list of pieces: outputs[j][i] receives peer j's inputs[i] (of the same
+  // size, which may differ between ranks; empty pieces are not sent). outputs[rank] is not
+  // touched. At most kTagsPerJob pieces. Lifetime and timeout as run().
+  static constexpr size_t kTagsPerJob = 4096;
+  c10::intrusive_ptr<c10d::Work> run_all_gather_pieces(std::vector<std::vector<at::Tensor>> outputs,
+                                                       std::vector<at::Tensor> inputs,
+                                                       std::chrono::milliseconds timeout);
 
  private:
   struct Job;
@@ -96,8 +122,10 @@ class RingReduceScatter {
   c10::intrusive_ptr<c10d::Work> enqueue(Job job);
   void reduce(Job& job);
   void reduce_rank_order(Job& job);
+  void all_gather(Job& job);
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  int tag_offset_;
   uint32_t rings_ = 0;  // rings issued: the tag space of the next one
   std::mutex mu_;
   std::condition_variable cv_;

@@ -177,6 +177,14 @@ void BackwardPass::on_grad_ready(Group& g, size_t i) {
   if (s.arrived[i] == Arrival::kExpected) {
     s.arrived[i] = Arrival::kArrived;
     --s.grads_pending;
+    // Final (its AccumulateGrad runs once in this task): packed for the reduction now, so the
+    // group's unsharded gradients do not wait beside the send buffer for the last of them.
+    // A reduction that has completed since is finished first: its send buffer goes back to the
+    // pool, where this group's can take it.
+    if (will_reduce(g)) {
+      reap_reductions(/*may_block=*/false);
+      g.hand_over_grad(i);
+    }
   }
   ctx_.log(&g, detail::cat("gradient final: '", g.params()[i].name(), "' (", s.grads_pending,
                            " to go)"));
@@ -247,21 +255,25 @@ void BackwardPass::issue(Group& g) {
     if (ctx_.audit().enabled) ctx_.audit().issued_twice(g);
     return;
   }
-  if (!reducing_ || !g.requires_gradient_sync() || !g.has_trainable()) return;
+  if (!will_reduce(g)) return;
   s.reductions = 1;
   ctx_.audit().on_reduce(ctx_.index_of(&g), g.flat_numel());
-  reap_reductions();
+  reap_reductions(gather_cursor_ >= gather_plan_.size());
   in_flight_.push_back(g.issue_reduce_scatter());
   ctx_.log(&g, "reduce-scatter issued");
 }
 
-// A reduce-scatter in flight holds its group's gradients twice (send and receive buffers): keep
-// at most two. Blocking on the older one is safe only once this rank has issued its whole
-// backward all-gather plan: before that, another rank may be waiting, in its backward, for an
-// all-gather this rank has not issued yet, while its part of this reduction waits behind it.
-void BackwardPass::reap_reductions() {
-  const bool may_block = gather_cursor_ >= gather_plan_.size();
-  while (in_flight_.size() > 1 &&
+bool BackwardPass::will_reduce(const Group& g) const {
+  return reducing_ && g.requires_gradient_sync() && g.has_trainable();
+}
+
+// A reduce-scatter in flight holds its group's gradients (the send buffer): before issuing the
+// next, finish every one that is done, and wait for the rest once that is safe, so that at most
+// one is in flight. Blocking is safe only once this rank has issued its whole backward all-gather
+// plan: before that, another rank may be waiting, in its backward, for an all-gather this rank
+// has not issued yet, while its part of this reduction waits behind it.
+void BackwardPass::reap_reductions(bool may_block) {
+  while (!in_flight_.empty() &&
          (may_block || in_flight_.front().group->poll_reduce(in_flight_.front()))) {
     in_flight_.front().group->finish_reduce(in_flight_.front());
     in_flight_.pop_front();

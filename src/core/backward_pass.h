@@ -72,7 +72,10 @@ class BackwardPass {
   void maybe_post_backward(Group& g);
   void try_issue_reductions();
   void issue(Group& g);
-  void reap_reductions();  // finishes completed reductions; waits only when that is safe
+  bool will_reduce(const Group& g) const;  // this pass reduces g's gradients
+  // Finishes completed reductions, in order; with may_block (safe only once the gather plan is
+  // issued) waits for all of them.
+  void reap_reductions(bool may_block);
 
   Context& ctx_;
   const void* key_;

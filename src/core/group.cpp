@@ -239,9 +239,28 @@ void Group::check_materialized() const {
              "unshard, state dict or checkpoint save)");
 }
 
+bool Group::gathers_locally() const {
+  if (context_->gather_lane().size() != 1) return false;
+  for (const auto& p : params_)
+    if (p.shard().scalar_type() != p.param().scalar_type()) return false;  // param_dtype's cast
+  return true;
+}
+
+bool Group::reduces_locally() const {
+  return context_->reduce_lane().size() == 1 && !context_->replicate_lane();
+}
+
 void Group::unshard() {
   if (shard_state_ != ShardState::kSharded) return;
   check_materialized();
+  if (gathers_locally()) {
+    // Nothing to exchange: wait_for_unshard lends the shards' bytes. Still GATHERING until then,
+    // so that a prefetch is cancelled like any other.
+    shard_state_ = ShardState::kGathering;
+    context_->on_gather_issued(this);
+    context_->log(this, "unshard: one rank, no all-gather (SHARDED->GATHERING)");
+    return;
+  }
   auto& lane = context_->gather_lane();
   auto& pool = context_->pool();
   const auto dtype = gather_dtype_;
@@ -258,6 +277,13 @@ void Group::unshard() {
 void Group::wait_for_unshard() {
   if (shard_state_ == ShardState::kSharded) unshard();
   if (shard_state_ != ShardState::kGathering) return;
+  if (gathers_locally()) {
+    for (auto& p : params_) p.borrow_shard();
+    shard_state_ = ShardState::kUnsharded;
+    context_->log(this,
+                  "wait_for_unshard: the full parameters borrow the shards (GATHERING->UNSHARDED)");
+    return;
+  }
   gather_.work.wait();
   auto rows = gather_.recv.view({context_->gather_lane().size(), flat_numel_});
   full_block_ = context_->pool().acquire(full_block_numel_, gather_dtype_);
@@ -285,7 +311,8 @@ void Group::reshard() {
   }
   if (shard_state_ != ShardState::kUnsharded) return;
   for (auto& p : params_) p.free_full();
-  // No parameter points into the block any more (free_full dropped their references).
+  // No parameter points into the block any more (free_full dropped their references). Borrowed
+  // shards (gathers_locally) have no block.
   context_->pool().release(std::move(full_block_));
   full_block_ = at::Tensor();
   shard_state_ = ShardState::kSharded;
@@ -465,6 +492,7 @@ void Group::post_backward() {
 
 void Group::finalize_backward() {
   end_backward_span();
+  if (handed_send_.defined()) drop_handed_over();  // the backward failed before this reduction
   if (training_state_ != TrainingState::kForward) training_state_ = TrainingState::kIdle;
   if (reshard_after_backward_) reshard();
 }
@@ -479,21 +507,54 @@ void Group::end_backward_span() {
 // ---------------------------------------------------------------------------------------------
 // Reduction
 // ---------------------------------------------------------------------------------------------
+void Group::hand_over_grad(size_t i) {
+  if (reduces_locally()) {
+    params_[i].move_grad_to_shard(reduce_dtype_);
+    return;
+  }
+  if (!handed_send_.defined()) {
+    const int64_t world = context_->reduce_lane().size();
+    handed_send_ =
+        context_->pool().acquire(world * flat_numel_, reduce_dtype_).view({world, flat_numel_});
+    handed_.assign(params_.size(), false);
+  }
+  params_[i].pack_grad(handed_send_, offsets_[i]);
+  handed_[i] = true;
+}
+
 PendingReduce Group::issue_reduce_scatter() {
-  auto& lane = context_->reduce_lane();
-  auto& pool = context_->pool();
-  const at::ScalarType dtype = reduce_dtype_;
   PendingReduce p;
   p.group = this;
-  p.send = pool.acquire(lane.size() * flat_numel_, dtype).view({lane.size(), flat_numel_});
-  for (size_t i = 0; i < params_.size(); ++i) params_[i].pack_grad(p.send, offsets_[i]);
-  p.scratch = pool.acquire(lane.size() * flat_numel_, dtype);
+  if (reduces_locally()) {
+    for (auto& param : params_) param.move_grad_to_shard(reduce_dtype_);
+    return p;
+  }
+  auto& lane = context_->reduce_lane();
+  if (handed_send_.defined()) {
+    p.send = std::move(handed_send_);
+    handed_send_ = at::Tensor();
+  } else {
+    p.send = context_->pool()
+                 .acquire(lane.size() * flat_numel_, reduce_dtype_)
+                 .view({lane.size(), flat_numel_});
+    handed_.assign(params_.size(), false);
+  }
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!handed_[i]) params_[i].pack_grad(p.send, offsets_[i]);
+  handed_.clear();
   p.output = at::empty({flat_numel_}, p.send.options());
-  p.work = lane.reduce_scatter(p.output, p.send, ReduceOp::kAvg, p.scratch);
+  p.work = lane.reduce_scatter(p.output, p.send, ReduceOp::kAvg);
   return p;
 }
 
+void Group::drop_handed_over() {
+  context_->pool().release(std::move(handed_send_));
+  handed_send_ = at::Tensor();
+  handed_.clear();
+}
+
 bool Group::poll_reduce(PendingReduce& p) {
+  if (!p.output.defined()) return true;  // reduced locally
   if (!p.replicating) {
     if (!p.work.is_completed()) return false;
     if (!context_->replicate_lane()) return true;
@@ -510,6 +571,7 @@ void Group::start_replicate(PendingReduce& p) {
 }
 
 void Group::finish_reduce(PendingReduce& p) {
+  if (!p.output.defined()) return;  // reduced locally (one rank): nothing was exchanged
   if (!p.replicating && context_->replicate_lane()) {
     start_replicate(p);
   } else if (!p.replicating) {
@@ -521,8 +583,7 @@ void Group::finish_reduce(PendingReduce& p) {
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].trainable()) params_[i].add_shard_grad(p.output, offsets_[i]);
   context_->pool().release(p.send.view({-1}));
-  context_->pool().release(std::move(p.scratch));
-  p.output = p.send = p.scratch = at::Tensor();
+  p.output = p.send = at::Tensor();
 }
 
 }  // namespace fsdp::detail

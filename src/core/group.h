@@ -55,13 +55,15 @@ struct PendingGather {
 
 // A reduce-scatter in flight: waited and written to the shards' grads at the latest safe point.
 // Under HSDP it has a second stage: the reduced block averaged across replicas (all-reduce).
+// On one rank without replicas there is nothing to exchange: the gradients went straight to the
+// shards when handed over (Group::hand_over_grad) and the reduction is empty.
 struct PendingReduce {
   Group* group = nullptr;
   Work work;
   Work replicate_work;       // HSDP's all-reduce, once the reduce-scatter is done
   bool replicating = false;  // the reduce-scatter is done and the all-reduce issued
-  at::Tensor output;         // this rank's reduced flat block (S elements)
-  at::Tensor send, scratch;  // (world, S) each, returned to the pool once waited
+  at::Tensor output;         // this rank's reduced flat block (S elements); undefined: empty
+  at::Tensor send;           // (world, S), returned to the pool once waited
 };
 
 class Group : public std::enable_shared_from_this<Group> {
@@ -155,12 +157,20 @@ class Group : public std::enable_shared_from_this<Group> {
   TrainingState training_state() const { return training_state_; }
 
   // ---- reduction ----
-  PendingReduce issue_reduce_scatter();  // packs unsharded grads (zeros when missing)
+  // Hands parameter i's gradient, final for this backward, to the group's coming reduction: it is
+  // packed into the reduction's send buffer (taken from the pool at the first) and dropped from
+  // the parameter, so that a group's unsharded gradients and its send buffer are never both held.
+  // On one rank (no replicas) it is added to the shard's gradient instead: there is no exchange.
+  void hand_over_grad(size_t param_index);
+  // Packs the gradients not handed over (zeros when missing) and issues the reduce-scatter.
+  PendingReduce issue_reduce_scatter();
   // Never blocks: true when finish_reduce would not wait. Under HSDP a finished reduce-scatter's
   // all-reduce across replicas is issued here (in reduction order, so every rank issues them in
   // the same order).
   bool poll_reduce(PendingReduce& p);
   void finish_reduce(PendingReduce& p);  // waits and accumulates into the shards' grads
+  // A backward that failed before issuing this group's reduction: drops what was handed over.
+  void drop_handed_over();
 
   // ---- settings ----
   bool resolved_reshard_after_forward() const;
@@ -182,6 +192,10 @@ class Group : public std::enable_shared_from_this<Group> {
   void broadcast_buffers_to_all();         // ShardOptions::broadcast_buffers, on the root
   void end_backward_span();
   void reshard_stale_elements();  // the root, before its forward
+  // One rank, no replicas: the reduction of a gradient is the gradient itself.
+  bool reduces_locally() const;
+  // One rank and the shards' dtype on the wire: the full parameters borrow the shards' bytes.
+  bool gathers_locally() const;
 
   torch::nn::Module* module_;
   std::string type_name_;
@@ -200,6 +214,10 @@ class Group : public std::enable_shared_from_this<Group> {
   int64_t full_block_numel_ = 0;
   std::vector<size_t> full_offsets_;
   at::ScalarType gather_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
+  // Gradients handed over before the reduction is issued (hand_over_grad): the send buffer they
+  // were packed into, and which parameters it holds.
+  at::Tensor handed_send_;
+  std::vector<bool> handed_;
 
   ShardState shard_state_ = ShardState::kSharded;
   TrainingState training_state_ = TrainingState::kIdle;

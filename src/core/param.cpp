@@ -81,6 +81,12 @@ void ParamState::copy_out(const at::Tensor& gathered, int64_t offset, const at::
   }
 }
 
+void ParamState::borrow_shard() {
+  compat::borrow_storage(param_, shard_, shard_.storage_offset() * shard_.element_size());
+  guard::set_active(param_, false);
+  gathered_version_ = static_cast<int64_t>(shard_._version());
+}
+
 void ParamState::free_full() {
   compat::free_storage(param_);
   guard::set_active(param_, param_.numel() > 0);
@@ -112,6 +118,27 @@ bool ParamState::grad_is_marker() const {
 
 void ParamState::clear_moved_grad() {
   if (grad_is_marker()) param_.mutable_grad() = at::Tensor();
+}
+
+void ParamState::move_grad_to_shard(at::ScalarType reduce_dtype) {
+  if (!trainable()) return;
+  at::Tensor& slot = shard_.mutable_grad();
+  if (!param_.grad().defined() || grad_is_marker()) {
+    // No gradient in this backward: zeros, as the reduction of zeros would give.
+    if (!slot.defined()) slot = at::zeros_like(shard_.detach());
+    return;
+  }
+  at::Tensor g = param_.grad();
+  param_.mutable_grad() = moved_grad_;
+  if (g.scalar_type() != reduce_dtype) g = g.to(reduce_dtype);  // the wire's rounding
+  if (slot.defined()) {
+    slot.add_(g.reshape(shard_.sizes()));
+  } else if (g.scalar_type() == shard_.scalar_type() && g.sizes() == shard_.sizes() &&
+             !g.is_view() && g.is_contiguous()) {
+    slot = g.detach();  // autograd's own gradient tensor: nothing else refers to it
+  } else {
+    slot = g.reshape(shard_.sizes()).to(shard_.scalar_type(), false, /*copy=*/true);
+  }
 }
 
 void ParamState::add_shard_grad(const at::Tensor& reduced_flat, int64_t offset) {

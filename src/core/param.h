@@ -58,6 +58,10 @@ class ParamState {
   // rank's row.
   void copy_out(const at::Tensor& gathered, int64_t offset, const at::Tensor& block,
                 size_t byte_offset);
+
+  // One rank, no cast (Group::gathers_locally): the full parameter borrows the shard's own bytes
+  // instead of a gathered copy; an optimizer step on the shard is seen by it at once.
+  void borrow_shard();
   void free_full();  // frees the full storage and guards the parameter (core/guard.h)
   bool full_allocated() const;
 
@@ -75,6 +79,10 @@ class ParamState {
   bool grad_is_marker() const;
   // Accumulates the reduced rows for this rank into shard().grad() (in the shard's dtype).
   void add_shard_grad(const at::Tensor& reduced_flat, int64_t offset);
+  // One rank, no replicas (Group::reduces_locally): the reduction of the unsharded gradient is
+  // the gradient itself, cast to `reduce_dtype`. Accumulates it into shard().grad() (taking the
+  // tensor itself when there is none yet and no cast is needed) and drops it from the parameter.
+  void move_grad_to_shard(at::ScalarType reduce_dtype);
 
   // The AccumulateGrad node of the full parameter (null when frozen). Held strongly: autograd
   // keeps only a weak reference.

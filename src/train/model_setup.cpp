@@ -2,6 +2,7 @@
 // <torch/torch.h>.
 #include "train/model_setup.h"
 
+#include <fsdp/deferred_init.h>
 #include <fsdp/error.h>
 #include <torch/torch.h>
 
@@ -32,7 +33,10 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
   // Every rank (and the unsharded reference) draws the same initial weights from the same seed.
   torch::manual_seed(cfg.seed);
   auto m = std::make_unique<TrainModel>();
-  m->gpt = fsdp::Sharded<models::GPT>(mc);
+  // Sharded: built under deferred_init, so a rank never holds the whole model (only its shards,
+  // filled by materialize with the values an eager build gives, bitwise).
+  m->gpt = comm ? fsdp::deferred_init([&] { return fsdp::Sharded<models::GPT>(mc); })
+                : fsdp::Sharded<models::GPT>(mc);
   if (comm) {
     m->mesh = init_mesh(comm, cfg.hsdp);
     ShardOptions block_options;
@@ -44,6 +48,7 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
     // models::shard_gpt's layout (one group per block, the root another), over the mesh.
     for (auto& b : m->gpt->blocks) fully_shard(b, m->mesh, block_options);
     m->root = fully_shard(m->gpt, m->mesh, root_options);
+    fsdp::materialize(m->gpt);
     for (const ShardInfo& s : m->root.shards()) {
       int64_t numel = 1;
       for (int64_t d : s.global_shape) numel *= d;
