@@ -18,6 +18,12 @@
 // back), column by column the same arithmetic: so its results are bitwise those of alltoall + sum,
 // while chunk k+1 is still on the wire. Same bytes on the wire as the alltoall.
 //
+// The direct all-gather (run_all_gather) uses the same machinery: each rank's block goes to every
+// peer point to point and lands straight in the output, with no temporary (Gloo 1.13's allgather
+// gathers into one as large as the output, then copies out). The communicator gives it an
+// instance of its own (own worker, own tag range), so all-gathers never queue behind
+// reduce-scatters.
+//
 // One worker thread per RingReduceScatter runs the rings in the order they were issued, so every
 // rank posts the same point-to-point operations in the same order (tags are unique per ring).
 // Thread-safety: run() may be called from one thread at a time; the returned Work may be waited
@@ -95,9 +101,8 @@ class RingReduceScatter {
 
   // REQUIRES: CPU tensors of one dtype, output (n), input (N*n) and scratch (at least
   // rank_order_scratch_numel, or undefined: allocated) flat and contiguous. output = (sum over
-  // ranks r = 0..N-1 of block `rank` of rank
-  // r's input) [/ N when `average`], computed as Communicator's alltoall path computes it. Lifetime
-  // and timeout as run().
+  // ranks r = 0..N-1 of block `rank` of rank r's input) [/ N when `average`], computed as
+  // Communicator's alltoall path computes it. Lifetime and timeout as run().
   c10::intrusive_ptr<c10d::Work> run_rank_order(const at::Tensor& output, const at::Tensor& input,
                                                 const at::Tensor& scratch, bool average,
                                                 std::chrono::milliseconds timeout);
@@ -108,15 +113,15 @@ class RingReduceScatter {
   // out: this needs neither the second buffer nor the copy. Lifetime and timeout as run().
   c10::intrusive_ptr<c10d::Work> run_all_gather(const at::Tensor& output, const at::Tensor& input,
                                                 std::chrono::milliseconds timeout);
+  static constexpr size_t kTagsPerJob = 4096;  // point-to-point tags of one job
+
+ private:
   // The all-gather of a list of pieces: outputs[j][i] receives peer j's inputs[i] (of the same
   // size, which may differ between ranks; empty pieces are not sent). outputs[rank] is not
-  // touched. At most kTagsPerJob pieces. Lifetime and timeout as run().
-  static constexpr size_t kTagsPerJob = 4096;
+  // touched. At most kTagsPerJob pieces.
   c10::intrusive_ptr<c10d::Work> run_all_gather_pieces(std::vector<std::vector<at::Tensor>> outputs,
                                                        std::vector<at::Tensor> inputs,
                                                        std::chrono::milliseconds timeout);
-
- private:
   struct Job;
   void worker_loop();
   c10::intrusive_ptr<c10d::Work> enqueue(Job job);
