@@ -507,15 +507,21 @@ void Group::end_backward_span() {
 // ---------------------------------------------------------------------------------------------
 // Reduction
 // ---------------------------------------------------------------------------------------------
+namespace {
+// A reduce-scatter's send buffer, (world, S), from the pool.
+at::Tensor acquire_send(Context& ctx, int64_t flat_numel, at::ScalarType dtype) {
+  const int64_t world = ctx.reduce_lane().size();
+  return ctx.pool().acquire(world * flat_numel, dtype).view({world, flat_numel});
+}
+}  // namespace
+
 void Group::hand_over_grad(size_t i) {
   if (reduces_locally()) {
     params_[i].move_grad_to_shard(reduce_dtype_);
     return;
   }
   if (!handed_send_.defined()) {
-    const int64_t world = context_->reduce_lane().size();
-    handed_send_ =
-        context_->pool().acquire(world * flat_numel_, reduce_dtype_).view({world, flat_numel_});
+    handed_send_ = acquire_send(*context_, flat_numel_, reduce_dtype_);
     handed_.assign(params_.size(), false);
   }
   params_[i].pack_grad(handed_send_, offsets_[i]);
@@ -529,21 +535,15 @@ PendingReduce Group::issue_reduce_scatter() {
     for (auto& param : params_) param.move_grad_to_shard(reduce_dtype_);
     return p;
   }
-  auto& lane = context_->reduce_lane();
-  if (handed_send_.defined()) {
-    p.send = std::move(handed_send_);
-    handed_send_ = at::Tensor();
-  } else {
-    p.send = context_->pool()
-                 .acquire(lane.size() * flat_numel_, reduce_dtype_)
-                 .view({lane.size(), flat_numel_});
-    handed_.assign(params_.size(), false);
-  }
+  // The gradients handed over are packed already; the rest (zeros when missing) now.
+  const bool handed = handed_send_.defined();
+  p.send = handed ? std::move(handed_send_) : acquire_send(*context_, flat_numel_, reduce_dtype_);
+  handed_send_ = at::Tensor();
   for (size_t i = 0; i < params_.size(); ++i)
-    if (!handed_[i]) params_[i].pack_grad(p.send, offsets_[i]);
+    if (!handed || !handed_[i]) params_[i].pack_grad(p.send, offsets_[i]);
   handed_.clear();
   p.output = at::empty({flat_numel_}, p.send.options());
-  p.work = lane.reduce_scatter(p.output, p.send, ReduceOp::kAvg);
+  p.work = context_->reduce_lane().reduce_scatter(p.output, p.send, ReduceOp::kAvg);
   return p;
 }
 
