@@ -9,6 +9,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "stats.h"
 #include "train/model_setup.h"
 
 namespace fsdp::bench {
@@ -72,8 +73,6 @@ Variant run_variant(const TrainBenchOptions& o, Communicator& comm,
   v.step_peak_rss_mb = max_over_ranks(comm, v.step_peak_rss_mb);
   return v;
 }
-
-double round_to(double x, double scale) { return std::round(x * scale) / scale; }
 
 }  // namespace
 

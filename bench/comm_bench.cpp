@@ -13,6 +13,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "stats.h"
 #include "sweeps.h"
 
 namespace fsdp::bench {
@@ -78,12 +79,6 @@ void check_once(Communicator& comm, Case& c) {
 }
 
 double round4(double x) { return std::round(x * 1e4) / 1e4; }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
-}
 
 // Buffers of `op` for a whole buffer of about `bytes` (ws shards of fp32).
 Case make_case(const std::string& op, int64_t bytes, int ws) {

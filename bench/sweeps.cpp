@@ -11,6 +11,7 @@
 #include <ostream>
 #include <sstream>
 
+#include "stats.h"
 #include "train_bench.h"
 
 namespace fsdp::bench {
@@ -18,14 +19,6 @@ namespace {
 
 using nlohmann::ordered_json;
 using json = nlohmann::ordered_json;  // keys in the order the runs print them
-
-double round_to(double x, double scale) { return std::round(x * scale) / scale; }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.empty() ? 0.0 : v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
-}
 
 // The JSON object lines of `lines` that carry a "mode", by mode (the last one wins).
 std::map<std::string, json> by_mode(const std::vector<std::string>& lines) {

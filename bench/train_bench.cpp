@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "ddp_reducer.h"
+#include "stats.h"
 #include "train/model_setup.h"
 
 namespace fsdp::bench {
@@ -133,14 +134,6 @@ at::Tensor gather(Communicator& comm, const std::vector<double>& values) {
   comm.all_gather(all, mine).wait();
   return all.view({comm.size(), mine.numel()});
 }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
-}
-
-double round_to(double x, double scale) { return std::round(x * scale) / scale; }
 
 void write_trace(const std::string& dir, int rank) {
   std::error_code ec;

@@ -13,7 +13,8 @@
 #include "fsdp_test_util.h"
 #include "tiny_gpt.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::activation_checkpoint_test {
 namespace {
 
 constexpr int kSteps = 4;
@@ -247,4 +248,4 @@ TEST(CheckpointActivations, GradientsEqualAndMisuseNamed) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::activation_checkpoint_test

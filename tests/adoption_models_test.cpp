@@ -9,7 +9,8 @@
 #include "core/buffers.h"
 #include "fsdp_test_util.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::adoption_models_test {
 namespace {
 
 std::vector<torch::Tensor> clone_buffers(torch::nn::Module& m) {
@@ -155,4 +156,4 @@ TEST(AdoptionTwoInputs, TrainsLikeUnsharded) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::adoption_models_test

@@ -7,7 +7,8 @@
 
 #include "harness.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::buffers_test {
 namespace {
 
 // Buffers of several dtypes and shapes, filled from `seed`; a child module holds some.
@@ -75,4 +76,4 @@ TEST(Buffers, FirstDifferingBufferIsNamed) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::buffers_test

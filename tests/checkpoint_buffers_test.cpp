@@ -13,7 +13,8 @@
 #include "core/buffers.h"
 #include "fsdp_test_util.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::checkpoint_buffers_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -180,4 +181,4 @@ TEST(CheckpointBuffers, CheckpointWithoutBuffersLoadsWithANote) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::checkpoint_buffers_test

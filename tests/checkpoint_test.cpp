@@ -20,7 +20,8 @@
 #include "harness.h"
 #include "tiny_gpt.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::checkpoint_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -525,4 +526,4 @@ TEST(Checkpoint, TimesForTrainerDefaultModel) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::checkpoint_test

@@ -10,7 +10,8 @@
 
 #include "fsdp_test_util.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::clip_grad_norm_test {
 namespace {
 
 // Two rows (empty shards at N >= 3) and a frozen parameter beside a linear layer.
@@ -135,4 +136,4 @@ TEST(ClipGradNorm, BadNormTypeAndNonFiniteByMessage) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::clip_grad_norm_test

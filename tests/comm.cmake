@@ -11,5 +11,4 @@ add_dependencies(launcher_test fsdp-run)
 fsdp_add_test(torchrun_test LABEL comm PCH core SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/torchrun_test.cpp)
 add_dependencies(torchrun_test fsdp-example)
 # Two network namespaces and a veth pair: training across them, then a cut link (root only).
-fsdp_add_test(netns_test LABEL comm PCH torch SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/netns_test.cpp
-              LIBS fsdp fsdp_models)
+fsdp_model_tests(LABEL comm SOURCES netns_test.cpp)

@@ -22,7 +22,8 @@
 #include "comm/rendezvous_keys.h"
 #include "harness.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::comm_failure_test {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -343,4 +344,4 @@ TEST(AdvertisedAddress, UnknownInterfaceAndUnresolvableMasterAreNamed) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::comm_failure_test

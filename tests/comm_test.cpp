@@ -15,7 +15,8 @@
 #include "comm_data.h"
 #include "harness.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::comm_test {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -468,4 +469,4 @@ TEST(CommTest, SplitOrdersIndependentlyAndMatchesWorld) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::comm_test

@@ -6,7 +6,8 @@
 
 #include "fsdp_test_util.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::containers_test {
 namespace {
 
 using torch::nn::Linear;
@@ -247,4 +248,4 @@ TEST(Containers, MisuseIsNamed) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::containers_test

@@ -17,7 +17,8 @@
 #include "fsdp_test_util.h"
 #include "tiny_gpt.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::deferred_init_test {
 namespace {
 
 using fsdp::models::GPT;
@@ -537,4 +538,4 @@ TEST(DeferredInit, UnsupportedBuildsFailByName) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::deferred_init_test

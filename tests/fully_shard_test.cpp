@@ -6,7 +6,8 @@
 #include "adversarial.h"
 #include "fsdp_test_util.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::fully_shard_test {
 namespace {
 
 using adv::Plain;
@@ -298,4 +299,4 @@ TEST(FullyShard, DebugLogsOneLinePerHookEvent) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::fully_shard_test

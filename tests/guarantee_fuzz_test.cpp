@@ -14,7 +14,8 @@
 #include "fsdp_test_util.h"
 #include "fuzz_graph.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::guarantee_fuzz_test {
 namespace {
 
 using namespace fuzz;
@@ -141,4 +142,4 @@ INSTANTIATE_TEST_SUITE_P(Seeds, GuaranteeFuzz,
                          });
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::guarantee_fuzz_test

@@ -3,7 +3,8 @@
 // model (mean of every rank's full gradients) at 1e-9, audit on and off, world sizes 2 and 3.
 #include "fsdp_test_util.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::guarantee_paths_test {
 namespace {
 
 using SLinear = fsdp::Sharded<torch::nn::Linear>;
@@ -363,4 +364,4 @@ TEST(GatherLaneAudit, CatchesAllGathersOutOfOrder) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::guarantee_paths_test

@@ -4,7 +4,8 @@
 #include "adversarial.h"
 #include "fsdp_test_util.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::guarantee_test {
 namespace {
 
 using namespace adv;
@@ -173,4 +174,4 @@ TEST_P(Guarantee, AuditCatchesEarlyReduction) {
 INSTANTIATE_TEST_SUITE_P(World, Guarantee, ::testing::Values(2, 3));
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::guarantee_test

@@ -10,7 +10,8 @@
 #include "fsdp_test_util.h"
 #include "tiny_gpt.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::hsdp_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -190,4 +191,4 @@ TEST(Hsdp, BadMeshesFailByMessage) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::hsdp_test

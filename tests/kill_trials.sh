@@ -3,12 +3,12 @@
 # train a tiny sharded GPT (the rank body of netns_test, on loopback); once both passed step 20,
 # rank 1 gets SIGKILL. Reports, per trial, rank 0's exit status, its exit time after the kill, and
 # the first line of its error. Usage: tests/kill_trials.sh [trials=20] [FSDP_TIMEOUT_S=20]
-# (FSDP_KILL_BIN=path runs a copy of build/bin/netns_test, e.g. while a build relinks it).
+# (FSDP_KILL_BIN=path runs a copy of build/bin/fsdp_tests, e.g. while a build relinks it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TRIALS="${1:-20}"
 TIMEOUT="${2:-20}"
-BIN=${FSDP_KILL_BIN:-build/bin/netns_test}
+BIN=${FSDP_KILL_BIN:-build/bin/fsdp_tests}
 FILTER=--gtest_filter=TwoHostsTest.TrainsAcrossNamespacesThenACutLinkEndsBothRanks
 dir=$(mktemp -d /tmp/fsdp-kill-XXXXXX)
 for t in $(seq 1 "$TRIALS"); do

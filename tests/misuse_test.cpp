@@ -6,7 +6,8 @@
 #include "fsdp_test_util.h"
 #include "tiny_gpt.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::misuse_test {
 namespace {
 
 using fsdp::models::GPT;
@@ -86,4 +87,4 @@ TEST(Misuse, TwoRootedModelsInOneProcessTrainSeparately) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::misuse_test

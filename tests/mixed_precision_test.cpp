@@ -9,7 +9,8 @@
 #include "fsdp_test_util.h"
 #include "tiny_gpt.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::mixed_precision_test {
 namespace {
 
 using fsdp::models::GPT;
@@ -185,4 +186,4 @@ TEST(MixedPrecision, GatheredParametersAreInParamDtype) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::mixed_precision_test

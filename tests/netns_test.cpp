@@ -23,7 +23,8 @@
 #include "harness.h"
 #include "tiny_gpt.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::netns_test {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -216,4 +217,4 @@ TEST(TwoHostsTest, TrainsAcrossNamespacesThenACutLinkEndsBothRanks) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::netns_test

@@ -3,7 +3,8 @@
 // matches the unsharded model (fp64, world 2, audit on).
 #include "fsdp_test_util.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::outputs_test {
 namespace {
 
 struct TupleBlockImpl : torch::nn::Module {
@@ -85,4 +86,4 @@ TEST(InitialValues, DifferingRanksAreNamedOrSynced) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::outputs_test

@@ -6,7 +6,8 @@
 #include "fsdp_test_util.h"
 #include "tiny_gpt.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::parity_test {
 namespace {
 
 using fsdp::models::GPT;
@@ -151,4 +152,4 @@ TEST(ParityVariants, GradientAccumulationWorld2) { run_parity(2, Variant::kAccum
 TEST(ParityVariants, GradientAccumulationWorld3) { run_parity(3, Variant::kAccumulate); }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::parity_test

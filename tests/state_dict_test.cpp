@@ -10,7 +10,8 @@
 #include "adoption_models.h"
 #include "fsdp_test_util.h"
 
-namespace fsdp::testing {
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::state_dict_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -247,4 +248,4 @@ TEST(StateDict, TorchSaveOnAShardedModuleIsAClearError) {
 }
 
 }  // namespace
-}  // namespace fsdp::testing
+}  // namespace fsdp::testing::state_dict_test

@@ -64,14 +64,6 @@ const char* kind_name(OptKind k) {
 
 std::string state_key(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
 
-// Row-sharded optimizer-state tensors per optimizer kind ("::step" is replicated, Adam-family
-// only).
-std::vector<std::string> row_suffixes(OptKind k) {
-  if (k == OptKind::kSGD) return {"momentum_buffer"};
-  if (k == OptKind::kNone) return {};
-  return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
-}
-
 template <class State>
 void adam_state_out(const State& s, std::vector<std::pair<std::string, at::Tensor>>* rows,
                     std::optional<int64_t>* step) {

@@ -11,10 +11,10 @@
 #include <vector>
 
 namespace fsdp::detail {
-namespace {
 
 // A Work completed by the ring's worker thread (c10d::Work::finish is protected), with a future
-// for completion callbacks (the communicator's trace spans).
+// for completion callbacks (the communicator's trace spans). Not in the anonymous namespace: a
+// member of RingReduceScatter::Job holds one.
 class RingWork : public c10d::Work {
  public:
   explicit RingWork(c10d::OpType op) : c10d::Work(-1, op) {}
@@ -32,6 +32,8 @@ class RingWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_ =
       c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
 };
+
+namespace {
 
 // dst += src, one thread: memory-bound, and an intra-op (OpenMP) team here would spin on the
 // cores the ranks' compute and Gloo's threads need.
