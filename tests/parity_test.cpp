@@ -33,7 +33,9 @@ std::pair<torch::Tensor, torch::Tensor> batch(int step) {
 
 torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
 
-enum class Variant { kDefault, kNoReshard, kAccumulate };
+// kNewStorage: after sharding, every other shard is given new storage (set_data, same values),
+// so its group's flat shard block no longer holds it and the all-gather must pack a copy.
+enum class Variant { kDefault, kNoReshard, kAccumulate, kNewStorage };
 
 // One slice's loss and backward as a rank runs it: one micro-batch, or two (scaled so their sum is
 // the slice mean) for gradient accumulation. Returns the slice's mean loss.
@@ -99,6 +101,11 @@ void run_parity(int world, Variant variant, torch::Dtype dtype = torch::kFloat) 
     ShardOptions block =
         audited(variant == Variant::kNoReshard ? std::optional<bool>(false) : std::nullopt);
     auto root = fsdp::models::shard_gpt(model, comm, block, audited());
+    if (variant == Variant::kNewStorage) {
+      torch::NoGradGuard no_grad;
+      auto shards = root.parameters();
+      for (size_t i = 0; i < shards.size(); i += 2) shards[i].set_data(shards[i].clone());
+    }
     torch::optim::AdamW opt(root.parameters(), adamw());
     const int64_t per_rank = kGlobalBatch / world;
     double max_loss_rel = 0;
@@ -150,6 +157,7 @@ TEST(ParityVariants, NoReshardAfterForwardWorld2) { run_parity(2, Variant::kNoRe
 TEST(ParityVariants, NoReshardAfterForwardWorld3) { run_parity(3, Variant::kNoReshard); }
 TEST(ParityVariants, GradientAccumulationWorld2) { run_parity(2, Variant::kAccumulate); }
 TEST(ParityVariants, GradientAccumulationWorld3) { run_parity(3, Variant::kAccumulate); }
+TEST(ParityVariants, ShardsGivenNewStorageWorld3) { run_parity(3, Variant::kNewStorage); }
 
 }  // namespace
 }  // namespace fsdp::testing::parity_test

@@ -132,6 +132,13 @@ Group::Group(torch::nn::Module* module, std::string type_name, std::vector<Param
     gather_dtype_ = params_[0].param().scalar_type();
     reduce_dtype_ = params_[0].shard().scalar_type();
   }
+  bool same_dtype = !params_.empty();
+  for (auto& p : params_) same_dtype = same_dtype && p.shard().scalar_type() == gather_dtype_;
+  if (same_dtype) {
+    flat_shard_ = at::zeros({flat_numel_}, at::TensorOptions().dtype(gather_dtype_));
+    for (size_t i = 0; i < params_.size(); ++i)
+      params_[i].place_shard_in(flat_shard_.narrow(0, offsets_[i], params_[i].padded_numel()));
+  }
   const auto& mp = options_.mixed_precision;
   if (mp.reduce_dtype) {
     reduce_dtype_ = *mp.reduce_dtype;
@@ -246,6 +253,20 @@ bool Group::gathers_locally() const {
   return true;
 }
 
+bool Group::sends_in_place() const {
+  if (!flat_shard_.defined()) return false;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!params_[i].shard_is_at(flat_shard_.narrow(0, offsets_[i], params_[i].padded_numel())))
+      return false;
+  return true;
+}
+
+void Group::release_gather(PendingGather& g) {
+  context_->pool().release(std::move(g.recv));
+  if (g.send_pooled) context_->pool().release(std::move(g.send));
+  g = PendingGather();
+}
+
 bool Group::reduces_locally() const {
   return context_->reduce_lane().size() == 1 && !context_->replicate_lane();
 }
@@ -264,9 +285,15 @@ void Group::unshard() {
   auto& lane = context_->gather_lane();
   auto& pool = context_->pool();
   const auto dtype = gather_dtype_;
-  gather_.send = pool.acquire(flat_numel_, dtype);
-  for (size_t i = 0; i < params_.size(); ++i)
-    params_[i].copy_in_shard(gather_.send.narrow(0, offsets_[i], params_[i].padded_numel()));
+  if (sends_in_place()) {
+    gather_.send = flat_shard_;
+    for (auto& p : params_) p.note_sent_in_place();
+  } else {
+    gather_.send = pool.acquire(flat_numel_, dtype);
+    gather_.send_pooled = true;
+    for (size_t i = 0; i < params_.size(); ++i)
+      params_[i].copy_in_shard(gather_.send.narrow(0, offsets_[i], params_[i].padded_numel()));
+  }
   gather_.recv = pool.acquire(lane.size() * flat_numel_, dtype);
   gather_.work = lane.all_gather(gather_.recv, gather_.send);
   shard_state_ = ShardState::kGathering;
@@ -289,9 +316,7 @@ void Group::wait_for_unshard() {
   full_block_ = context_->pool().acquire(full_block_numel_, gather_dtype_);
   for (size_t i = 0; i < params_.size(); ++i)
     params_[i].copy_out(rows, offsets_[i], full_block_, full_offsets_[i]);
-  context_->pool().release(std::move(gather_.recv));
-  context_->pool().release(std::move(gather_.send));
-  gather_ = PendingGather();
+  release_gather(gather_);
   shard_state_ = ShardState::kUnsharded;
   context_->log(this, "wait_for_unshard: GATHERING->UNSHARDED");
 }
@@ -304,8 +329,7 @@ void Group::reshard() {
     shard_state_ = ShardState::kSharded;
     context_->on_resharded(this);
     g.work.wait();
-    context_->pool().release(std::move(g.recv));
-    context_->pool().release(std::move(g.send));
+    release_gather(g);
     context_->log(this, "reshard: gather discarded (GATHERING->SHARDED)");
     return;
   }

@@ -47,10 +47,13 @@ enum class TrainingState {
 };
 const char* to_string(TrainingState s);
 
-// An all-gather in flight: the flat send block and the (world, S) receive buffer.
+// An all-gather in flight: the flat send block and the (world, S) receive buffer. The send block
+// is the group's flat shard block itself when the shards live there (Group::sends_in_place),
+// else a pooled copy.
 struct PendingGather {
   Work work;
   at::Tensor send, recv;
+  bool send_pooled = false;
 };
 
 // A reduce-scatter in flight: waited and written to the shards' grads at the latest safe point.
@@ -196,6 +199,9 @@ class Group : public std::enable_shared_from_this<Group> {
   bool reduces_locally() const;
   // One rank and the shards' dtype on the wire: the full parameters borrow the shards' bytes.
   bool gathers_locally() const;
+  // Every shard still lives in flat_shard_: the all-gather sends it without a copy.
+  bool sends_in_place() const;
+  void release_gather(PendingGather& g);  // returns its pooled buffers
 
   torch::nn::Module* module_;
   std::string type_name_;
@@ -207,6 +213,10 @@ class Group : public std::enable_shared_from_this<Group> {
   ShardOptions options_;
   int64_t flat_numel_ = 0;
   std::vector<int64_t> offsets_;  // per parameter, into the flat block
+  // This rank's rows of every parameter at offsets_ (zero padding), the shards being tensors over
+  // it: the all-gather's send block as it is. Undefined when the wire dtype differs from the
+  // shards' (mixed precision's param_dtype), where unshard packs a cast copy.
+  at::Tensor flat_shard_;
   // The full parameters' storage while gathered: one pooled block (BufferPool), each parameter at
   // its byte offset (64-byte aligned), so that gathering and resharding reuse the same memory
   // across groups of equal size and across iterations instead of going through malloc.

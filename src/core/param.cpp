@@ -58,6 +58,25 @@ int64_t ParamState::rows_of(int rank) const {
 
 at::Tensor ParamState::flat_full() const { return param_.variable_data().view({-1}); }
 
+void ParamState::place_shard_in(const at::Tensor& slot) {
+  at::NoGradGuard no_grad;
+  const int64_t n = shard_.numel();
+  if (n > 0) slot.narrow(0, 0, n).copy_(shard_.detach().reshape({-1}));
+  // set_ rather than a view: a view would share the block's version counter with every other
+  // parameter of the group, and shard_changed_since_gather is per parameter.
+  at::Tensor placed = at::empty({0}, slot.options());
+  placed.set_(slot.storage(), slot.storage_offset(), shard_.sizes());
+  placed.set_requires_grad(shard_.requires_grad());
+  shard_ = std::move(placed);
+}
+
+bool ParamState::shard_is_at(const at::Tensor& slot) const {
+  if (shard_.numel() == 0) return rows_of(rank_) == 0;  // the slot is all padding
+  return shard_.scalar_type() == slot.scalar_type() && shard_.is_contiguous() &&
+         shard_.storage().unsafeGetStorageImpl() == slot.storage().unsafeGetStorageImpl() &&
+         shard_.storage_offset() == slot.storage_offset();
+}
+
 void ParamState::copy_in_shard(const at::Tensor& dst) {
   gathered_version_ = static_cast<int64_t>(shard_._version());
   const int64_t n = shard_.numel();

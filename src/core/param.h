@@ -48,9 +48,18 @@ class ParamState {
     return param_.numel() * static_cast<int64_t>(param_.element_size());
   }
 
+  // Moves the shard into `slot` (padded_numel elements of the group's flat shard block, zero
+  // beyond this rank's rows): the shard becomes a tensor over those bytes, still a leaf with its
+  // own version counter. At construction only, before anything else holds the shard.
+  void place_shard_in(const at::Tensor& slot);
+  // The shard still lives at `slot` in its dtype (nothing replaced its storage since, as set_data
+  // would): the flat shard block holds this rank's rows as they are.
+  bool shard_is_at(const at::Tensor& slot) const;
   // Writes this rank's rows (then zeros) into `dst` (padded_numel elements) and remembers the
   // shard's version, so that a later in-place change of the shard (an optimizer step) is seen.
   void copy_in_shard(const at::Tensor& dst);
+  // The all-gather sends the shard's own bytes (shard_is_at): remembers the version only.
+  void note_sent_in_place() { gathered_version_ = static_cast<int64_t>(shard_._version()); }
   bool shard_changed_since_gather() const;
   // Gives the full parameter its storage at `byte_offset` in `block` (the group's pooled block
   // of full parameters; lifting the resharded-parameter guard) and fills it from the gathered
