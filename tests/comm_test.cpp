@@ -69,21 +69,27 @@ void check_broadcast(Communicator& c, at::ScalarType t, int64_t n, int root) {
       << describe("broadcast", t, n, c.size()) << " root=" << root;
 }
 
-void check_reduce_scatter(Communicator& c, at::ScalarType t, int64_t n, ReduceOp op) {
+// In place: the output is this rank's own block of the input.
+void check_reduce_scatter(Communicator& c, at::ScalarType t, int64_t n, ReduceOp op,
+                          bool in_place = false) {
   const int ws = c.size();
   std::vector<at::Tensor> blocks;  // block `rank` of every rank's input
   at::Tensor mine;
   for (int q = 0; q < ws; ++q) {
     auto in = exact_sum_values(ws * n, seed_of(3, t, q, n), t);
     if (q == c.rank()) mine = in;
-    blocks.push_back(in.narrow(0, c.rank() * n, n));
+    blocks.push_back(in.narrow(0, c.rank() * n, n).clone());
   }
-  auto out = at::empty({n}, at::TensorOptions(t));
+  auto out = in_place ? mine.narrow(0, c.rank() * n, n) : at::empty({n}, at::TensorOptions(t));
   c.reduce_scatter(out, mine, op).wait();
-  const char* name = op == ReduceOp::kSum ? "reduce_scatter SUM" : "reduce_scatter AVG";
-  EXPECT_TRUE(bit_equal(out, reduce_reference(blocks, op, t))) << describe(name, t, n, ws);
-  // The input is left untouched.
-  EXPECT_TRUE(bit_equal(mine, exact_sum_values(ws * n, seed_of(3, t, c.rank(), n), t)));
+  const std::string name =
+      std::string(op == ReduceOp::kSum ? "reduce_scatter SUM" : "reduce_scatter AVG") +
+      (in_place ? " in place" : "");
+  EXPECT_TRUE(bit_equal(out, reduce_reference(blocks, op, t))) << describe(name.c_str(), t, n, ws);
+  // The input is left untouched (but for the output, in place).
+  auto fresh = exact_sum_values(ws * n, seed_of(3, t, c.rank(), n), t);
+  if (in_place) fresh.narrow(0, c.rank() * n, n).copy_(out);
+  EXPECT_TRUE(bit_equal(mine, fresh)) << describe(name.c_str(), t, n, ws);
 }
 
 void check_all_reduce(Communicator& c, at::ScalarType t, int64_t n, ReduceOp op) {
@@ -111,6 +117,7 @@ TEST_P(CollectivesTest, EveryOpAndDtypeMatchesReference) {
         check_broadcast(*c, t, n, c->size() - 1);
         check_reduce_scatter(*c, t, n, ReduceOp::kSum);
         check_reduce_scatter(*c, t, n, ReduceOp::kAvg);
+        check_reduce_scatter(*c, t, n, ReduceOp::kAvg, /*in_place=*/true);
         check_all_reduce(*c, t, n, ReduceOp::kSum);
         check_all_reduce(*c, t, n, ReduceOp::kAvg);
       }
@@ -145,6 +152,12 @@ TEST_P(RingReduceScatterTest, PipelinedRingSumsExactlyInEveryPiece) {
     for (at::ScalarType t : {at::kFloat, at::kDouble}) {
       check_reduce_scatter(*c, t, n, ReduceOp::kSum);
       check_reduce_scatter(*c, t, n, ReduceOp::kAvg);
+      // In place: at two ranks the ring's last step lands in a window of pieces; 1,200,001
+      // elements travel in more pieces than the window holds.
+      for (int64_t m : {n, int64_t{1200001}}) {
+        check_reduce_scatter(*c, t, m, ReduceOp::kSum, /*in_place=*/true);
+        check_reduce_scatter(*c, t, m, ReduceOp::kAvg, /*in_place=*/true);
+      }
       // Two in flight, waited in reverse order; the second with a scratch buffer.
       std::vector<at::Tensor> ins, outs, expected;
       for (int k = 0; k < 2; ++k) {

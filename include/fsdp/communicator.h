@@ -98,7 +98,8 @@ class Communicator {
   Work all_gather(const at::Tensor& output, const at::Tensor& input);
   // REQUIRES: input contiguous, input.numel() == size() * output.numel(), same dtype.
   // output = op over ranks of input[rank * n : (rank + 1) * n]. Low-precision data is summed in
-  // fp32.
+  // fp32. The output may be this rank's own block of the input, input[rank * n : (rank + 1) * n]
+  // (in place: no output buffer; the rest of the input is left as it was), with the same result.
   // `scratch` (optional, same size and dtype as input, contiguous) receives the exchanged blocks;
   // without it a buffer is allocated per call: the whole exchange for the plain alltoall path
   // (FSDP_REDUCE_SCATTER=alltoall), a few chunks for the pipelined paths on CPU.

@@ -244,32 +244,54 @@ void RingReduceScatter::reduce(Job& job) {
     return t.narrow(0, k * piece, std::min(piece, n - k * piece));
   };
   auto block = [&](int64_t b) { return job.input.narrow(0, ((b % ws + ws) % ws) * n, n); };
-  // Step s receives into dest(s): scratch for the partial sums, the output in the last step.
-  auto dest = [&](int s) { return s == ws - 2 ? job.output : job.scratch.narrow(0, s * n, n); };
+  // In place: the output is this rank's own block of the input, which the last step adds to, so
+  // that step cannot receive into the output; its pieces land in a window of a few pieces instead,
+  // each re-posted once added (received + mine == mine + received: the same bits).
+  const int last = ws - 2;
+  const bool in_place = job.output.data_ptr() == block(r).data_ptr();
+  const int64_t window = in_place ? std::min<int64_t>(pieces, kWindowChunks) : 0;
+  const at::Tensor slots =
+      in_place ? at::empty({window * piece}, job.input.options()) : at::Tensor();
+  // Step s receives piece k into landing(s, k): scratch for the partial sums, the output (or the
+  // window) in the last step.
+  auto landing = [&](int s, int64_t k) {
+    if (s < last) return slice(job.scratch.narrow(0, s * n, n), k);
+    if (!in_place) return slice(job.output, k);
+    return slots.narrow(0, (k % window) * piece, std::min(piece, n - k * piece));
+  };
   auto tag = [&](int s, int64_t k) { return job.tag_base + static_cast<int>(s * pieces + k); };
   auto wait = [&](const c10::intrusive_ptr<c10d::Work>& w) { w->wait(job.timeout); };
-
-  std::vector<c10::intrusive_ptr<c10d::Work>> recvs, sends;
-  for (int s = 0; s < ws - 1; ++s)
-    for (int64_t k = 0; k < pieces; ++k) {
-      std::vector<at::Tensor> t{slice(dest(s), k)};
-      recvs.push_back(pg_->recv(t, left, tag(s, k)));
+  auto add = [](const at::Tensor& dst, const at::Tensor& src) {
+    if (dst.scalar_type() == at::kFloat) {
+      add_into<float>(dst, src);
+    } else {
+      add_into<double>(dst, src);
     }
+  };
+
+  std::vector<c10::intrusive_ptr<c10d::Work>> recvs((ws - 1) * pieces), sends;
+  auto post = [&](int s, int64_t k) {
+    std::vector<at::Tensor> t{landing(s, k)};
+    recvs[s * pieces + k] = pg_->recv(t, left, tag(s, k));
+  };
+  for (int s = 0; s < ws - 1; ++s)
+    for (int64_t k = 0; k < (s == last && in_place ? window : pieces); ++k) post(s, k);
   for (int64_t k = 0; k < pieces; ++k) {
     std::vector<at::Tensor> t{slice(block(r - 1), k)};
     sends.push_back(pg_->send(t, right, tag(0, k)));
   }
   for (int s = 0; s < ws - 1; ++s) {
-    const at::Tensor mine = block(r - 2 - s), d = dest(s);
+    const at::Tensor mine = block(r - 2 - s);
     for (int64_t k = 0; k < pieces; ++k) {
       wait(recvs[s * pieces + k]);
-      at::Tensor got = slice(d, k);
-      if (got.scalar_type() == at::kFloat) {
-        add_into<float>(got, slice(mine, k));
-      } else {
-        add_into<double>(got, slice(mine, k));
+      at::Tensor got = landing(s, k);
+      if (s == last && in_place) {
+        add(slice(job.output, k), got);  // the output is `mine`
+        if (k + window < pieces) post(s, k + window);
+        continue;
       }
-      if (s < ws - 2) {
+      add(got, slice(mine, k));
+      if (s < last) {
         std::vector<at::Tensor> t{got};
         sends.push_back(pg_->send(t, right, tag(s + 1, k)));
       }

@@ -566,8 +566,10 @@ PendingReduce Group::issue_reduce_scatter() {
   for (size_t i = 0; i < params_.size(); ++i)
     if (!handed || !handed_[i]) params_[i].pack_grad(p.send, offsets_[i]);
   handed_.clear();
-  p.output = at::empty({flat_numel_}, p.send.options());
-  p.work = context_->reduce_lane().reduce_scatter(p.output, p.send, ReduceOp::kAvg);
+  // In place: the reduced rows land in this rank's own row of the send buffer.
+  auto& lane = context_->reduce_lane();
+  p.output = p.send.view({-1}).narrow(0, lane.rank() * flat_numel_, flat_numel_);
+  p.work = lane.reduce_scatter(p.output, p.send, ReduceOp::kAvg);
   return p;
 }
 
