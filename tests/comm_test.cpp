@@ -209,12 +209,16 @@ TEST_P(RankOrderReduceScatterTest, BitwiseEqualToAlltoallThenSum) {
     bool order_visible = false;
     for (at::ScalarType t : kDtypes) {
       // 1200001: more chunks (5 fp32, 10 fp64) than the exchange receives ahead (kWindowChunks),
-      // so chunk slots are received into again.
+      // so chunk slots are received into again (fewer than that in the 2-byte dtypes: not run).
       for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1031}, int64_t{70001}, int64_t{600000},
                         int64_t{1200001}}) {
+        if (n == 1200001 && t != at::kFloat && t != at::kDouble) continue;
+        // The other ranks' inputs only where the summation order is looked at (below).
+        const bool look = t == at::kFloat && n >= 1031 && n <= 70001;
         std::vector<at::Tensor> blocks;
         at::Tensor mine;
         for (int q = 0; q < ws; ++q) {
+          if (q != c->rank() && !look) continue;
           auto in = order_sensitive_values(ws * n, seed_of(20, t, q, n), t);
           if (q == c->rank()) mine = in;
           blocks.push_back(in.narrow(0, c->rank() * n, n));
@@ -230,7 +234,7 @@ TEST_P(RankOrderReduceScatterTest, BitwiseEqualToAlltoallThenSum) {
           EXPECT_TRUE(bit_equal(piped, plain))
               << describe("rank-order", t, n, ws) << " op " << static_cast<int>(op);
         }
-        if (t == at::kFloat && n >= 1031) {
+        if (look) {
           auto forward = at::stack(blocks).sum(0);
           std::vector<at::Tensor> reversed(blocks.rbegin(), blocks.rend());
           order_visible |= !bit_equal(at::stack(reversed).sum(0), forward);
@@ -319,6 +323,9 @@ TEST(CommTest, BadInputThrowsBeforeIssuingNamingExpectedAndActual) {
       expect_error([&] { c->all_gather(at::zeros({40}), strided); },
                    {"all_gather", "input must be contiguous"});
       expect_error([&] { c->broadcast(f, 2); }, {"broadcast", "root rank 2", "0..1"});
+      auto in = at::zeros({20}, at::kFloat);  // rank 1's own block is in[10:20]
+      expect_error([&] { c->reduce_scatter(in.narrow(0, 0, 10), in, ReduceOp::kSum); },
+                   {"reduce_scatter", "overlaps the input", "own block"});
       expect_error([&] { c->all_reduce(at::zeros({3}, at::kBool), ReduceOp::kSum); },
                    {"all_reduce", "dtype Bool"});
     }
@@ -452,7 +459,9 @@ void expect_rendezvous_timeout(int joining_rank) {
               << m;
           EXPECT_TRUE(contains(m, "within 2 s")) << m;
           EXPECT_TRUE(contains(m, "MASTER_ADDR/MASTER_PORT")) << m;
-          if (joining_rank == 0) EXPECT_TRUE(contains(m, "only 1 of 2 ranks joined")) << m;
+          if (joining_rank == 0) {
+            EXPECT_TRUE(contains(m, "only 1 of 2 ranks joined")) << m;
+          }
         }
         EXPECT_LT(seconds_since(start), 4.0);
       },

@@ -133,7 +133,7 @@ TEST(Hsdp, CheckpointsLoadIntoAnyLayout) {
         auto root = shard(model, mesh);
         torch::optim::AdamW opt(root.parameters(), adamw());
         train(model, root, opt, *world, 0, 2);
-        auto ckpt = checkpoint::save(d + "/hsdp", root, &opt, {2}, *mesh.shard);
+        auto ckpt = checkpoint::save(d + "/hsdp", root, &opt, {2, 0, {}, {}}, *mesh.shard);
         world->barrier().wait();
         int files = 0;
         for (const auto& e : fs::directory_iterator(ckpt))
@@ -160,7 +160,8 @@ TEST(Hsdp, CheckpointsLoadIntoAnyLayout) {
           EXPECT_NEAR(rep_cont[s], cont[s], 1e-12 * std::abs(cont[s])) << "4x1, step " << s;
         }
         // And back: plain FSDP's checkpoint into HSDP 2x2.
-        auto ckpt2 = checkpoint::save(d + "/plain", plain, &plain_opt, {4}, plain.communicator());
+        auto ckpt2 =
+            checkpoint::save(d + "/plain", plain, &plain_opt, {4, 0, {}, {}}, plain.communicator());
         auto back_model = build();
         auto back = shard(back_model, init_mesh(world, 2));
         torch::optim::AdamW back_opt(back.parameters(), adamw());
@@ -185,8 +186,11 @@ TEST(Hsdp, BadMeshesFailByMessage) {
     auto model2 = build();
     auto root = shard(model2, mesh);
     torch::optim::AdamW opt(root.parameters(), adamw());
-    expect_error([&] { checkpoint::save("/tmp/never", root, &opt, {1}, *world); },
-                 {"under HSDP pass the shard communicator"});
+    expect_error(
+        [&] {
+          checkpoint::save("/tmp/never", root, &opt, {1, 0, {}, {}}, *world);
+        },
+        {"under HSDP pass the shard communicator"});
   });
 }
 

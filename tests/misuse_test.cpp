@@ -50,8 +50,11 @@ TEST(Misuse, OptimizerOnTheFullParametersFailsByMessage) {
     torch::optim::AdamW right(root.parameters(), torch::optim::AdamWOptions(1e-2));
     right.zero_grad();
     model(x, y).backward();
-    for (const auto& s : root.shards())
-      if (s.shard.numel() > 0) EXPECT_TRUE(s.shard.grad().defined()) << s.name;
+    for (const auto& s : root.shards()) {
+      if (s.shard.numel() > 0) {
+        EXPECT_TRUE(s.shard.grad().defined()) << s.name;
+      }
+    }
     right.step();
     model(x, y).backward();  // the next backward accumulates afresh into the full parameters
     right.step();

@@ -258,6 +258,12 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
              " were expected; size the input as world_size * output.numel()");
   const int64_t n = output.numel();
   const int ws = size_;
+  // In place is this rank's own block exactly; any other overlap would be read after written.
+  FSDP_CHECK(n == 0 || !output.storage().is_alias_of(input.storage()) ||
+                 (output.is_contiguous() &&
+                  output.data_ptr() == input.view({-1}).narrow(0, rank_ * n, n).data_ptr()),
+             "reduce_scatter: the output overlaps the input but is not this rank's own block "
+             "input[rank * n : (rank + 1) * n]; pass that block (in place) or a separate tensor");
   auto finish_sum = [output, op, ws, n](const at::Tensor& blocks) {
     // blocks: (ws, n), block r from rank r. Low precision accumulates in fp32.
     auto b = blocks.view({ws, n});

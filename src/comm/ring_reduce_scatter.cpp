@@ -63,8 +63,17 @@ int64_t rank_order_chunk(int64_t n, int64_t element_size) {
 }  // namespace
 
 struct RingReduceScatter::Job {
+  Job() = default;
+  Job(at::Tensor out, at::Tensor in, at::Tensor scratch_, std::chrono::milliseconds timeout_,
+      c10d::OpType op)
+      : output(std::move(out)),
+        input(std::move(in)),
+        scratch(std::move(scratch_)),
+        timeout(timeout_),
+        work(c10::make_intrusive<RingWork>(op)) {}
+
   at::Tensor output, input, scratch;
-  std::chrono::milliseconds timeout;
+  std::chrono::milliseconds timeout{0};
   int tag_base = 0;
   c10::intrusive_ptr<RingWork> work;
   Algorithm algorithm = Algorithm::kRing;
@@ -125,8 +134,7 @@ c10::intrusive_ptr<c10d::Work> RingReduceScatter::run(const at::Tensor& output,
   const int64_t ws = pg_->getSize(), n = output.numel();
   FSDP_CHECK(input.numel() == ws * n, "ring reduce_scatter: input has ", input.numel(),
              " elements, expected ", ws * n);
-  Job job{output,  input, scratch,
-          timeout, 0,     c10::make_intrusive<RingWork>(c10d::OpType::REDUCE_SCATTER)};
+  Job job(output, input, scratch, timeout, c10d::OpType::REDUCE_SCATTER);
   if (!job.scratch.defined() || job.scratch.numel() < (ws - 2) * n)
     job.scratch = at::empty({std::max<int64_t>(ws - 2, 0) * n}, input.options());
   return enqueue(std::move(job));
@@ -138,8 +146,7 @@ c10::intrusive_ptr<c10d::Work> RingReduceScatter::run_rank_order(
   const int64_t ws = pg_->getSize(), n = output.numel();
   FSDP_CHECK(input.numel() == ws * n, "rank-order reduce_scatter: input has ", input.numel(),
              " elements, expected ", ws * n);
-  Job job{output,  input, scratch,
-          timeout, 0,     c10::make_intrusive<RingWork>(c10d::OpType::REDUCE_SCATTER)};
+  Job job(output, input, scratch, timeout, c10d::OpType::REDUCE_SCATTER);
   job.algorithm = Algorithm::kRankOrder;
   job.average = average;
   const int64_t need = rank_order_scratch_numel(n, ws, input.element_size());
@@ -170,12 +177,7 @@ c10::intrusive_ptr<c10d::Work> RingReduceScatter::run_all_gather_pieces(
   for (const auto& row : outputs)
     FSDP_CHECK(row.size() == inputs.size(), "all_gather pieces: ", row.size(),
                " outputs for a rank but ", inputs.size(), " inputs");
-  Job job{at::Tensor(),
-          at::Tensor(),
-          at::Tensor(),
-          timeout,
-          0,
-          c10::make_intrusive<RingWork>(c10d::OpType::ALLGATHER)};
+  Job job({}, {}, {}, timeout, c10d::OpType::ALLGATHER);
   job.algorithm = Algorithm::kAllGather;
   job.into = std::move(outputs);
   job.pieces = std::move(inputs);
