@@ -274,6 +274,62 @@ TEST_P(Memory, ShardsGradsOptimizerStateAreOneNthAndGatheredParamsAreFreed) {
 }
 INSTANTIATE_TEST_SUITE_P(World, Memory, ::testing::Values(1, 2, 4));
 
+// A rank that falls behind (FSDP_FAULT=slow_reduce: every rank but 0 issues each reduce-scatter
+// that many ms late) must not make the others hold a send buffer per group: before a group takes
+// its send buffer, backward waits (bounded) for the reductions in flight. With reshard after
+// forward, at most three layer-sized buffers are then in use at once (the layer being computed,
+// the next one's all-gather, one reduce-scatter), and the gradients are the unsharded model's.
+// With a delay past the bound (3 s) the wait gives up, says so, and the results are the same.
+struct SlowRankCase {
+  int delay_ms;
+  int depth;
+  bool expect_expiry;
+};
+class SlowRank : public ::testing::TestWithParam<SlowRankCase> {};
+
+TEST_P(SlowRank, BackwardHoldsAtMostThreeLayerBuffersAndGradientsAreRight) {
+  const auto c = GetParam();
+  RunOptions o;
+  o.env["FSDP_FAULT"] = "slow_reduce:" + std::to_string(c.delay_ms);
+  o.env["FSDP_DEBUG"] = "1";
+  const int64_t width = 63;
+  auto build = [&] {
+    torch::manual_seed(0);
+    return fsdp::models::MLPStack(width, c.depth);
+  };
+  auto data = [&](int k) {
+    torch::manual_seed(100 + k);
+    return torch::randn({16, width});
+  };
+  auto res = run_ranks(
+      2,
+      [&](Rank& r) {
+        fsdp::Sharded<fsdp::models::MLPStack> m{build()};
+        for (auto& l : m->layers) fully_shard(l, r.world());
+        auto root = fully_shard(m, r.world());
+        m(data(r.rank)).pow(2).mean().backward();
+        auto ref = reference_mean_grads(2, build, [&](fsdp::models::MLPStack& model, int k) {
+          model(data(k)).pow(2).mean().backward();
+        });
+        EXPECT_EQ(expect_shard_grads(root, ref), 2 * c.depth);
+        // One layer's (world, S) buffer: 32 of 63 rows of the weight and of the bias per rank.
+        const int64_t layer_buffer = 2 * (32 * width + 32) * 4;
+        const auto stats = root.memory_stats();
+        if (!c.expect_expiry) EXPECT_LE(stats.peak_buffer_bytes_in_use, 3 * layer_buffer);
+        EXPECT_EQ(stats.buffer_bytes_in_use, 0);
+        EXPECT_LE(stats.buffer_bytes_idle, stats.peak_buffer_bytes_in_use);
+      },
+      o);
+  if (!in_rank_process()) {
+    const std::string expiry = "reduce-scatter still in flight after a bounded wait of 3000 ms";
+    EXPECT_EQ(res.output.at(0).find(expiry) != std::string::npos, c.expect_expiry)
+        << res.output.at(0);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Delays, SlowRank,
+                         ::testing::Values(SlowRankCase{60, 8, false},
+                                           SlowRankCase{3300, 2, true}));
+
 TEST(FullyShard, DebugLogsOneLinePerHookEvent) {
   RunOptions o;
   o.env["FSDP_DEBUG"] = "1";

@@ -175,9 +175,13 @@ class FSDPModule {
   // Gathered-parameter memory of this module's root context, counted from all-gather issue to
   // reshard: bytes of every group, and the number of groups other than the root (which stays
   // gathered from forward to the end of backward by default), now and peak.
+  // Communication buffers (all-gather receive, full blocks, reduce-scatter send) of the context's
+  // pool: in use now, kept idle for reuse, and the most ever in use at once (the pool keeps no
+  // more than that in use and idle together; reset_memory_peaks leaves it).
   struct MemoryStats {
     int64_t unsharded_bytes = 0, peak_unsharded_bytes = 0;
     int unsharded_groups = 0, peak_unsharded_groups = 0;
+    int64_t buffer_bytes_in_use = 0, buffer_bytes_idle = 0, peak_buffer_bytes_in_use = 0;
   };
   MemoryStats memory_stats() const;
   void reset_memory_peaks();

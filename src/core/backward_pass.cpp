@@ -21,7 +21,9 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 
 #include "core/context.h"
 
@@ -46,13 +48,22 @@ int count_will_run(const Nodes& nodes, const torch::autograd::Node* first) {
   return n;
 }
 
-// Fault injection for the audit's own tests (FSDP_FAULT=<name>).
-bool fault(const char* name) {
+// Fault injection for the tests (FSDP_FAULT=<name>[:<milliseconds>]).
+const std::string& fault_setting() {
   static const std::string f = [] {
     const char* v = std::getenv("FSDP_FAULT");
     return std::string(v ? v : "");
   }();
-  return f == name;
+  return f;
+}
+bool fault(const char* name) { return fault_setting() == name; }
+// FSDP_FAULT=slow_reduce:<ms>: every rank but 0 of the reduce lane issues each reduction that
+// late, like a rank that falls behind (the bounded waits' tests).
+std::chrono::milliseconds fault_reduce_delay(int reduce_rank) {
+  const std::string prefix = "slow_reduce:";
+  const auto& f = fault_setting();
+  if (reduce_rank == 0 || f.rfind(prefix, 0) != 0) return std::chrono::milliseconds(0);
+  return std::chrono::milliseconds(std::stoi(f.substr(prefix.size())));
 }
 
 }  // namespace
@@ -161,8 +172,14 @@ void BackwardPass::pre_backward(Group& g) {
              "node of its forward that its plan did not expect). Gathering it now would put this "
              "rank's all-gathers out of step with the other ranks', so backward stops here. "
              "Please report this with the model (FSDP_DEBUG=1 shows the events).");
-  prefetch_after(g);
+  // Reductions finished by now give their send buffers back first, and the next group's gather
+  // is issued only once this one is copied out: its receive buffer then takes this one's (the
+  // gather lane runs one all-gather at a time, so issuing it earlier would gain little and hold
+  // one more full-size buffer at backward's peak).
+  reap_reductions(Reap::kPoll);
   g.wait_for_unshard();
+  reap_reductions(Reap::kPoll);
+  prefetch_after(g);
   s.progress = Progress::kRunning;
   g.begin_backward_use();
 }
@@ -182,7 +199,7 @@ void BackwardPass::on_grad_ready(Group& g, size_t i) {
     // A reduction that has completed since is finished first: its send buffer goes back to the
     // pool, where this group's can take it.
     if (will_reduce(g)) {
-      reap_reductions(/*may_block=*/false);
+      reap_reductions(g.has_handed_over() ? Reap::kPoll : Reap::kBounded);
       g.hand_over_grad(i);
     }
   }
@@ -258,7 +275,10 @@ void BackwardPass::issue(Group& g) {
   if (!will_reduce(g)) return;
   s.reductions = 1;
   ctx_.audit().on_reduce(ctx_.index_of(&g), g.flat_numel());
-  reap_reductions(gather_cursor_ >= gather_plan_.size());
+  std::this_thread::sleep_for(fault_reduce_delay(ctx_.reduce_lane().rank()));
+  reap_reductions(gather_cursor_ >= gather_plan_.size() ? Reap::kAll
+                  : g.has_handed_over()                 ? Reap::kPoll
+                                                        : Reap::kBounded);
   in_flight_.push_back(g.issue_reduce_scatter());
   ctx_.log(&g, "reduce-scatter issued");
 }
@@ -267,16 +287,46 @@ bool BackwardPass::will_reduce(const Group& g) const {
   return reducing_ && g.requires_gradient_sync() && g.has_trainable();
 }
 
-// A reduce-scatter in flight holds its group's gradients (the send buffer): before issuing the
-// next, finish every one that is done, and wait for the rest once that is safe, so that at most
-// one is in flight. Blocking is safe only once this rank has issued its whole backward all-gather
-// plan: before that, another rank may be waiting, in its backward, for an all-gather this rank
-// has not issued yet, while its part of this reduction waits behind it.
-void BackwardPass::reap_reductions(bool may_block) {
+// A reduce-scatter in flight holds its group's gradients (the send buffer). Before a group takes
+// a send buffer, the reductions in flight are finished, so that one send buffer is in use at a
+// time where the lanes keep up. Waiting for all of them (kAll) is safe only once this rank has
+// issued its whole backward all-gather plan: before that, another rank may be waiting, in its
+// backward, for an all-gather this rank has not issued yet, while its part of this reduction
+// waits behind it. Before that point the wait is bounded (kBounded), and only for a reduction
+// whose group this rank has gathered through in the plan (every all-gather up to and including
+// its own is issued: what another rank needs before it can issue that reduction, where backward
+// runs the groups in plan order). The wait never decides anything about either lane's order, only
+// when this thread goes on, so the bound is a backstop, not what makes it safe: a bounded wait that
+// runs out ends such waits for the rest of the pass (at most one bound per backward), and after a
+// few (Context::kMaxReapWaitExpiries) for good.
+bool BackwardPass::may_wait_for(const Group& g) const {
+  const auto end = gather_plan_.begin() + static_cast<std::ptrdiff_t>(gather_cursor_);
+  return std::find(gather_plan_.begin(), end, &g) != end;
+}
+
+void BackwardPass::reap_reductions(Reap how) {
+  if (how == Reap::kBounded) wait_bounded();
   while (!in_flight_.empty() &&
-         (may_block || in_flight_.front().group->poll_reduce(in_flight_.front()))) {
+         (how == Reap::kAll || in_flight_.front().group->poll_reduce(in_flight_.front()))) {
     in_flight_.front().group->finish_reduce(in_flight_.front());
     in_flight_.pop_front();
+  }
+}
+
+void BackwardPass::wait_bounded() {
+  if (bounded_wait_expired_ || !ctx_.reap_waits_enabled()) return;
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(kBoundedReapWaitMs);
+  for (auto& p : in_flight_) {  // in issue order
+    if (!may_wait_for(*p.group)) return;
+    while (!p.group->poll_reduce(p)) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        bounded_wait_expired_ = true;
+        ctx_.on_reap_wait_expired(*p.group, kBoundedReapWaitMs);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
   }
 }
 

@@ -73,9 +73,17 @@ class BackwardPass {
   void try_issue_reductions();
   void issue(Group& g);
   bool will_reduce(const Group& g) const;  // this pass reduces g's gradients
-  // Finishes completed reductions, in order; with may_block (safe only once the gather plan is
-  // issued) waits for all of them.
-  void reap_reductions(bool may_block);
+  // How long reap_reductions may wait for the reductions in flight.
+  enum class Reap : uint8_t {
+    kPoll,     // finish those completed, never wait
+    kBounded,  // wait up to kBoundedReapWaitMs for them (see backward_pass.cpp)
+    kAll,      // wait for all: safe only once the gather plan is issued
+  };
+  static constexpr int kBoundedReapWaitMs = 3000;
+  // Finishes the reductions in flight that are done, in order, waiting as `how` allows.
+  void reap_reductions(Reap how);
+  void wait_bounded();                      // kBounded's wait, before the reaping
+  bool may_wait_for(const Group& g) const;  // g's all-gather (plan entry) is issued here
 
   Context& ctx_;
   const void* key_;
@@ -86,6 +94,7 @@ class BackwardPass {
   std::vector<Group*> reduce_order_;
   size_t reduce_cursor_ = 0;
   std::deque<PendingReduce> in_flight_;
+  bool bounded_wait_expired_ = false;  // a kBounded reap ran out of time in this pass
 };
 
 }  // namespace fsdp::detail

@@ -89,7 +89,21 @@ void Context::log(const Group* g, const std::string& event) const {
   if (!debug_) return;
   std::cerr << "fsdp[rank " << comm_->rank() << "] group '" << (g ? g->name() : "-") << "' "
             << event << " | gathered " << unsharded_groups_ << " groups, " << unsharded_bytes_
-            << " bytes\n";
+            << " bytes; buffers " << pool_.in_use_bytes() << " in use, " << pool_.idle_bytes()
+            << " idle\n";
+}
+
+void Context::on_reap_wait_expired(const Group& g, int waited_ms) {
+  ++reap_wait_expiries_;
+  log(&g, detail::cat("reduce-scatter still in flight after a bounded wait of ", waited_ms, " ms (",
+                      reap_wait_expiries_, " of ", kMaxReapWaitExpiries, ")"));
+  if (reap_wait_expiries_ == kMaxReapWaitExpiries)
+    std::cerr << "fsdp[rank " << comm_->rank()
+              << "]: warning: reduce-scatters were still in flight "
+              << "after " << kMaxReapWaitExpiries << " bounded waits of " << waited_ms
+              << " ms; backward no longer waits for them before packing the next group's "
+                 "gradients, so more send buffers may be held at once (memory, not results). "
+                 "A rank far slower than the others, or a slow reduce lane, does this.\n";
 }
 
 void Context::on_gather_issued(const Group* g) {
@@ -208,17 +222,34 @@ void Context::finalize(const void* key) {
 // BufferPool
 // ---------------------------------------------------------------------------------------------
 at::Tensor BufferPool::acquire(int64_t numel, at::ScalarType dtype) {
-  auto& idle = idle_[{numel, static_cast<int>(dtype)}];
-  if (idle.empty()) return at::empty({numel}, at::TensorOptions().dtype(dtype));
-  at::Tensor t = std::move(idle.back());
-  idle.pop_back();
-  return t;
+  auto best = idle_.end();
+  for (auto it = idle_.begin(); it != idle_.end(); ++it)
+    if (it->scalar_type() == dtype && it->numel() >= numel && it->numel() <= numel + numel / 8 &&
+        (best == idle_.end() || it->numel() < best->numel()))
+      best = it;
+  at::Tensor whole;
+  if (best == idle_.end()) {
+    whole = at::empty({numel}, at::TensorOptions().dtype(dtype));
+  } else {
+    whole = std::move(*best);
+    idle_.erase(best);
+    idle_bytes_ -= static_cast<int64_t>(whole.nbytes());
+  }
+  in_use_bytes_ += static_cast<int64_t>(whole.nbytes());
+  peak_in_use_bytes_ = std::max(peak_in_use_bytes_, in_use_bytes_);
+  return whole.narrow(0, 0, numel);
 }
 
 void BufferPool::release(at::Tensor t) {
   if (!t.defined()) return;
-  auto& idle = idle_[{t.numel(), static_cast<int>(t.scalar_type())}];
-  if (idle.size() < kPerSize) idle.push_back(std::move(t));
+  const auto& storage = t.storage();
+  const int64_t bytes = static_cast<int64_t>(storage.nbytes());
+  in_use_bytes_ = std::max<int64_t>(0, in_use_bytes_ - bytes);
+  if (in_use_bytes_ + idle_bytes_ + bytes > peak_in_use_bytes_) return;  // freed here
+  auto whole = at::empty({0}, t.options());
+  whole.set_(storage, 0, {bytes / static_cast<int64_t>(t.element_size())});
+  idle_bytes_ += bytes;
+  idle_.push_back(std::move(whole));
 }
 
 }  // namespace fsdp::detail

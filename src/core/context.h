@@ -26,18 +26,27 @@ struct Node;
 }
 namespace fsdp::detail {
 
-// Reuses the flat communication buffers across groups and iterations, as a caching allocator
-// would: sharded blocks have equal sizes, and buffers freed per collective otherwise stay resident
-// under glibc's default malloc policy (and page-fault again when touched). Keeps at most
-// kPerSize idle buffers of each (elements, dtype).
+// Reuses the flat communication buffers (all-gather receive, full blocks, reduce-scatter send)
+// across groups and iterations, as a caching allocator would: buffers freed per collective
+// otherwise stay resident under glibc's default malloc policy, or page-fault again when touched.
+// One size class per dtype: a request takes the smallest idle buffer holding `numel` to
+// numel + numel / 8 elements (a group's full block and its (world, S) buffers differ by padding
+// only), as a view of its first `numel` elements. An idle buffer is kept only while the bytes in
+// use and idle stay within the most ever in use at once: the pool never holds more than the
+// step's own peak of buffers in use.
 class BufferPool {
  public:
   at::Tensor acquire(int64_t numel, at::ScalarType dtype);
-  void release(at::Tensor t);  // REQUIRES: no collective still uses t
+  // `t` is a tensor acquire returned, or a view of it. REQUIRES: no collective or other tensor
+  // still uses its storage.
+  void release(at::Tensor t);
+  int64_t idle_bytes() const { return idle_bytes_; }
+  int64_t in_use_bytes() const { return in_use_bytes_; }
+  int64_t peak_in_use_bytes() const { return peak_in_use_bytes_; }
 
  private:
-  static constexpr size_t kPerSize = 2;
-  std::map<std::pair<int64_t, int>, std::vector<at::Tensor>> idle_;
+  std::vector<at::Tensor> idle_;  // whole buffers, 1-D over all of their storage
+  int64_t in_use_bytes_ = 0, idle_bytes_ = 0, peak_in_use_bytes_ = 0;
 };
 
 class Context {
@@ -78,6 +87,11 @@ class Context {
   // Creates it at the first output hook of a GraphTask (`node`: the node whose hook fires).
   BackwardPass& pass_for_hook(Group* g, const torch::autograd::Node* node);
   std::recursive_mutex& mutex() { return mu_; }
+  // Bounded waits for reductions in flight (BackwardPass::reap_reductions): after
+  // kMaxReapWaitExpiries of them ran out of time, later passes only poll (a warning says so once).
+  static constexpr int kMaxReapWaitExpiries = 3;
+  bool reap_waits_enabled() const { return reap_wait_expiries_ < kMaxReapWaitExpiries; }
+  void on_reap_wait_expired(const Group& g, int waited_ms);
 
   // ---- all-gather lane log (audit) and gathered memory, from all-gather issue to reshard ----
   // Bytes count every group; groups count all but the root, which by default stays gathered
@@ -91,6 +105,7 @@ class Context {
   void reset_peaks();
 
   BufferPool& pool() { return pool_; }
+  const BufferPool& pool() const { return pool_; }
   bool debug() const { return debug_; }
   void log(const Group* g, const std::string& event) const;
   Audit& audit() { return audit_; }
@@ -111,6 +126,7 @@ class Context {
   int64_t unsharded_bytes_ = 0, peak_unsharded_bytes_ = 0;
   int unsharded_groups_ = 0, peak_unsharded_groups_ = 0;
   bool debug_ = false;
+  int reap_wait_expiries_ = 0;
   Audit audit_;
   BufferPool pool_;
 };

@@ -440,6 +440,9 @@ FSDPModule::MemoryStats FSDPModule::memory_stats() const {
   s.peak_unsharded_bytes = c.peak_unsharded_bytes();
   s.unsharded_groups = c.unsharded_groups();
   s.peak_unsharded_groups = c.peak_unsharded_groups();
+  s.buffer_bytes_in_use = c.pool().in_use_bytes();
+  s.buffer_bytes_idle = c.pool().idle_bytes();
+  s.peak_buffer_bytes_in_use = c.pool().peak_in_use_bytes();
   return s;
 }
 

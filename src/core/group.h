@@ -165,6 +165,7 @@ class Group : public std::enable_shared_from_this<Group> {
   // the parameter, so that a group's unsharded gradients and its send buffer are never both held.
   // On one rank (no replicas) it is added to the shard's gradient instead: there is no exchange.
   void hand_over_grad(size_t param_index);
+  bool has_handed_over() const { return handed_send_.defined(); }  // holds a send buffer
   // Packs the gradients not handed over (zeros when missing) and issues the reduce-scatter.
   PendingReduce issue_reduce_scatter();
   // Never blocks: true when finish_reduce would not wait. Under HSDP a finished reduce-scatter's
