@@ -4,6 +4,7 @@
 #include <fsdp/memory.h>
 #include <fsdp/models/gpt.h>
 #include <fsdp/trace.h>
+#include <sys/resource.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
 
@@ -122,6 +123,12 @@ class PhaseMemory {
   std::thread thread_;  // last: starts after the members it reads
 };
 
+int64_t minor_page_faults() {
+  struct rusage u {};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
 void clear_grads(torch::optim::Optimizer& opt) {
   for (auto& g : opt.param_groups())
     for (auto& p : g.params()) p.mutable_grad() = at::Tensor();
@@ -182,8 +189,9 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
 
   const int total = o.warmup + o.steps;
   std::vector<double> step_s, losses;
-  PhaseMemory rss;               // where in the step the peak comes from
-  double reducer_exposed_s = 0;  // ddp: c10d::Reducer's collectives bypass the communicator
+  PhaseMemory rss;                   // where in the step the peak comes from
+  double reducer_exposed_s = 0;      // ddp: c10d::Reducer's collectives bypass the communicator
+  int64_t faults_at_warmup_end = 0;  // minor page faults of this process when timing starts
   const double build_peak_mb = memory::peak_rss_mb();  // building (and sharding) the model
   memory::trim();
   comm->barrier().wait();
@@ -193,6 +201,7 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
     if (s == o.warmup) {
       comm->barrier().wait();
       comm->reset_stats();
+      faults_at_warmup_end = minor_page_faults();
       if (!o.trace_dir.empty()) trace::enable(true);
     }
     auto [x, y] = make_batch(o, s, rank);
@@ -231,6 +240,10 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
     stats.collectives += static_cast<int64_t>(t->reducer->bucket_count()) * o.steps;
   }
   const double peak_mb = memory::peak_rss_mb();
+  const double faults_per_step =
+      static_cast<double>(minor_page_faults() - faults_at_warmup_end) / o.steps;
+  const double buffers_mb =
+      t->root.defined() ? t->root.memory_stats().peak_buffer_bytes_in_use / 1e6 : 0.0;
   if (!o.trace_dir.empty()) write_trace(o.trace_dir, rank);
 
   // Results, outside the timed steps. A step takes as long as its slowest rank.
@@ -241,7 +254,7 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
   auto per_rank =
       gather(*comm, {stats.wait_seconds / o.steps, static_cast<double>(stats.bytes_sent) / o.steps,
                      static_cast<double>(stats.collectives) / o.steps, peak_mb, phase_peaks[0],
-                     phase_peaks[1], phase_peaks[2], build_peak_mb});
+                     phase_peaks[1], phase_peaks[2], build_peak_mb, buffers_mb, faults_per_step});
   auto mean = per_rank.mean(0);
   auto max = std::get<0>(per_rank.max(0));
 
@@ -265,6 +278,11 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
     j["rss_peak_backward_mb"] = round_to(max[5].item<double>(), 10);
     j["rss_peak_optimizer_mb"] = round_to(max[6].item<double>(), 10);
     j["peak_rss_build_mb"] = round_to(max[7].item<double>(), 10);
+    // fsdp: the most communication buffer bytes in use at once (the pool's budget), worst rank.
+    j["peak_buffers_mb"] = round_to(max[8].item<double>(), 10);
+    // Fresh pages touched per step (mean over ranks): a step that allocates and frees large
+    // tensors pays for each page again (the kernel zero-fills it), which is CPU time.
+    j["minor_faults_per_step"] = static_cast<int64_t>(std::llround(mean[9].item<double>()));
     j["collectives_per_step"] = round_to(mean[2].item<double>(), 100);
     // Volume model (ring): all-reduce 2(N-1)/N of the buffer, all-gather and reduce-scatter
     // (N-1)/N each. fsdp gathers every group in forward, the blocks again in backward (the root
