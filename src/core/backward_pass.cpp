@@ -63,7 +63,11 @@ std::chrono::milliseconds fault_reduce_delay(int reduce_rank) {
   const std::string prefix = "slow_reduce:";
   const auto& f = fault_setting();
   if (reduce_rank == 0 || f.rfind(prefix, 0) != 0) return std::chrono::milliseconds(0);
-  return std::chrono::milliseconds(std::stoi(f.substr(prefix.size())));
+  char* end = nullptr;
+  const long ms = std::strtol(f.c_str() + prefix.size(), &end, 10);
+  FSDP_CHECK(end != f.c_str() + prefix.size() && *end == '\0' && ms >= 0, "FSDP_FAULT='", f,
+             "': expected slow_reduce:<milliseconds>, a whole number >= 0");
+  return std::chrono::milliseconds(ms);
 }
 
 }  // namespace
