@@ -139,7 +139,8 @@ INSTANTIATE_TEST_SUITE_P(WorldSize, CollectivesTest, ::testing::Values(1, 2, 3, 
 
 // fp32/fp64 reduce-scatter runs as a pipelined ring at two ranks (src/comm/ring_reduce_scatter.h);
 // from three on as a pipelined exchange summed in rank order: exact here in either case. Blocks of
-// 70001 elements travel in 4 pieces per step (0.28 MB fp32, 0.56 MB fp64), the last one short. Two
+// 300001 elements travel in pieces of at most 1 MiB (2 per step in fp32, 3 in fp64), the last one
+// short. Two
 // reduce-scatters are in flight at once (one with a caller's scratch buffer), and the sums must be
 // exact and land on the right rank.
 class RingReduceScatterTest : public ::testing::TestWithParam<int> {};
@@ -148,7 +149,7 @@ TEST_P(RingReduceScatterTest, PipelinedRingSumsExactlyInEveryPiece) {
   run_ranks(GetParam(), [](Rank& r) {
     auto c = r.world();
     const int ws = c->size();
-    const int64_t n = 70001;
+    const int64_t n = 300001;
     for (at::ScalarType t : {at::kFloat, at::kDouble}) {
       check_reduce_scatter(*c, t, n, ReduceOp::kSum);
       check_reduce_scatter(*c, t, n, ReduceOp::kAvg);
@@ -233,6 +234,12 @@ TEST_P(RankOrderReduceScatterTest, BitwiseEqualToAlltoallThenSum) {
           ::unsetenv("FSDP_REDUCE_SCATTER");
           EXPECT_TRUE(bit_equal(piped, plain))
               << describe("rank-order", t, n, ws) << " op " << static_cast<int>(op);
+          if (look) {  // and both are the left fold over ranks 0, 1, ..., N-1
+            auto fold = blocks[0].clone();
+            for (int q = 1; q < ws; ++q) fold.add_(blocks[q]);
+            if (op == ReduceOp::kAvg) fold.div_(ws);
+            EXPECT_TRUE(bit_equal(plain, fold)) << describe("rank-order fold", t, n, ws);
+          }
         }
         if (look) {
           auto forward = at::stack(blocks).sum(0);

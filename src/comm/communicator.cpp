@@ -11,6 +11,7 @@
 
 #include "compat.h"
 #include "failure.h"
+#include "rank_order_sum.h"
 #include "ring_reduce_scatter.h"
 
 namespace fsdp {
@@ -265,12 +266,18 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
              "reduce_scatter: the output overlaps the input but is not this rank's own block "
              "input[rank * n : (rank + 1) * n]; pass that block (in place) or a separate tensor");
   auto finish_sum = [output, op, ws, n](const at::Tensor& blocks) {
-    // blocks: (ws, n), block r from rank r. Low precision accumulates in fp32.
-    auto b = blocks.view({ws, n});
-    bool low = b.scalar_type() == at::kHalf || b.scalar_type() == at::kBFloat16;
-    auto sum = low ? b.to(at::kFloat).sum(0) : b.sum(0);
-    if (op == ReduceOp::kAvg) sum.div_(ws);
-    output.view({-1}).copy_(sum);
+    // blocks: (ws, n), block r from rank r, summed in rank order (the rank-order exchange's sum).
+    const at::Tensor b = blocks.view({ws, n}).contiguous();
+    std::vector<at::Tensor> rows;
+    for (int j = 0; j < ws; ++j) rows.push_back(b[j]);
+    const at::Tensor out = output.view({-1});
+    if (out.is_contiguous()) {
+      detail::sum_in_rank_order(out, rows, op == ReduceOp::kAvg);
+    } else {
+      const at::Tensor tmp = at::empty_like(out, at::MemoryFormat::Contiguous);
+      detail::sum_in_rank_order(tmp, rows, op == ReduceOp::kAvg);
+      out.copy_(tmp);
+    }
   };
   if (input.numel() == 0) return make_work({}, "reduce_scatter", 0, nullptr);
   if (ws == 1) {

@@ -10,6 +10,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
+#include "rank_order_sum.h"
+
 namespace fsdp::detail {
 
 // A Work completed by the ring's worker thread (c10d::Work::finish is protected), with a future
@@ -49,15 +51,19 @@ void add_into(const at::Tensor& dst, const at::Tensor& src) {
 constexpr int kTagsPerRing = static_cast<int>(RingReduceScatter::kTagsPerJob);
 constexpr uint32_t kRingTagSpace = 1u << 18;
 
-// The rank-order exchange's chunk, in elements of a block of n: at most kMaxPieceBytes, at least
-// kMinPiecesPerStep chunks of at least kMinPieceBytes, within the tag space.
-int64_t rank_order_chunk(int64_t n, int64_t element_size) {
-  using R = RingReduceScatter;
-  const int64_t block_bytes = n * element_size;
-  const int64_t wanted = std::max((block_bytes + R::kMaxPieceBytes - 1) / R::kMaxPieceBytes,
-                                  std::min(R::kMinPiecesPerStep, block_bytes / R::kMinPieceBytes));
-  const int64_t count = std::clamp<int64_t>(wanted, 1, kTagsPerRing);
+// Elements per piece of a block of n: pieces of at most kMaxPieceBytes, at most max_pieces of
+// them, all but the last of one size. A block within kMaxPieceBytes travels whole.
+int64_t piece_numel(int64_t n, int64_t element_size, int64_t max_pieces) {
+  const int64_t bytes = n * element_size;
+  const int64_t wanted =
+      (bytes + RingReduceScatter::kMaxPieceBytes - 1) / RingReduceScatter::kMaxPieceBytes;
+  const int64_t count = std::clamp<int64_t>(wanted, 1, max_pieces);
   return std::max<int64_t>(1, (n + count - 1) / count);
+}
+
+// The rank-order exchange's chunk, in elements of a block of n.
+int64_t rank_order_chunk(int64_t n, int64_t element_size) {
+  return piece_numel(n, element_size, kTagsPerRing);
 }
 
 }  // namespace
@@ -197,8 +203,7 @@ c10::intrusive_ptr<c10d::Work> RingReduceScatter::enqueue(Job job) {
 }
 
 void RingReduceScatter::worker_loop() {
-  // The rank-order sums use ATen ops here; ATen's parallel_for gives this thread the program's
-  // intra-op thread count on first use, as the alltoall path's sum has on the waiting thread.
+  // The rank-order sums run on this thread, one pass per chunk (rank_order_sum.h).
   for (;;) {
     Job job;
     {
@@ -233,14 +238,9 @@ void RingReduceScatter::reduce(Job& job) {
   const int right = (r + 1) % ws, left = (r + ws - 1) % ws;
   const int64_t n = job.output.numel();
   if (n == 0) return;
-  // Pieces per step: at most kMaxPieceBytes each, at least kMinPiecesPerStep of at least
-  // kMinPieceBytes (fewer for small blocks), within the ring's tag space.
-  const int64_t block_bytes = n * job.input.element_size();
+  // Pieces per step within the ring's tag space.
   const int64_t max_pieces = std::max<int64_t>(1, kTagsPerRing / std::max(ws - 1, 1));
-  const int64_t wanted = std::max((block_bytes + kMaxPieceBytes - 1) / kMaxPieceBytes,
-                                  std::min(kMinPiecesPerStep, block_bytes / kMinPieceBytes));
-  const int64_t count = std::clamp<int64_t>(wanted, 1, max_pieces);
-  const int64_t piece = (n + count - 1) / count;
+  const int64_t piece = piece_numel(n, job.input.element_size(), max_pieces);
   const int64_t pieces = (n + piece - 1) / piece;
   auto slice = [&](const at::Tensor& t, int64_t k) {
     return t.narrow(0, k * piece, std::min(piece, n - k * piece));
@@ -360,17 +360,16 @@ void RingReduceScatter::reduce_rank_order(Job& job) {
       std::vector<at::Tensor> t{mine_for(j, k)};
       sends.push_back(pg_->send(t, j, job.tag_base + static_cast<int>(k)));
     }
-  const bool low = job.input.scalar_type() == at::kHalf || job.input.scalar_type() == at::kBFloat16;
+  std::vector<at::Tensor> rows(ws);
   for (int64_t k = 0; k < chunks; ++k) {
     const auto [off, len] = cols(k);
-    landing(k, r).copy_(mine_for(r, k));
-    for (int j = 0; j < ws; ++j)
+    for (int j = 0; j < ws; ++j) {
       if (j != r) wait(recvs[k * ws + j]);
-    // The alltoall path's finish, on these columns: (N, len) summed over the ranks in order.
-    const at::Tensor b = slots[k % window].narrow(1, 0, len);
-    at::Tensor sum = low ? b.to(at::kFloat).sum(0) : b.sum(0);
-    if (job.average) sum.div_(ws);
-    job.output.narrow(0, off, len).copy_(sum);
+      rows[j] = j == r ? mine_for(r, k) : landing(k, j);
+    }
+    // The alltoall path's finish, on these columns: summed over the ranks in order, this rank's
+    // own chunk read where it lies (the output may be that very chunk: an in-place call).
+    sum_in_rank_order(job.output.narrow(0, off, len), rows, job.average);
     if (k + window < chunks) post_recvs(k + window);
   }
   for (auto& w : sends) wait(w);

@@ -13,10 +13,10 @@
 //
 // The rank-order exchange (Algorithm::kRankOrder): each rank's block for rank j travels to j in
 // chunks (every send and receive posted up front); once chunk k has arrived from every rank it is
-// summed over the ranks in rank order 0..N-1, with the very ATen operations of the alltoall path
-// (sum over the rank dimension, fp32 accumulation for fp16/bf16, the average's division, the cast
-// back), column by column the same arithmetic: so its results are bitwise those of alltoall + sum,
-// while chunk k+1 is still on the wire. Same bytes on the wire as the alltoall.
+// summed over the ranks in rank order 0..N-1 by the function the alltoall path finishes with
+// (rank_order_sum.h: one pass, fp32 accumulation for fp16/bf16, the average's division, the cast
+// back; this rank's own chunk read where it lies): so its results are bitwise those of alltoall +
+// sum, while chunk k+1 is still on the wire. Same bytes on the wire as the alltoall.
 //
 // The direct all-gather (run_all_gather) uses the same machinery: each rank's block goes to every
 // peer point to point and lands straight in the output, with no temporary (Gloo 1.13's allgather
@@ -50,11 +50,12 @@ namespace fsdp::detail {
 
 class RingReduceScatter {
  public:
-  // Each step's block travels in pieces of at most kMaxPieceBytes, and in at least
-  // kMinPiecesPerStep pieces of kMinPieceBytes or more, so even a 256 KiB block overlaps its sums.
+  // Each step's block travels in pieces of at most kMaxPieceBytes; a smaller block travels whole.
+  // (Splitting a 256 KiB block into four pieces to overlap its sums cost more than it saved: each
+  // piece is a send/recv pair per peer, and at four ranks on two cores the messages, not the sums,
+  // dominated: fsdp-bench --comm at 1 MiB, reduce-scatter 0.47-0.58 of the all-gather's bus
+  // bandwidth in four pieces, 0.84-0.95 whole; docs/performance.md.)
   static constexpr int64_t kMaxPieceBytes = 1 << 20;
-  static constexpr int64_t kMinPieceBytes = 64 << 10;
-  static constexpr int64_t kMinPiecesPerStep = 4;
   // The rank-order exchange receives at most this many chunks ahead of its sums: its scratch is
   // kWindowChunks x N chunks (a few MiB), not the whole (N, n) exchange.
   static constexpr int64_t kWindowChunks = 4;
