@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <chrono>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -195,6 +197,70 @@ at::Tensor order_sensitive_values(int64_t n, uint64_t seed, at::ScalarType t) {
   if (n > 8) x.narrow(0, 0, n / 8).zero_().neg_();  // -0.0
   return x.to(t);
 }
+
+// all_gather_into: random pieces whose sizes differ between pieces and ranks (some empty, as a
+// trailing rank's rows of a small parameter), landing in random, disjoint places of one block,
+// every dtype, many seeds; the block bitwise against the concatenation every rank can rebuild,
+// and the gaps between places untouched. The lane refuses it where it cannot put pieces in place.
+class GatherIntoPlacesTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(GatherIntoPlacesTest, PiecesLandInTheirPlacesBitwise) {
+  run_ranks(GetParam(), [](Rank& r) {
+    auto c = r.world();
+    const int ws = c->size();
+    for (int seed = 0; seed < 12; ++seed) {
+      const at::ScalarType t = kDtypes[seed % 4];
+      std::mt19937 gen(7919 * seed + ws);  // same on every rank: sizes and places agree
+      const int pieces = 1 + static_cast<int>(gen() % 9);
+      std::vector<std::vector<int64_t>> len(ws, std::vector<int64_t>(pieces));
+      for (auto& row : len)
+        for (auto& l : row) l = gen() % 4 == 0 ? 0 : static_cast<int64_t>(gen() % 5000);
+      // Places: (rank, piece) in a shuffled order, each after a random gap.
+      std::vector<std::pair<int, int>> order;
+      for (int q = 0; q < ws; ++q)
+        for (int i = 0; i < pieces; ++i) order.emplace_back(q, i);
+      std::shuffle(order.begin(), order.end(), gen);
+      std::vector<std::vector<int64_t>> where(ws, std::vector<int64_t>(pieces));
+      int64_t end = 0;
+      for (auto [q, i] : order) {
+        end += gen() % 17;
+        where[q][i] = end;
+        end += len[q][i];
+      }
+      const auto fill = static_cast<double>(seed) + 0.5;
+      auto block = at::full({end + 3}, fill, at::TensorOptions(t));
+      std::vector<std::vector<at::Tensor>> places(ws);
+      std::vector<at::Tensor> mine;
+      auto expected = block.clone();
+      for (int q = 0; q < ws; ++q)
+        for (int i = 0; i < pieces; ++i) {
+          auto v = random_bits(len[q][i], seed_of(30 + seed, t, q, 100 * i + 1), t);
+          places[q].push_back(block.narrow(0, where[q][i], len[q][i]));
+          expected.narrow(0, where[q][i], len[q][i]).copy_(v);
+          if (q == c->rank()) mine.push_back(v);
+        }
+      ASSERT_TRUE(c->gathers_into_places(mine));
+      c->all_gather_into(std::move(places), std::move(mine)).wait();
+      EXPECT_TRUE(bit_equal(block, expected)) << describe("all_gather_into", t, end, ws);
+    }
+    auto one = std::vector<at::Tensor>{at::ones({4})};
+    ::setenv("FSDP_ALL_GATHER", "collective", 1);
+    EXPECT_FALSE(c->gathers_into_places(one));
+    expect_error([&] { c->all_gather_into(std::vector<std::vector<at::Tensor>>(ws), one); },
+                 {"cannot be gathered into their places here", "use all_gather"});
+    ::unsetenv("FSDP_ALL_GATHER");
+    EXPECT_FALSE(c->gathers_into_places({}));
+    expect_error(
+        [&] {
+          c->all_gather_into(std::vector<std::vector<at::Tensor>>(ws, {at::ones({4})}),
+                             {at::ones({4}, at::kDouble)});
+        },
+        {"all_gather_into"});
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSize, GatherIntoPlacesTest, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "ws" + std::to_string(info.param); });
 
 // From three ranks on, reduce-scatter exchanges chunks point to point and sums each chunk in rank
 // order as it arrives (src/comm/ring_reduce_scatter.h): bitwise the plain alltoall + sum's result

@@ -158,6 +158,13 @@ TEST(ParityVariants, NoReshardAfterForwardWorld3) { run_parity(3, Variant::kNoRe
 TEST(ParityVariants, GradientAccumulationWorld2) { run_parity(2, Variant::kAccumulate); }
 TEST(ParityVariants, GradientAccumulationWorld3) { run_parity(3, Variant::kAccumulate); }
 TEST(ParityVariants, ShardsGivenNewStorageWorld3) { run_parity(3, Variant::kNewStorage); }
+// Through a flat gather buffer and its copy-out, the path of collective backends (NCCL): on CPU
+// the all-gather otherwise lands in the full parameters' block directly.
+TEST(ParityVariants, FlatGatherBufferWorld3) {
+  ::setenv("FSDP_ALL_GATHER", "collective", 1);
+  run_parity(3, Variant::kDefault, torch::kDouble);
+  ::unsetenv("FSDP_ALL_GATHER");
+}
 
 }  // namespace
 }  // namespace fsdp::testing::parity_test

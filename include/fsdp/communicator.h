@@ -96,6 +96,17 @@ class Communicator {
   // REQUIRES: output contiguous, output.numel() == size() * input.numel(), same dtype.
   // output[r * n : (r + 1) * n] receives rank r's input.
   Work all_gather(const at::Tensor& output, const at::Tensor& input);
+  // The all-gather of a list of pieces straight into their places, with no gather buffer:
+  // outputs[r][i] receives rank r's inputs[i] (sizes may differ between pieces and ranks; every
+  // rank must agree on them; empty pieces are skipped), outputs[rank()][i] gets a copy of this
+  // rank's inputs[i]. REQUIRES gathers_into_places(inputs): CPU tensors under the point-to-point
+  // all-gather (FSDP_ALL_GATHER=direct, the default on CPU), at most kMaxGatherPieces pieces,
+  // every tensor contiguous and of one dtype. Elsewhere (a collective backend such as NCCL) the
+  // caller gathers into a flat buffer with all_gather and copies out.
+  static constexpr size_t kMaxGatherPieces = 4096;
+  bool gathers_into_places(const std::vector<at::Tensor>& inputs) const;
+  Work all_gather_into(std::vector<std::vector<at::Tensor>> outputs,
+                       std::vector<at::Tensor> inputs);
   // REQUIRES: input contiguous, input.numel() == size() * output.numel(), same dtype.
   // output = op over ranks of input[rank * n : (rank + 1) * n]. Low-precision data is summed in
   // fp32. The output may be this rank's own block of the input, input[rank * n : (rank + 1) * n]

@@ -248,6 +248,59 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
   return make_work({compat::all_gather_flat(*pg_, out, in)}, "all_gather", nbytes(output), nullptr);
 }
 
+static_assert(Communicator::kMaxGatherPieces <= detail::RingReduceScatter::kTagsPerJob,
+              "a gather into places is one point-to-point job: its pieces need a tag each");
+
+bool Communicator::gathers_into_places(const std::vector<at::Tensor>& inputs) const {
+  if (inputs.empty() || inputs.size() > kMaxGatherPieces) return false;
+  return direct_all_gather(inputs[0]);
+}
+
+Work Communicator::all_gather_into(std::vector<std::vector<at::Tensor>> outputs,
+                                   std::vector<at::Tensor> inputs) {
+  FSDP_CHECK(gathers_into_places(inputs), "all_gather_into: ", inputs.size(),
+             " pieces cannot be gathered into their places here (1..", kMaxGatherPieces,
+             " CPU pieces under FSDP_ALL_GATHER=direct); check gathers_into_places() first and "
+             "use all_gather into a flat buffer otherwise");
+  FSDP_CHECK(outputs.size() == static_cast<size_t>(size_), "all_gather_into: ", outputs.size(),
+             " output lists for a world of ", size_, "; pass one per rank");
+  int64_t bytes = 0, sent = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_supported(inputs[i], "all_gather_into", "input");
+    FSDP_CHECK(inputs[i].is_contiguous(), "all_gather_into: input ", i, " is not contiguous");
+    sent += nbytes(inputs[i]);
+  }
+  for (int r = 0; r < size_; ++r) {
+    FSDP_CHECK(outputs[r].size() == inputs.size(), "all_gather_into: ", outputs[r].size(),
+               " outputs for rank ", r, " but ", inputs.size(), " inputs");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& o = outputs[r][i];
+      check_supported(o, "all_gather_into", "output");
+      check_same_dtype(o, inputs[i], "all_gather_into");
+      FSDP_CHECK(o.is_contiguous(), "all_gather_into: output ", i, " of rank ", r,
+                 " is not contiguous");
+      bytes += nbytes(o);
+    }
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    FSDP_CHECK(outputs[rank_][i].numel() == inputs[i].numel(), "all_gather_into: piece ", i,
+               " has ", inputs[i].numel(), " elements but its place on this rank ",
+               outputs[rank_][i].numel());
+    if (inputs[i].numel() > 0) outputs[rank_][i].view({-1}).copy_(inputs[i].view({-1}));
+  }
+  if (size_ == 1 || bytes == 0) return make_work({}, "all_gather", bytes, nullptr);
+  for (auto& row : outputs)
+    for (auto& o : row) o = as_wire(o.view({-1}), backend_);
+  for (auto& in : inputs) in = as_wire(in.view({-1}), backend_);
+  stats_->bytes_sent += sent * (size_ - 1);
+  if (!gather_p2p_)
+    gather_p2p_ =
+        std::make_unique<detail::RingReduceScatter>(pg_, detail::RingReduceScatter::kTagRange);
+  return make_work(
+      {gather_p2p_->run_all_gather_pieces(std::move(outputs), std::move(inputs), timeout_)},
+      "all_gather", bytes, nullptr);
+}
+
 Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
                                   const at::Tensor& scratch) {
   check_supported(output, "reduce_scatter", "output");

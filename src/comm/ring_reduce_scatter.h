@@ -114,15 +114,16 @@ class RingReduceScatter {
   // out: this needs neither the second buffer nor the copy. Lifetime and timeout as run().
   c10::intrusive_ptr<c10d::Work> run_all_gather(const at::Tensor& output, const at::Tensor& input,
                                                 std::chrono::milliseconds timeout);
-  static constexpr size_t kTagsPerJob = 4096;  // point-to-point tags of one job
-
- private:
   // The all-gather of a list of pieces: outputs[j][i] receives peer j's inputs[i] (of the same
   // size, which may differ between ranks; empty pieces are not sent). outputs[rank] is not
-  // touched. At most kTagsPerJob pieces.
+  // touched. At most kTagsPerJob pieces (Communicator::all_gather_into).
   c10::intrusive_ptr<c10d::Work> run_all_gather_pieces(std::vector<std::vector<at::Tensor>> outputs,
                                                        std::vector<at::Tensor> inputs,
                                                        std::chrono::milliseconds timeout);
+
+  static constexpr size_t kTagsPerJob = 4096;  // point-to-point tags of one job
+
+ private:
   struct Job;
   void worker_loop();
   c10::intrusive_ptr<c10d::Work> enqueue(Job job);

@@ -177,9 +177,10 @@ void BackwardPass::pre_backward(Group& g) {
              "rank's all-gathers out of step with the other ranks', so backward stops here. "
              "Please report this with the model (FSDP_DEBUG=1 shows the events).");
   // Reductions finished by now give their send buffers back first, and the next group's gather
-  // is issued only once this one is copied out: its receive buffer then takes this one's (the
-  // gather lane runs one all-gather at a time, so issuing it earlier would gain little and hold
-  // one more full-size buffer at backward's peak).
+  // is issued only once this one is complete (and, on a collective backend, copied out of its
+  // flat gather buffer, which the next gather's then takes: the gather lane runs one all-gather
+  // at a time, so issuing it earlier would gain little and hold one more full-size buffer at
+  // backward's peak).
   reap_reductions(Reap::kPoll);
   g.wait_for_unshard();
   reap_reductions(Reap::kPoll);

@@ -294,11 +294,31 @@ void Group::unshard() {
     for (size_t i = 0; i < params_.size(); ++i)
       params_[i].copy_in_shard(gather_.send.narrow(0, offsets_[i], params_[i].padded_numel()));
   }
-  gather_.recv = pool.acquire(lane.size() * flat_numel_, dtype);
-  gather_.work = lane.all_gather(gather_.recv, gather_.send);
+  issue_gather(lane, pool);
   shard_state_ = ShardState::kGathering;
   context_->on_gather_issued(this);  // the gather buffer is as large as the gathered parameters
   context_->log(this, "unshard: all-gather issued (SHARDED->GATHERING)");
+}
+
+// The pieces land in the full block where the lane can put them there (point to point on CPU):
+// no gather buffer and no copy-out. Otherwise (a collective backend) into a flat (world, S)
+// buffer that wait_for_unshard copies out.
+void Group::issue_gather(Communicator& lane, BufferPool& pool) {
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i)
+    pieces.push_back(params_[i].rows_to_send(gather_.send, offsets_[i]));
+  if (lane.gathers_into_places(pieces)) {
+    full_block_ = pool.acquire(full_block_numel_, gather_dtype_);
+    std::vector<std::vector<at::Tensor>> places(lane.size());
+    for (int r = 0; r < lane.size(); ++r)
+      for (size_t i = 0; i < params_.size(); ++i)
+        places[r].push_back(params_[i].place_of_rows(full_block_, full_offsets_[i], r));
+    gather_.work = lane.all_gather_into(std::move(places), std::move(pieces));
+    return;
+  }
+  gather_.recv = pool.acquire(lane.size() * flat_numel_, gather_dtype_);
+  gather_.work = lane.all_gather(gather_.recv, gather_.send);
 }
 
 void Group::wait_for_unshard() {
@@ -312,10 +332,14 @@ void Group::wait_for_unshard() {
     return;
   }
   gather_.work.wait();
-  auto rows = gather_.recv.view({context_->gather_lane().size(), flat_numel_});
-  full_block_ = context_->pool().acquire(full_block_numel_, gather_dtype_);
-  for (size_t i = 0; i < params_.size(); ++i)
-    params_[i].copy_out(rows, offsets_[i], full_block_, full_offsets_[i]);
+  if (gather_.recv.defined()) {
+    auto rows = gather_.recv.view({context_->gather_lane().size(), flat_numel_});
+    full_block_ = context_->pool().acquire(full_block_numel_, gather_dtype_);
+    for (size_t i = 0; i < params_.size(); ++i)
+      params_[i].copy_out(rows, offsets_[i], full_block_, full_offsets_[i]);
+  } else {
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].bind_full(full_block_, full_offsets_[i]);
+  }
   release_gather(gather_);
   shard_state_ = ShardState::kUnsharded;
   context_->log(this, "wait_for_unshard: GATHERING->UNSHARDED");
@@ -330,6 +354,8 @@ void Group::reshard() {
     context_->on_resharded(this);
     g.work.wait();
     release_gather(g);
+    context_->pool().release(std::move(full_block_));  // gathered into places: not bound yet
+    full_block_ = at::Tensor();
     context_->log(this, "reshard: gather discarded (GATHERING->SHARDED)");
     return;
   }

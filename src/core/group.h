@@ -29,6 +29,7 @@ class Module;
 
 namespace fsdp::detail {
 
+class BufferPool;
 class Context;
 class Group;
 
@@ -52,7 +53,7 @@ const char* to_string(TrainingState s);
 // else a pooled copy.
 struct PendingGather {
   Work work;
-  at::Tensor send, recv;
+  at::Tensor send, recv;  // recv: the flat (world, S) buffer; undefined when gathered into places
   bool send_pooled = false;
 };
 
@@ -202,7 +203,8 @@ class Group : public std::enable_shared_from_this<Group> {
   bool gathers_locally() const;
   // Every shard still lives in flat_shard_: the all-gather sends it without a copy.
   bool sends_in_place() const;
-  void release_gather(PendingGather& g);  // returns its pooled buffers
+  void issue_gather(Communicator& lane, BufferPool& pool);  // unshard's all-gather
+  void release_gather(PendingGather& g);                    // returns its pooled buffers
 
   torch::nn::Module* module_;
   std::string type_name_;

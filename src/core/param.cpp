@@ -88,10 +88,24 @@ bool ParamState::shard_changed_since_gather() const {
   return gathered_version_ != static_cast<int64_t>(shard_._version());
 }
 
-void ParamState::copy_out(const at::Tensor& gathered, int64_t offset, const at::Tensor& block,
-                          size_t byte_offset) {
+void ParamState::bind_full(const at::Tensor& block, size_t byte_offset) {
   compat::borrow_storage(param_, block, byte_offset);
   guard::set_active(param_, false);
+}
+
+at::Tensor ParamState::rows_to_send(const at::Tensor& send, int64_t offset) const {
+  return send.narrow(0, offset, rows_of(rank_) * row_numel_);
+}
+
+at::Tensor ParamState::place_of_rows(const at::Tensor& block, size_t byte_offset, int r) const {
+  const int64_t start = static_cast<int64_t>(byte_offset) / block.element_size();
+  const int64_t n = rows_of(r) * row_numel_;
+  return n == 0 ? block.narrow(0, start, 0) : block.narrow(0, start + r * chunk_ * row_numel_, n);
+}
+
+void ParamState::copy_out(const at::Tensor& gathered, int64_t offset, const at::Tensor& block,
+                          size_t byte_offset) {
+  bind_full(block, byte_offset);
   at::Tensor full = flat_full();
   for (int r = 0; r < world_; ++r) {
     const int64_t n = rows_of(r) * row_numel_;

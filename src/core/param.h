@@ -67,6 +67,14 @@ class ParamState {
   // rank's row.
   void copy_out(const at::Tensor& gathered, int64_t offset, const at::Tensor& block,
                 size_t byte_offset);
+  // The all-gather into places (no gather buffer): this rank's rows in its slot at `offset` of
+  // the flat send buffer, without the padding; and where rank r's rows go in the full parameter
+  // at `byte_offset` of `block` (empty for a rank that holds no rows).
+  at::Tensor rows_to_send(const at::Tensor& send, int64_t offset) const;
+  at::Tensor place_of_rows(const at::Tensor& block, size_t byte_offset, int r) const;
+  // Once the gather into places has completed: gives the full parameter its storage at
+  // `byte_offset` in `block`, which holds its values already (lifts the resharded guard).
+  void bind_full(const at::Tensor& block, size_t byte_offset);
 
   // One rank, no cast (Group::gathers_locally): the full parameter borrows the shard's own bytes
   // instead of a gathered copy; an optimizer step on the shard is seen by it at once.
