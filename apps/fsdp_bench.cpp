@@ -25,6 +25,9 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <exception>
 #include <functional>
 #include <iostream>
@@ -48,6 +51,22 @@ std::string self_dir() {
   FSDP_CHECK(n > 0, "cannot resolve /proc/self/exe to find fsdp-run next to fsdp-bench");
   std::string path(buf, static_cast<size_t>(n));
   return path.substr(0, path.rfind('/'));
+}
+
+// --malloc steady. glibc adapts its mmap threshold to the largest block freed so far and trims
+// the heap's top beyond twice that, so whether a step's tensors come from reused heap pages or
+// from fresh mappings it must fault in (a page fault per 4 KiB) depends on each program's
+// allocation history: on this 2-core machine that moved step times by 20-40% between modes and
+// runs (docs/performance.md, fifth pass). Fixed thresholds, the same in every rank and in the
+// Python peer: the environment for the processes started from here (glibc reads it at start),
+// mallopt for this one.
+void use_steady_malloc() {
+  ::setenv("MALLOC_MMAP_THRESHOLD_", "33554432", 1);
+  ::setenv("MALLOC_TRIM_THRESHOLD_", "268435456", 1);
+#ifdef __GLIBC__
+  ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  ::mallopt(M_TRIM_THRESHOLD, 256 << 20);
+#endif
 }
 
 // This program's arguments without --nproc and its value.
@@ -305,6 +324,12 @@ int main(int argc, char** argv) {
   app.add_flag("--comm", comm, "run the communication benchmark");
   app.add_flag("--activation-checkpointing", checkpointing,
                "activation memory saved by checkpointing the blocks (the training size options)");
+  std::string malloc_policy = "default";
+  app.add_option("--malloc", malloc_policy,
+                 "glibc malloc in every rank and peer: default, or steady (fixed mmap and trim "
+                 "thresholds: MALLOC_MMAP_THRESHOLD_=32 MiB, MALLOC_TRIM_THRESHOLD_=256 MiB)")
+      ->check(CLI::IsMember({"default", "steady"}))
+      ->capture_default_str();
   app.add_option("--nproc", nproc,
                  "start this many local ranks through fsdp-run (omit under a launcher)")
       ->check(CLI::Range(1, 64));
@@ -315,6 +340,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
+    if (malloc_policy == "steady") use_steady_malloc();
     const bool sweep = train.compare || train.memory_scaling || train.max_model;
     if (comm + checkpointing + !train.mode.empty() + train.compare + train.memory_scaling +
             train.max_model !=

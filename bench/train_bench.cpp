@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -29,6 +30,16 @@
 
 namespace fsdp::bench {
 namespace {
+
+// glibc malloc's thresholds as this process was started with (fsdp-bench --malloc steady sets
+// them): "default", or the variables' values.
+std::string malloc_settings() {
+  const char* mmap = std::getenv("MALLOC_MMAP_THRESHOLD_");
+  const char* trim = std::getenv("MALLOC_TRIM_THRESHOLD_");
+  if (!mmap && !trim) return "default";
+  return std::string("mmap_threshold=") + (mmap ? mmap : "default") +
+         " trim_threshold=" + (trim ? trim : "default");
+}
 
 using Clock = std::chrono::steady_clock;
 using nlohmann::ordered_json;
@@ -304,6 +315,7 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
                 << sent << " bytes per step, the volume model predicts " << model << "\n";
     j["params"] = t->params;
     j["mixed_precision"] = o.mixed_precision;
+    j["malloc"] = malloc_settings();
     j["preset"] = o.preset;
     j["layers"] = o.layers;
     j["width"] = o.width;
