@@ -104,7 +104,7 @@ RingReduceScatter::~RingReduceScatter() {
 int64_t RingReduceScatter::rank_order_scratch_numel(int64_t n, int world, int64_t element_size) {
   const int64_t chunk = rank_order_chunk(n, element_size);
   const int64_t chunks = n == 0 ? 0 : (n + chunk - 1) / chunk;
-  return std::min<int64_t>(chunks, kWindowChunks) * world * chunk;
+  return std::min<int64_t>(chunks, kWindowChunks) * std::max(world - 1, 1) * chunk;
 }
 
 bool RingReduceScatter::supports(const at::Tensor& input, int world) {
@@ -155,9 +155,10 @@ c10::intrusive_ptr<c10d::Work> RingReduceScatter::run_rank_order(
   Job job(output, input, scratch, timeout, c10d::OpType::REDUCE_SCATTER);
   job.algorithm = Algorithm::kRankOrder;
   job.average = average;
-  const int64_t need = rank_order_scratch_numel(n, ws, input.element_size());
-  if (!job.scratch.defined() || job.scratch.numel() < need)
-    job.scratch = at::empty({need}, input.options());
+  // Without a caller's scratch (or with too small a one) the worker lends its own window.
+  if (job.scratch.defined() &&
+      job.scratch.numel() < rank_order_scratch_numel(n, ws, input.element_size()))
+    job.scratch = at::Tensor();
   return enqueue(std::move(job));
 }
 
@@ -330,11 +331,20 @@ void RingReduceScatter::reduce_rank_order(Job& job) {
   const int64_t chunks = (n + chunk - 1) / chunk;
   const int64_t window = std::min<int64_t>(chunks, kWindowChunks);
   auto cols = [&](int64_t k) { return std::make_pair(k * chunk, std::min(chunk, n - k * chunk)); };
-  // Chunk k from every rank lands in slot k % window: (N, chunk), row j from rank j. The slot is
-  // received into again (chunk k + window) once chunk k is summed.
-  const at::Tensor slots = job.scratch.narrow(0, 0, window * ws * chunk).view({window, ws, chunk});
+  // Chunk k from every other rank lands in slot k % window: (N - 1, chunk), rows in rank order
+  // without this rank's own (read where it lies). The slot is received into again (chunk
+  // k + window) once chunk k is summed. Without a caller's scratch, the window this worker keeps
+  // (reused from job to job: a fresh one per call cost a page fault per 4 KiB).
+  const int64_t need = window * (ws - 1) * chunk;
+  if (!job.scratch.defined()) {
+    if (!window_.defined() || window_.scalar_type() != job.input.scalar_type() ||
+        window_.numel() < need)
+      window_ = at::empty({need}, job.input.options());
+    job.scratch = window_;
+  }
+  const at::Tensor slots = job.scratch.narrow(0, 0, need).view({window, ws - 1, chunk});
   auto landing = [&](int64_t k, int j) {
-    return slots[k % window][j].narrow(0, 0, cols(k).second);
+    return slots[k % window][j < r ? j : j - 1].narrow(0, 0, cols(k).second);
   };
   auto mine_for = [&](int j, int64_t k) {
     const auto [off, len] = cols(k);

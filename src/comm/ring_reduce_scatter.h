@@ -57,7 +57,7 @@ class RingReduceScatter {
   // bandwidth in four pieces, 0.84-0.95 whole; docs/performance.md.)
   static constexpr int64_t kMaxPieceBytes = 1 << 20;
   // The rank-order exchange receives at most this many chunks ahead of its sums: its scratch is
-  // kWindowChunks x N chunks (a few MiB), not the whole (N, n) exchange.
+  // kWindowChunks x (N - 1) chunks (a few MiB), not the whole (N, n) exchange.
   static constexpr int64_t kWindowChunks = 4;
 
   // `tag_offset`: the first point-to-point tag this instance uses (instances on one process group
@@ -101,7 +101,7 @@ class RingReduceScatter {
   static int64_t rank_order_scratch_numel(int64_t n, int world, int64_t element_size);
 
   // REQUIRES: CPU tensors of one dtype, output (n), input (N*n) and scratch (at least
-  // rank_order_scratch_numel, or undefined: allocated) flat and contiguous. output = (sum over
+  // rank_order_scratch_numel, or undefined: a window the worker keeps) flat and contiguous. output = (sum over
   // ranks r = 0..N-1 of block `rank` of rank r's input) [/ N when `average`], computed as
   // Communicator's alltoall path computes it. Lifetime and timeout as run().
   c10::intrusive_ptr<c10d::Work> run_rank_order(const at::Tensor& output, const at::Tensor& input,
@@ -132,6 +132,7 @@ class RingReduceScatter {
   void all_gather(Job& job);
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  at::Tensor window_;  // the rank-order exchange's receive window; the worker thread's only
   int tag_offset_;
   uint32_t rings_ = 0;  // rings issued: the tag space of the next one
   std::mutex mu_;
