@@ -162,6 +162,7 @@ class Communicator {
   std::shared_ptr<CommStats> stats_ = std::make_shared<CommStats>();
   std::unique_ptr<detail::RingReduceScatter> ring_;  // reduce_scatter's pipelined ring, lazily
   std::unique_ptr<detail::RingReduceScatter> gather_p2p_;  // all_gather's direct exchange, lazily
+  detail::RingReduceScatter& gather_p2p();                 // gather_p2p_, made at first use
   std::shared_ptr<const std::vector<PeerInfo>> peers_ = std::make_shared<std::vector<PeerInfo>>();
 };
 

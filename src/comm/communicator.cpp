@@ -208,6 +208,15 @@ Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, 
   return Work(std::move(impl));
 }
 
+// The point-to-point all-gathers' own worker (they do not queue behind reduce-scatters) and its
+// own tags, made at first use.
+detail::RingReduceScatter& Communicator::gather_p2p() {
+  if (!gather_p2p_)
+    gather_p2p_ =
+        std::make_unique<detail::RingReduceScatter>(pg_, detail::RingReduceScatter::kTagRange);
+  return *gather_p2p_;
+}
+
 namespace {
 // FSDP_ALL_GATHER: "direct" (point to point, the default on CPU) or "collective" (the backend's
 // allgather); read at every call, so that fsdp-bench --comm can compare them in one process.
@@ -238,11 +247,7 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
   auto in = as_wire(input.view({-1}), backend_);
   stats_->bytes_sent += nbytes(input) * (size_ - 1);
   if (direct_all_gather(output)) {
-    // Its own worker (all-gathers do not queue behind reduce-scatters) and its own tags.
-    if (!gather_p2p_)
-      gather_p2p_ =
-          std::make_unique<detail::RingReduceScatter>(pg_, detail::RingReduceScatter::kTagRange);
-    return make_work({gather_p2p_->run_all_gather(out, in, timeout_)}, "all_gather", nbytes(output),
+    return make_work({gather_p2p().run_all_gather(out, in, timeout_)}, "all_gather", nbytes(output),
                      nullptr);
   }
   return make_work({compat::all_gather_flat(*pg_, out, in)}, "all_gather", nbytes(output), nullptr);
@@ -293,11 +298,8 @@ Work Communicator::all_gather_into(std::vector<std::vector<at::Tensor>> outputs,
     for (auto& o : row) o = as_wire(o.view({-1}), backend_);
   for (auto& in : inputs) in = as_wire(in.view({-1}), backend_);
   stats_->bytes_sent += sent * (size_ - 1);
-  if (!gather_p2p_)
-    gather_p2p_ =
-        std::make_unique<detail::RingReduceScatter>(pg_, detail::RingReduceScatter::kTagRange);
   return make_work(
-      {gather_p2p_->run_all_gather_pieces(std::move(outputs), std::move(inputs), timeout_)},
+      {gather_p2p().run_all_gather_pieces(std::move(outputs), std::move(inputs), timeout_)},
       "all_gather", bytes, nullptr);
 }
 

@@ -101,9 +101,9 @@ class RingReduceScatter {
   static int64_t rank_order_scratch_numel(int64_t n, int world, int64_t element_size);
 
   // REQUIRES: CPU tensors of one dtype, output (n), input (N*n) and scratch (at least
-  // rank_order_scratch_numel, or undefined: a window the worker keeps) flat and contiguous. output = (sum over
-  // ranks r = 0..N-1 of block `rank` of rank r's input) [/ N when `average`], computed as
-  // Communicator's alltoall path computes it. Lifetime and timeout as run().
+  // rank_order_scratch_numel, or undefined: a window the worker keeps) flat and contiguous.
+  // output = (sum over ranks r = 0..N-1 of block `rank` of rank r's input) [/ N when `average`],
+  // computed as Communicator's alltoall path computes it. Lifetime and timeout as run().
   c10::intrusive_ptr<c10d::Work> run_rank_order(const at::Tensor& output, const at::Tensor& input,
                                                 const at::Tensor& scratch, bool average,
                                                 std::chrono::milliseconds timeout);

@@ -204,7 +204,7 @@ void BackwardPass::on_grad_ready(Group& g, size_t i) {
     // A reduction that has completed since is finished first: its send buffer goes back to the
     // pool, where this group's can take it.
     if (will_reduce(g)) {
-      reap_reductions(g.has_handed_over() ? Reap::kPoll : Reap::kBounded);
+      reap_reductions(before_send_buffer(g));
       g.hand_over_grad(i);
     }
   }
@@ -281,9 +281,7 @@ void BackwardPass::issue(Group& g) {
   s.reductions = 1;
   ctx_.audit().on_reduce(ctx_.index_of(&g), g.flat_numel());
   std::this_thread::sleep_for(fault_reduce_delay(ctx_.reduce_lane().rank()));
-  reap_reductions(gather_cursor_ >= gather_plan_.size() ? Reap::kAll
-                  : g.has_handed_over()                 ? Reap::kPoll
-                                                        : Reap::kBounded);
+  reap_reductions(gather_cursor_ >= gather_plan_.size() ? Reap::kAll : before_send_buffer(g));
   in_flight_.push_back(g.issue_reduce_scatter());
   ctx_.log(&g, "reduce-scatter issued");
 }
@@ -307,6 +305,10 @@ bool BackwardPass::will_reduce(const Group& g) const {
 bool BackwardPass::may_wait_for(const Group& g) const {
   const auto end = gather_plan_.begin() + static_cast<std::ptrdiff_t>(gather_cursor_);
   return std::find(gather_plan_.begin(), end, &g) != end;
+}
+
+BackwardPass::Reap BackwardPass::before_send_buffer(const Group& g) const {
+  return g.has_handed_over() ? Reap::kPoll : Reap::kBounded;  // it holds one already: no wait
 }
 
 void BackwardPass::reap_reductions(Reap how) {

@@ -82,8 +82,9 @@ class BackwardPass {
   static constexpr int kBoundedReapWaitMs = 3000;
   // Finishes the reductions in flight that are done, in order, waiting as `how` allows.
   void reap_reductions(Reap how);
-  void wait_bounded();                      // kBounded's wait, before the reaping
-  bool may_wait_for(const Group& g) const;  // g's all-gather (plan entry) is issued here
+  Reap before_send_buffer(const Group& g) const;  // kPoll if g holds its send buffer, else kBounded
+  void wait_bounded();                            // kBounded's wait, before the reaping
+  bool may_wait_for(const Group& g) const;        // g's all-gather (plan entry) is issued here
 
   Context& ctx_;
   const void* key_;
