@@ -4,6 +4,7 @@
 #include <fsdp/models/mlp.h>
 
 #include "adversarial.h"
+#include "core/context.h"
 #include "fsdp_test_util.h"
 
 // A namespace of its own: the unity build compiles this file in one unit with others.
@@ -280,10 +281,14 @@ INSTANTIATE_TEST_SUITE_P(World, Memory, ::testing::Values(1, 2, 4));
 // forward, at most three layer-sized buffers are then in use at once (the layer being computed,
 // the next one's all-gather, one reduce-scatter), and the gradients are the unsharded model's.
 // With a delay past the bound (3 s) the wait gives up, says so, and the results are the same.
+// The bound holds too when the last layer keeps its parameters from forward into backward
+// (fsdp-train's layout): its reduction is waited for although it has no backward all-gather, and
+// the next layer's all-gather is issued by its pre-backward, not the root's.
 struct SlowRankCase {
   int delay_ms;
   int depth;
   bool expect_expiry;
+  bool keep_last = false;  // the last layer: reshard_after_forward = false
 };
 class SlowRank : public ::testing::TestWithParam<SlowRankCase> {};
 
@@ -305,7 +310,11 @@ TEST_P(SlowRank, BackwardHoldsAtMostThreeLayerBuffersAndGradientsAreRight) {
       2,
       [&](Rank& r) {
         fsdp::Sharded<fsdp::models::MLPStack> m{build()};
-        for (auto& l : m->layers) fully_shard(l, r.world());
+        for (size_t i = 0; i < m->layers.size(); ++i) {
+          ShardOptions lo;
+          if (c.keep_last && i + 1 == m->layers.size()) lo.reshard_after_forward = false;
+          fully_shard(m->layers[i], r.world(), lo);
+        }
         auto root = fully_shard(m, r.world());
         m(data(r.rank)).pow(2).mean().backward();
         auto ref = reference_mean_grads(2, build, [&](fsdp::models::MLPStack& model, int k) {
@@ -316,6 +325,7 @@ TEST_P(SlowRank, BackwardHoldsAtMostThreeLayerBuffersAndGradientsAreRight) {
         const int64_t layer_buffer = 2 * (32 * width + 32) * 4;
         const auto stats = root.memory_stats();
         if (!c.expect_expiry) EXPECT_LE(stats.peak_buffer_bytes_in_use, 3 * layer_buffer);
+        EXPECT_LE(stats.peak_unsharded_groups, 2);
         EXPECT_EQ(stats.buffer_bytes_in_use, 0);
         EXPECT_LE(stats.buffer_bytes_idle, stats.peak_buffer_bytes_in_use);
       },
@@ -328,7 +338,29 @@ TEST_P(SlowRank, BackwardHoldsAtMostThreeLayerBuffersAndGradientsAreRight) {
 }
 INSTANTIATE_TEST_SUITE_P(Delays, SlowRank,
                          ::testing::Values(SlowRankCase{60, 8, false},
+                                           SlowRankCase{60, 8, false, true},
                                            SlowRankCase{3300, 2, true}));
+
+// The communication-buffer pool hands a buffer to one owner at a time: one given back twice, or
+// one it never handed out, is refused (two later owners would otherwise overwrite each other's
+// data), and an idle buffer is reused.
+TEST(BufferPool, HandsEachBufferToOneOwnerAndRefusesOneGivenBackTwice) {
+  fsdp::detail::BufferPool pool;
+  at::Tensor a = pool.acquire(1000, at::kFloat), b = pool.acquire(1000, at::kFloat);
+  EXPECT_NE(a.data_ptr(), b.data_ptr());
+  const void* a_data = a.data_ptr();
+  pool.release(a);
+  expect_error([&] { pool.release(a); }, {"given back twice", "please report"});
+  expect_error([&] { pool.release(torch::empty({1000})); }, {"did not hand out"});
+  EXPECT_EQ(pool.in_use_bytes(), 4000);
+  at::Tensor c = pool.acquire(1000, at::kFloat), d = pool.acquire(1000, at::kFloat);
+  EXPECT_EQ(c.data_ptr(), a_data);  // the idle one
+  EXPECT_NE(d.data_ptr(), a_data);
+  EXPECT_NE(d.data_ptr(), b.data_ptr());
+  EXPECT_EQ(pool.in_use_bytes(), 12000);
+  for (auto* t : {&b, &c, &d}) pool.release(*t);
+  EXPECT_EQ(pool.in_use_bytes(), 0);
+}
 
 TEST(FullyShard, DebugLogsOneLinePerHookEvent) {
   RunOptions o;

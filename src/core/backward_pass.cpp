@@ -253,13 +253,26 @@ void BackwardPass::prefetch_after(Group& g) {
     return;
   }
   // The next plan entry, when this rank needs it (one not needed is left to catch-up, which
-  // would otherwise wait for it here).
+  // would otherwise wait for it here), unless a group the forward left gathered runs first (the
+  // last block, by fsdp-train's layout): its pre-backward prefetches instead, so that no more
+  // groups are held gathered at once than without it.
   if (gather_cursor_ >= gather_plan_.size()) return;
   Group* next = gather_plan_[gather_cursor_];
+  Group* upcoming = needed_after(g);
+  if (upcoming && upcoming != next && upcoming->shard_state() == ShardState::kUnsharded) return;
   if (next->options().max_unsharded_groups >= 2 && slot(*next).needed()) {
     ctx_.log(next, detail::cat("backward prefetch from '", g.name(), "'"));
     gather_through(gather_cursor_ + 1);
   }
+}
+
+Group* BackwardPass::needed_after(const Group& g) {
+  const auto& done = ctx_.completion_order();
+  auto it = std::find(done.rbegin(), done.rend(), &g);
+  if (it == done.rend()) return nullptr;
+  for (++it; it != done.rend(); ++it)
+    if ((*it)->forwarded_with_grad() && slot(**it).needed()) return *it;
+  return nullptr;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -298,13 +311,21 @@ bool BackwardPass::will_reduce(const Group& g) const {
 // waits behind it. Before that point the wait is bounded (kBounded), and only for a reduction
 // whose group this rank has gathered through in the plan (every all-gather up to and including
 // its own is issued: what another rank needs before it can issue that reduction, where backward
-// runs the groups in plan order). The wait never decides anything about either lane's order, only
-// when this thread goes on, so the bound is a backstop, not what makes it safe: a bounded wait that
-// runs out ends such waits for the rest of the pass (at most one bound per backward), and after a
-// few (Context::kMaxReapWaitExpiries) for good.
+// runs the groups in plan order; for a group the forward left gathered, which has no entry, every
+// entry that backward reaches before it). The wait never decides anything about either lane's
+// order, only when this thread goes on, so the bound is a backstop, not what makes it safe: a
+// bounded wait that runs out ends such waits for the rest of the pass (at most one bound per
+// backward), and after a few (Context::kMaxReapWaitExpiries) for good.
 bool BackwardPass::may_wait_for(const Group& g) const {
   const auto end = gather_plan_.begin() + static_cast<std::ptrdiff_t>(gather_cursor_);
-  return std::find(gather_plan_.begin(), end, &g) != end;
+  if (std::find(gather_plan_.begin(), gather_plan_.end(), &g) != gather_plan_.end())
+    return std::find(gather_plan_.begin(), end, &g) != end;
+  const auto& done = ctx_.completion_order();  // reversed: the plan's order, kept groups too
+  auto it = std::find(done.rbegin(), done.rend(), &g);
+  if (it == done.rend()) return false;
+  return std::all_of(done.rbegin(), it, [&](const Group* before) {
+    return std::find(end, gather_plan_.end(), before) == gather_plan_.end();
+  });
 }
 
 BackwardPass::Reap BackwardPass::before_send_buffer(const Group& g) const {

@@ -69,6 +69,9 @@ class BackwardPass {
   void gather_elements();  // elements gathered on use: never left resharded into their backward
   void gather_through(size_t plan_end);  // issue plan entries [cursor, plan_end)
   void prefetch_after(Group& g);
+  // The group after `g` in reverse forward-completion order (the order backward reaches them when
+  // every rank takes the same path) that this rank's backward needs; null when none.
+  Group* needed_after(const Group& g);
   void maybe_post_backward(Group& g);
   void try_issue_reductions();
   void issue(Group& g);

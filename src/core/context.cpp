@@ -235,6 +235,7 @@ at::Tensor BufferPool::acquire(int64_t numel, at::ScalarType dtype) {
     idle_.erase(best);
     idle_bytes_ -= static_cast<int64_t>(whole.nbytes());
   }
+  in_use_.insert(whole.storage().data());
   in_use_bytes_ += static_cast<int64_t>(whole.nbytes());
   peak_in_use_bytes_ = std::max(peak_in_use_bytes_, in_use_bytes_);
   return whole.narrow(0, 0, numel);
@@ -243,8 +244,14 @@ at::Tensor BufferPool::acquire(int64_t numel, at::ScalarType dtype) {
 void BufferPool::release(at::Tensor t) {
   if (!t.defined()) return;
   const auto& storage = t.storage();
+  const auto it = in_use_.find(storage.data());
+  FSDP_CHECK(it != in_use_.end(),
+             "internal error: a buffer was given back to the communication-buffer pool that it "
+             "did not hand out, or given back twice (two owners would share it); please report "
+             "this with FSDP_DEBUG=1's output");
+  in_use_.erase(it);
   const int64_t bytes = static_cast<int64_t>(storage.nbytes());
-  in_use_bytes_ = std::max<int64_t>(0, in_use_bytes_ - bytes);
+  in_use_bytes_ -= bytes;
   if (in_use_bytes_ + idle_bytes_ + bytes > peak_in_use_bytes_) return;  // freed here
   auto whole = at::empty({0}, t.options());
   whole.set_(storage, 0, {bytes / static_cast<int64_t>(t.element_size())});

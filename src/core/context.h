@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -37,15 +38,17 @@ namespace fsdp::detail {
 class BufferPool {
  public:
   at::Tensor acquire(int64_t numel, at::ScalarType dtype);
-  // `t` is a tensor acquire returned, or a view of it. REQUIRES: no collective or other tensor
-  // still uses its storage.
+  // `t` is a tensor acquire returned, or a view of it, given back once. REQUIRES: no collective or
+  // other tensor still uses its storage. Throws fsdp::Error for a tensor the pool does not count
+  // in use (not from it, or given back already), which two owners would otherwise share.
   void release(at::Tensor t);
   int64_t idle_bytes() const { return idle_bytes_; }
   int64_t in_use_bytes() const { return in_use_bytes_; }
   int64_t peak_in_use_bytes() const { return peak_in_use_bytes_; }
 
  private:
-  std::vector<at::Tensor> idle_;  // whole buffers, 1-D over all of their storage
+  std::vector<at::Tensor> idle_;       // whole buffers, 1-D over all of their storage
+  std::multiset<const void*> in_use_;  // storages handed out, not given back (empty: null)
   int64_t in_use_bytes_ = 0, idle_bytes_ = 0, peak_in_use_bytes_ = 0;
 };
 

@@ -294,7 +294,14 @@ void Group::unshard() {
     for (size_t i = 0; i < params_.size(); ++i)
       params_[i].copy_in_shard(gather_.send.narrow(0, offsets_[i], params_[i].padded_numel()));
   }
-  issue_gather(lane, pool);
+  try {
+    issue_gather(lane, pool);
+  } catch (...) {
+    // Nothing was issued: the buffers taken for it go back to the pool; still SHARDED.
+    if (full_block_.defined()) pool.release(std::exchange(full_block_, at::Tensor()));
+    release_gather(gather_);
+    throw;
+  }
   shard_state_ = ShardState::kGathering;
   context_->on_gather_issued(this);  // the gather buffer is as large as the gathered parameters
   context_->log(this, "unshard: all-gather issued (SHARDED->GATHERING)");

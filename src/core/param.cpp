@@ -56,8 +56,6 @@ int64_t ParamState::rows_of(int rank) const {
   return std::max<int64_t>(0, std::min<int64_t>(chunk_, rows_ - rank * chunk_));
 }
 
-at::Tensor ParamState::flat_full() const { return param_.variable_data().view({-1}); }
-
 void ParamState::place_shard_in(const at::Tensor& slot) {
   at::NoGradGuard no_grad;
   const int64_t n = shard_.numel();
@@ -106,11 +104,9 @@ at::Tensor ParamState::place_of_rows(const at::Tensor& block, size_t byte_offset
 void ParamState::copy_out(const at::Tensor& gathered, int64_t offset, const at::Tensor& block,
                           size_t byte_offset) {
   bind_full(block, byte_offset);
-  at::Tensor full = flat_full();
   for (int r = 0; r < world_; ++r) {
-    const int64_t n = rows_of(r) * row_numel_;
-    if (n == 0) continue;
-    full.narrow(0, r * chunk_ * row_numel_, n).copy_(gathered[r].narrow(0, offset, n));
+    at::Tensor place = place_of_rows(block, byte_offset, r);
+    if (place.numel() > 0) place.copy_(gathered[r].narrow(0, offset, place.numel()));
   }
 }
 

@@ -108,8 +108,6 @@ class ParamState {
   uintptr_t hook_key() const { return hook_key_; }
 
  private:
-  at::Tensor flat_full() const;  // the full parameter's storage as a 1-d tensor (no autograd)
-
   std::string name_;
   at::Tensor param_;
   at::Tensor shard_;
