@@ -19,15 +19,13 @@
 // modes one after another in the same ranks, once, without the Python peer.
 #include <fcntl.h>
 #include <fsdp/error.h>
+#include <fsdp/memory.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
 #include <exception>
 #include <functional>
 #include <iostream>
@@ -51,22 +49,6 @@ std::string self_dir() {
   FSDP_CHECK(n > 0, "cannot resolve /proc/self/exe to find fsdp-run next to fsdp-bench");
   std::string path(buf, static_cast<size_t>(n));
   return path.substr(0, path.rfind('/'));
-}
-
-// --malloc steady. glibc adapts its mmap threshold to the largest block freed so far and trims
-// the heap's top beyond twice that, so whether a step's tensors come from reused heap pages or
-// from fresh mappings it must fault in (a page fault per 4 KiB) depends on each program's
-// allocation history: on this 2-core machine that moved step times by 20-40% between modes and
-// runs (docs/performance.md, fifth pass). Fixed thresholds, the same in every rank and in the
-// Python peer: the environment for the processes started from here (glibc reads it at start),
-// mallopt for this one.
-void use_steady_malloc() {
-  ::setenv("MALLOC_MMAP_THRESHOLD_", "33554432", 1);
-  ::setenv("MALLOC_TRIM_THRESHOLD_", "268435456", 1);
-#ifdef __GLIBC__
-  ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  ::mallopt(M_TRIM_THRESHOLD, 256 << 20);
-#endif
 }
 
 // This program's arguments without --nproc and its value.
@@ -340,7 +322,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    if (malloc_policy == "steady") use_steady_malloc();
+    // --malloc steady: the same fixed thresholds in every rank and in the Python peer (the
+    // environment reaches the processes started from here), so that modes are compared on their
+    // code rather than on glibc's allocation history (docs/performance.md, fifth pass).
+    if (malloc_policy == "steady")
+      FSDP_CHECK(fsdp::memory::use_steady_malloc(),
+                 "--malloc steady needs glibc's malloc; use --malloc default");
     const bool sweep = train.compare || train.memory_scaling || train.max_model;
     if (comm + checkpointing + !train.mode.empty() + train.compare + train.memory_scaling +
             train.max_model !=

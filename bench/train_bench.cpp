@@ -31,16 +31,6 @@
 namespace fsdp::bench {
 namespace {
 
-// glibc malloc's thresholds as this process was started with (fsdp-bench --malloc steady sets
-// them): "default", or the variables' values.
-std::string malloc_settings() {
-  const char* mmap = std::getenv("MALLOC_MMAP_THRESHOLD_");
-  const char* trim = std::getenv("MALLOC_TRIM_THRESHOLD_");
-  if (!mmap && !trim) return "default";
-  return std::string("mmap_threshold=") + (mmap ? mmap : "default") +
-         " trim_threshold=" + (trim ? trim : "default");
-}
-
 using Clock = std::chrono::steady_clock;
 using nlohmann::ordered_json;
 
@@ -52,7 +42,7 @@ struct Trainer {
   FSDPModule root;                      // fsdp modes
   std::unique_ptr<DdpReducer> reducer;  // ddp: c10d::Reducer
   std::unique_ptr<torch::optim::AdamW> opt;
-  int64_t params = 0, block_params = 0;  // of the full model
+  int64_t params = 0, regathered_params = 0;  // of the full model
 };
 
 std::unique_ptr<Trainer> build_trainer(const TrainBenchOptions& o,
@@ -69,8 +59,9 @@ std::unique_ptr<Trainer> build_trainer(const TrainBenchOptions& o,
   t->gpt = m->gpt;
   t->root = m->root;
   t->params = m->parameter_count;
-  for (auto& b : t->gpt->blocks)
-    for (const auto& p : b->parameters()) t->block_params += p.numel();
+  // The blocks fsdp gathers again in backward: all but the last (train/model_setup.h).
+  for (size_t i = 0; i + 1 < t->gpt->blocks.size(); ++i)
+    for (const auto& p : t->gpt->blocks[i]->parameters()) t->regathered_params += p.numel();
   if (o.mode == "ddp") {
     // Replicas start equal as a DDP user would make them: broadcast from rank 0.
     torch::NoGradGuard no_grad;
@@ -296,15 +287,15 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
     j["minor_faults_per_step"] = static_cast<int64_t>(std::llround(mean[9].item<double>()));
     j["collectives_per_step"] = round_to(mean[2].item<double>(), 100);
     // Volume model (ring): all-reduce 2(N-1)/N of the buffer, all-gather and reduce-scatter
-    // (N-1)/N each. fsdp gathers every group in forward, the blocks again in backward (the root
-    // is kept), and reduce-scatters everything once; padding to N rows adds a little. With bf16
-    // the fsdp modes gather and reduce-scatter 2-byte elements (the reduce-scatter's default
-    // reduce_dtype is the param_dtype); ddp stays fp32.
+    // (N-1)/N each. fsdp gathers every group in forward, the blocks but the last again in
+    // backward (the root and the last block are kept), and reduce-scatters everything once; padding
+    // to N rows adds a little. With bf16 the fsdp modes gather and reduce-scatter 2-byte elements
+    // (the reduce-scatter's default reduce_dtype is the param_dtype); ddp stays fp32.
     const double elem = o.mixed_precision == "bf16" ? 2.0 : 4.0;
     const double f = ws > 1 ? (ws - 1.0) / ws * elem : 0.0;
     double model = 0;
     if (o.mode == "ddp") model = 2.0 * t->params * f;  // elem is 4 here (check_options)
-    if (o.mode == "fsdp") model = (2.0 * t->params + t->block_params) * f;
+    if (o.mode == "fsdp") model = (2.0 * t->params + t->regathered_params) * f;
     if (o.mode == "fsdp-noreshard") model = 2.0 * t->params * f;
     j["bytes_model_per_step"] = static_cast<int64_t>(std::llround(model));
     // The same check as --compare's summary, on every run of a communicating mode (so that a
@@ -315,7 +306,7 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
                 << sent << " bytes per step, the volume model predicts " << model << "\n";
     j["params"] = t->params;
     j["mixed_precision"] = o.mixed_precision;
-    j["malloc"] = malloc_settings();
+    j["malloc"] = memory::malloc_settings();
     j["preset"] = o.preset;
     j["layers"] = o.layers;
     j["width"] = o.width;

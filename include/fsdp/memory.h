@@ -2,6 +2,8 @@
 // Thread-safety: stateless reads of /proc/self.
 #pragma once
 
+#include <string>
+
 namespace fsdp::memory {
 
 double current_rss_mb();  // VmRSS
@@ -13,5 +15,17 @@ void trim();
 // Bytes malloc has handed out and not had back (glibc mallinfo2: arenas and mmapped blocks), in
 // MB: live tensors, unlike RSS, which also holds freed pages until trimmed.
 double heap_in_use_mb();
+
+// glibc malloc with fixed thresholds, for training loops (docs/performance.md, fifth pass): blocks
+// up to 32 MiB come from the heap, and the heap's free top is returned to the kernel only beyond
+// 256 MiB. glibc's default thresholds move with the sizes of the blocks a process has freed, so a
+// step's activations and gradients may instead be mapped afresh every step and cost a page fault
+// per 4 KiB. Applies to this process (mallopt) and, through MALLOC_MMAP_THRESHOLD_ and
+// MALLOC_TRIM_THRESHOLD_, to the processes it starts. An application's choice: the library never
+// calls it. Returns false (and changes nothing) where malloc is not glibc's.
+bool use_steady_malloc();
+// "default", or the thresholds this process's malloc was given through the environment (which
+// use_steady_malloc also sets): "mmap_threshold=... trim_threshold=...".
+std::string malloc_settings();
 
 }  // namespace fsdp::memory

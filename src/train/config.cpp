@@ -215,12 +215,20 @@ void add_options(App& a, TrainConfig& c) {
       ->group("Processes");
   app.add_option("--threads", c.threads, "intra-op threads per rank (0 = cores / local ranks)")
       ->group("Processes");
+  app.add_option("--malloc", c.malloc_policy,
+                 "glibc malloc: steady (fixed thresholds: blocks up to 32 MiB from the heap, which "
+                 "keeps up to 256 MiB free; a step reuses its pages instead of faulting in fresh "
+                 "ones) or default (glibc's own, which move with what the process freed)")
+      ->check(CLI::IsMember({"steady", "default"}))
+      ->capture_default_str()
+      ->group("Processes");
   app.add_flag("--no-shard", c.no_shard,
                "train in one process with plain LibTorch, no fsdp-cpp (the parity reference)")
       ->group("Processes");
   app.add_flag("--reshard-after-forward,!--no-reshard-after-forward", c.reshard_after_forward,
                "blocks free their gathered parameters after forward and gather again in backward "
-               "(default on; off: keep them until after backward, ZeRO-2-like)")
+               "(default on, all but the last block, which backward needs first; off: keep them "
+               "until after backward, ZeRO-2-like)")
       ->group("Processes");
   app.add_flag("--activation-checkpointing", c.activation_checkpointing,
                "blocks keep no activations after forward and recompute them in backward (less "
@@ -320,6 +328,8 @@ void TrainConfig::validate() const {
   FSDP_CHECK(peak_tflops >= 0, "--peak-tflops is ", peak_tflops,
              "; use 0 (measured) or the peak of one rank");
   FSDP_CHECK(threads >= 0, "--threads is ", threads, "; use 0 (automatic) or a positive count");
+  FSDP_CHECK(malloc_policy == "steady" || malloc_policy == "default", "--malloc is '",
+             malloc_policy, "'; expected steady or default");
   FSDP_CHECK(warmup >= 0, "--warmup is ", warmup, "; use 0 (no warmup) or a positive step count");
   FSDP_CHECK(log_every >= 0, "--log-every is ", log_every,
              "; use 0 (automatic) or a positive count");
@@ -382,6 +392,7 @@ std::string TrainConfig::to_json() const {
   nlohmann::ordered_json j;
   j["nproc"] = nproc;
   j["threads"] = threads;
+  j["malloc"] = malloc_policy;
   j["no-shard"] = no_shard;
   j["reshard-after-forward"] = reshard_after_forward;
   j["activation-checkpointing"] = activation_checkpointing;
@@ -465,6 +476,7 @@ const std::vector<std::string>& resumable_keys() {
   // shards stay fp32, but it changes the gradients, so a resumed run keeps the checkpoint's.
   static const std::vector<std::string> keys = {"nproc",
                                                 "threads",
+                                                "malloc",
                                                 "reshard-after-forward",
                                                 "activation-checkpointing",
                                                 "hsdp",

@@ -45,8 +45,15 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
     block_options.mixed_precision = mixed_precision_policy(cfg.mixed_precision, false);
     ShardOptions root_options;
     root_options.mixed_precision = mixed_precision_policy(cfg.mixed_precision, true);
-    // models::shard_gpt's layout (one group per block, the root another), over the mesh.
-    for (auto& b : m->gpt->blocks) fully_shard(b, m->mesh, block_options);
+    // models::shard_gpt's layout (one group per block, the root another), over the mesh. The last
+    // block keeps its parameters from forward into backward, whose first use they are (torchtitan
+    // does the same): resharding it would gather it again at once, exposed.
+    auto& blocks = m->gpt->blocks;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      ShardOptions o = block_options;
+      if (i + 1 == blocks.size()) o.reshard_after_forward = false;
+      fully_shard(blocks[i], m->mesh, o);
+    }
     m->root = fully_shard(m->gpt, m->mesh, root_options);
     fsdp::materialize(m->gpt);
     for (const ShardInfo& s : m->root.shards()) {

@@ -32,7 +32,8 @@ struct TrainModel {
 };
 
 // Seeds torch with cfg.seed, builds the GPT (layers, heads, width, seq, vocab) and, when `comm` is
-// non-null, shards it over init_mesh(comm, cfg.hsdp) (blocks with cfg.reshard_after_forward and
+// non-null, shards it over init_mesh(comm, cfg.hsdp) (blocks with cfg.reshard_after_forward, but
+// the last, which backward needs first, never reshards after forward; blocks with
 // cfg.activation_checkpointing; every group with cfg.mixed_precision's policy, the root casting
 // its output to fp32 so the loss is fp32). Every rank gets the same initial weights. Collective
 // over `comm` when cfg.hsdp > 1. Throws fsdp::Error for invalid sizes, an --hsdp that does not

@@ -1,6 +1,7 @@
 #include <fsdp/memory.h>
 #include <malloc.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -30,6 +31,28 @@ void trim() { ::malloc_trim(0); }
 double heap_in_use_mb() {
   const struct mallinfo2 m = ::mallinfo2();
   return static_cast<double>(m.uordblks + m.hblkhd) / (1024.0 * 1024.0);
+}
+
+bool use_steady_malloc() {
+#ifdef __GLIBC__
+  constexpr int kMmapThreshold = 32 << 20;  // glibc's largest dynamic threshold
+  constexpr int kTrimThreshold = 256 << 20;
+  if (::mallopt(M_MMAP_THRESHOLD, kMmapThreshold) != 1) return false;
+  if (::mallopt(M_TRIM_THRESHOLD, kTrimThreshold) != 1) return false;
+  ::setenv("MALLOC_MMAP_THRESHOLD_", std::to_string(kMmapThreshold).c_str(), 1);
+  ::setenv("MALLOC_TRIM_THRESHOLD_", std::to_string(kTrimThreshold).c_str(), 1);
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string malloc_settings() {
+  const char* mmap = std::getenv("MALLOC_MMAP_THRESHOLD_");
+  const char* trim = std::getenv("MALLOC_TRIM_THRESHOLD_");
+  if (!mmap && !trim) return "default";
+  return std::string("mmap_threshold=") + (mmap ? mmap : "default") +
+         " trim_threshold=" + (trim ? trim : "default");
 }
 
 }  // namespace fsdp::memory
