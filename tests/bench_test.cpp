@@ -95,9 +95,11 @@ TEST(BenchCompare, PrintsEveryModeAndASaneSummary) {
   const double fsdp = modes["fsdp"]["bytes_sent_per_step"];
   const double nors = modes["fsdp-noreshard"]["bytes_sent_per_step"];
   ASSERT_GT(ddp, 0);
-  // ZeRO-3 volume: 1.5x DDP's all-reduce (a little less, the root is gathered once).
-  EXPECT_GT(fsdp / ddp, 1.25) << r.output;
-  EXPECT_LT(fsdp / ddp, 1.7) << r.output;
+  // ZeRO-3 volume: up to 1.5x DDP's all-reduce (less: the root and the last block are gathered
+  // once), as the benchmark's volume model predicts.
+  EXPECT_NEAR(fsdp, modes["fsdp"]["bytes_model_per_step"].get<double>(), 0.05 * fsdp) << r.output;
+  EXPECT_GT(fsdp / ddp, 1.1) << r.output;
+  EXPECT_LT(fsdp / ddp, 1.5) << r.output;
   EXPECT_GT(nors / ddp, 0.9) << r.output;
   EXPECT_LT(nors / ddp, 1.15) << r.output;
   // Step 1 is the same model on the same data in every mode.
@@ -206,9 +208,13 @@ bool has_prefix(const std::multimap<std::string, std::string>& s, const std::str
 
 TEST(BenchTrace, WritesAChromeTracePerRankWithEverySpan) {
   const std::string dir = scratch_dir("trace");
-  auto r = fsdp::testing::run_process(tiny({"--mode", "fsdp", "--trace", dir}),
-                                      std::chrono::seconds(60));
+  auto r = fsdp::testing::run_process(
+      tiny({"--mode", "fsdp", "--trace", dir, "--malloc", "steady"}), std::chrono::seconds(60));
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  // --malloc steady reaches the ranks (fsdp::memory::use_steady_malloc's environment).
+  auto lines = json_lines(r.output);
+  ASSERT_EQ(lines.size(), 1u) << r.output;
+  EXPECT_EQ(lines[0].value("malloc", ""), "mmap_threshold=33554432 trim_threshold=268435456");
   for (int rank = 0; rank < 2; ++rank) {
     auto s = spans(dir + "/rank" + std::to_string(rank) + ".json");
     EXPECT_TRUE(s.count("all_gather")) << "rank " << rank;

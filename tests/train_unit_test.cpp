@@ -101,6 +101,14 @@ TEST(TrainConfig, FlagsOverrideDefaults) {
   EXPECT_NE(bad.message.find("--mixed-precision"), std::string::npos) << bad.message;
   EXPECT_TRUE(r.config->was_set("steps"));
   EXPECT_FALSE(r.config->was_set("batch"));
+  EXPECT_EQ(r.config->malloc_policy, "steady");
+  auto d = parse_args({"fsdp-train", "--malloc", "default"});
+  ASSERT_TRUE(d.config.has_value()) << d.message;
+  EXPECT_EQ(d.config->malloc_policy, "default");
+  EXPECT_NE(d.config->to_json().find("\"malloc\": \"default\""), std::string::npos);
+  auto bad_malloc = parse_args({"fsdp-train", "--malloc", "jemalloc"});
+  EXPECT_FALSE(bad_malloc.config.has_value());
+  EXPECT_NE(bad_malloc.message.find("--malloc"), std::string::npos) << bad_malloc.message;
 }
 
 TEST(TrainConfig, HelpListsEveryFlagWithDefault) {

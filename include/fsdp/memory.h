@@ -1,5 +1,6 @@
-// Process memory as the kernel sees it (resident set), for benchmarks and the trainer.
-// Thread-safety: stateless reads of /proc/self.
+// Process memory as the kernel sees it (resident set), for benchmarks and the trainer, and the
+// trainer's malloc settings. Thread-safety: the readers are stateless reads of /proc/self;
+// use_steady_malloc changes process-wide settings (call it at the start of main, before threads).
 #pragma once
 
 #include <string>

@@ -259,7 +259,9 @@ void BackwardPass::prefetch_after(Group& g) {
   if (gather_cursor_ >= gather_plan_.size()) return;
   Group* next = gather_plan_[gather_cursor_];
   Group* upcoming = needed_after(g);
-  if (upcoming && upcoming != next && upcoming->shard_state() == ShardState::kUnsharded) return;
+  if (upcoming && upcoming != next && upcoming->shard_state() == ShardState::kUnsharded &&
+      !upcoming->gathers_on_use())  // an element gathered on use has no pre-backward
+    return;
   if (next->options().max_unsharded_groups >= 2 && slot(*next).needed()) {
     ctx_.log(next, detail::cat("backward prefetch from '", g.name(), "'"));
     gather_through(gather_cursor_ + 1);
