@@ -227,8 +227,8 @@ RunPlan plan_run(const TrainConfig& given) {
         "\nthey define the model, the optimizer or the data: drop ",
         conflicts.size() == 1 ? "it" : "them",
         " (a resumed run may change only --steps, --min-lr-ratio, --grad-accum, the number of "
-        "ranks, --hsdp, the blocks' memory flags, evaluation, logging and checkpoint flags), or "
-        "start a new run"));
+        "ranks, --malloc, --hsdp, the blocks' memory flags, evaluation, logging and checkpoint "
+        "flags), or start a new run"));
   std::vector<std::string> overrides = {"resume", "run-dir", "init-from"};
   for (const auto& key : resumable_keys())
     if (given.was_set(key)) overrides.push_back(key);
