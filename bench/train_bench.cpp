@@ -42,7 +42,7 @@ struct Trainer {
   FSDPModule root;                      // fsdp modes
   std::unique_ptr<DdpReducer> reducer;  // ddp: c10d::Reducer
   std::unique_ptr<torch::optim::AdamW> opt;
-  int64_t params = 0, regathered_params = 0;  // of the full model
+  int64_t params = 0, regathered_params = 0;  // of the full model (train/model_setup.h)
 };
 
 std::unique_ptr<Trainer> build_trainer(const TrainBenchOptions& o,
@@ -59,9 +59,7 @@ std::unique_ptr<Trainer> build_trainer(const TrainBenchOptions& o,
   t->gpt = m->gpt;
   t->root = m->root;
   t->params = m->parameter_count;
-  // The blocks fsdp gathers again in backward: all but the last (train/model_setup.h).
-  for (size_t i = 0; i + 1 < t->gpt->blocks.size(); ++i)
-    for (const auto& p : t->gpt->blocks[i]->parameters()) t->regathered_params += p.numel();
+  t->regathered_params = m->regathered_count;
   if (o.mode == "ddp") {
     // Replicas start equal as a DDP user would make them: broadcast from rank 0.
     torch::NoGradGuard no_grad;

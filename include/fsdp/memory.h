@@ -23,8 +23,8 @@ double heap_in_use_mb();
 // step's activations and gradients may instead be mapped afresh every step and cost a page fault
 // per 4 KiB. Applies to this process (mallopt) and, through MALLOC_MMAP_THRESHOLD_ and
 // MALLOC_TRIM_THRESHOLD_, to the processes it starts. An application's choice: the library never
-// calls it. Returns false (and changes nothing) where malloc is not glibc's.
-bool use_steady_malloc();
+// calls it. Throws fsdp::Error where malloc is not glibc's (it refuses the thresholds).
+void use_steady_malloc();
 // "default", or the thresholds this process's malloc was given through the environment (which
 // use_steady_malloc also sets): "mmap_threshold=... trim_threshold=...".
 std::string malloc_settings();

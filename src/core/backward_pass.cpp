@@ -133,14 +133,16 @@ int BackwardPass::reductions_of(const Group& g) const {
   return k >= 0 && static_cast<size_t>(k) < slots_.size() ? slots_[k].reductions : 0;
 }
 
-// The backward all-gathers: groups the forward left resharded, in reverse order of forward
-// completion (the order their output hooks fire when every rank takes the same path). Forward
-// order, settings and shard states are the same on every rank, so is the plan.
+// The backward order: the groups forwarded with grad, in reverse order of forward completion (the
+// order their output hooks fire when every rank takes the same path). The backward all-gathers:
+// those of them the forward left resharded. Forward order, settings and shard states are the same
+// on every rank, so is the plan.
 void BackwardPass::plan_gathers() {
   const auto& done = ctx_.completion_order();
   for (auto it = done.rbegin(); it != done.rend(); ++it)
-    if ((*it)->forwarded_with_grad() && (*it)->shard_state() == ShardState::kSharded)
-      gather_plan_.push_back(*it);
+    if ((*it)->forwarded_with_grad()) backward_order_.push_back(*it);
+  for (Group* g : backward_order_)
+    if (g->shard_state() == ShardState::kSharded) gather_plan_.push_back(g);
   // Fault injection (audit test): this rank swaps its first two backward all-gathers.
   if (fault("gather_order") && ctx_.gather_lane().rank() != 0 && gather_plan_.size() >= 2)
     std::swap(gather_plan_[0], gather_plan_[1]);
@@ -269,11 +271,10 @@ void BackwardPass::prefetch_after(Group& g) {
 }
 
 Group* BackwardPass::needed_after(const Group& g) {
-  const auto& done = ctx_.completion_order();
-  auto it = std::find(done.rbegin(), done.rend(), &g);
-  if (it == done.rend()) return nullptr;
-  for (++it; it != done.rend(); ++it)
-    if ((*it)->forwarded_with_grad() && slot(**it).needed()) return *it;
+  auto it = std::find(backward_order_.begin(), backward_order_.end(), &g);
+  if (it == backward_order_.end()) return nullptr;
+  for (++it; it != backward_order_.end(); ++it)
+    if (slot(**it).needed()) return *it;
   return nullptr;
 }
 
@@ -322,10 +323,9 @@ bool BackwardPass::may_wait_for(const Group& g) const {
   const auto end = gather_plan_.begin() + static_cast<std::ptrdiff_t>(gather_cursor_);
   if (std::find(gather_plan_.begin(), gather_plan_.end(), &g) != gather_plan_.end())
     return std::find(gather_plan_.begin(), end, &g) != end;
-  const auto& done = ctx_.completion_order();  // reversed: the plan's order, kept groups too
-  auto it = std::find(done.rbegin(), done.rend(), &g);
-  if (it == done.rend()) return false;
-  return std::all_of(done.rbegin(), it, [&](const Group* before) {
+  auto it = std::find(backward_order_.begin(), backward_order_.end(), &g);
+  if (it == backward_order_.end()) return false;
+  return std::all_of(backward_order_.begin(), it, [&](const Group* before) {
     return std::find(end, gather_plan_.end(), before) == gather_plan_.end();
   });
 }

@@ -69,8 +69,7 @@ class BackwardPass {
   void gather_elements();  // elements gathered on use: never left resharded into their backward
   void gather_through(size_t plan_end);  // issue plan entries [cursor, plan_end)
   void prefetch_after(Group& g);
-  // The group after `g` in reverse forward-completion order (the order backward reaches them when
-  // every rank takes the same path) that this rank's backward needs; null when none.
+  // The group after `g` in backward_order_ that this rank's backward needs; null when none.
   Group* needed_after(const Group& g);
   void maybe_post_backward(Group& g);
   void try_issue_reductions();
@@ -92,7 +91,8 @@ class BackwardPass {
   Context& ctx_;
   const void* key_;
   bool reducing_ = false;
-  std::vector<Slot> slots_;  // by registration index
+  std::vector<Slot> slots_;             // by registration index
+  std::vector<Group*> backward_order_;  // forwarded with grad, reverse completion order
   std::vector<Group*> gather_plan_;
   size_t gather_cursor_ = 0;
   std::vector<Group*> reduce_order_;

@@ -53,6 +53,8 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
       ShardOptions o = block_options;
       if (i + 1 == blocks.size()) o.reshard_after_forward = false;
       fully_shard(blocks[i], m->mesh, o);
+      if (o.reshard_after_forward.value_or(true))
+        for (const auto& p : blocks[i]->parameters()) m->regathered_count += p.numel();
     }
     m->root = fully_shard(m->gpt, m->mesh, root_options);
     fsdp::materialize(m->gpt);

@@ -25,6 +25,7 @@ struct TrainModel {
   std::vector<at::Tensor> decay;     // 2-D weights (local shards when sharded): weight decay
   std::vector<at::Tensor> no_decay;  // biases and LayerNorm parameters
   int64_t parameter_count = 0;       // of the full model
+  int64_t regathered_count = 0;      // sharded: parameters gathered again in backward
   bool sharded() const { return root.defined(); }
   // The ranks that hold one copy of the shards: what checkpoint save/load take (under HSDP the
   // replica, since replicas hold equal shards; metrics reduce over the world instead).
