@@ -86,7 +86,7 @@ class BackwardPass {
   void reap_reductions(Reap how);
   Reap before_send_buffer(const Group& g) const;  // kPoll if g holds its send buffer, else kBounded
   void wait_bounded();                            // kBounded's wait, before the reaping
-  bool may_wait_for(const Group& g) const;        // g's all-gather (plan entry) is issued here
+  bool may_wait_for(const Group& g) const;        // the plan is issued here up to g (see .cpp)
 
   Context& ctx_;
   const void* key_;
