@@ -1,8 +1,9 @@
 # Communicator, rendezvous and launcher tests (label comm).
 fsdp_add_test(comm_test LABEL comm PCH core
   SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/comm_test.cpp ${CMAKE_CURRENT_SOURCE_DIR}/rendezvous_test.cpp
-          ${CMAKE_CURRENT_SOURCE_DIR}/comm_failure_test.cpp)
-# comm_failure_test checks the internal failure texts and address choice (src/comm/*.h).
+          ${CMAKE_CURRENT_SOURCE_DIR}/comm_failure_test.cpp
+          ${CMAKE_CURRENT_SOURCE_DIR}/shm_transport_test.cpp)
+# comm_failure_test and shm_transport_test reach internal headers (src/comm/*.h).
 target_include_directories(comm_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
 fsdp_add_test(launcher_test LABEL comm PCH core
   SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/launcher_test.cpp)

@@ -13,6 +13,8 @@ namespace fsdp::testing {
 // The integer dtype with the same width as `t`, for bit-exact comparisons and random bit patterns.
 inline at::ScalarType bits_dtype(at::ScalarType t) {
   switch (c10::elementSize(t)) {
+    case 1:
+      return at::kChar;
     case 2:
       return at::kShort;
     case 4:
@@ -33,7 +35,8 @@ inline bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
 // transport (all-gather, broadcast) must deliver unchanged.
 inline at::Tensor random_bits(int64_t n, uint64_t seed, at::ScalarType t) {
   auto gen = at::detail::createCPUGenerator(seed);
-  const int64_t lim = c10::elementSize(t) == 2   ? (1 << 15)
+  const int64_t lim = c10::elementSize(t) == 1   ? (1 << 7)
+                      : c10::elementSize(t) == 2 ? (1 << 15)
                       : c10::elementSize(t) == 4 ? (int64_t{1} << 31)
                                                  : (int64_t{1} << 62);
   return at::randint(-lim, lim, {n}, gen, at::TensorOptions(bits_dtype(t))).view(t);

@@ -138,6 +138,15 @@ class Communicator {
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
   // The ranks' identities (from init_process_group; empty for a hand-built communicator).
   void set_peers(std::vector<PeerInfo> peers);
+  // Collective: where every rank is on this host (by the peers' host names; for a hand-built
+  // communicator, by what the ranks publish on the store), moves the point-to-point all-gathers
+  // and reduce-scatters through shared memory instead of the process group's TCP
+  // (FSDP_TRANSPORT: auto, shm or tcp; src/comm/shm_transport.h). init_process_group, split()
+  // and subgroup() call it; on a hand-built communicator, call it before its first collective
+  // (after that, and a second time, it does nothing).
+  void connect_local_transport();
+  // Whether this communicator's all-gathers and reduce-scatters go through shared memory.
+  bool uses_shared_memory() const;
   const std::vector<PeerInfo>& peers() const { return *peers_; }
 
   const CommStats& stats() const { return *stats_; }
@@ -160,9 +169,10 @@ class Communicator {
   int splits_ = 0;
   std::map<std::string, std::shared_ptr<Communicator>> lanes_;
   std::shared_ptr<CommStats> stats_ = std::make_shared<CommStats>();
-  std::unique_ptr<detail::RingReduceScatter> ring_;  // reduce_scatter's pipelined ring, lazily
+  std::unique_ptr<detail::RingReduceScatter> ring_;  // reduce_scatter's pipelined exchange, lazily
   std::unique_ptr<detail::RingReduceScatter> gather_p2p_;  // all_gather's direct exchange, lazily
   detail::RingReduceScatter& gather_p2p();                 // gather_p2p_, made at first use
+  detail::RingReduceScatter& reduce_p2p();                 // ring_, made at first use
   std::shared_ptr<const std::vector<PeerInfo>> peers_ = std::make_shared<std::vector<PeerInfo>>();
 };
 

@@ -13,6 +13,7 @@
 #include "failure.h"
 #include "rank_order_sum.h"
 #include "ring_reduce_scatter.h"
+#include "shm_transport.h"
 
 namespace fsdp {
 
@@ -208,6 +209,34 @@ Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, 
   return Work(std::move(impl));
 }
 
+void Communicator::connect_local_transport() {
+  if (size_ == 1 || ring_ || gather_p2p_) return;
+  const auto mode = detail::ShmTransport::mode_from_env();
+  const std::string here = detail::this_host();
+  for (const auto& p : *peers_) {
+    if (p.host == here) continue;
+    FSDP_CHECK(mode != detail::ShmTransport::Mode::kShm, "FSDP_TRANSPORT=shm: rank ", p.rank,
+               " of communicator '", name_, "' is on host '", p.host, "', not '", here,
+               "'; shared memory needs every rank on one host (unset FSDP_TRANSPORT or set it to "
+               "tcp)");
+    return;
+  }
+  // One transport per worker: the all-gathers and the reduce-scatters run concurrently.
+  auto connect = [&](const char* what) {
+    return detail::ShmTransport::connect(*store_, detail::cat(name_, "/", what), rank_, size_, mode,
+                                         timeout_);
+  };
+  auto gather = connect("gather");
+  if (!gather) return;  // every rank alike: shared memory cannot serve this communicator
+  gather_p2p().attach_shared_memory(std::move(gather));
+  auto reduce = connect("reduce");
+  if (reduce) reduce_p2p().attach_shared_memory(std::move(reduce));
+}
+
+bool Communicator::uses_shared_memory() const {
+  return gather_p2p_ && gather_p2p_->shared_memory();
+}
+
 // The point-to-point all-gathers' own worker (they do not queue behind reduce-scatters) and its
 // own tags, made at first use.
 detail::RingReduceScatter& Communicator::gather_p2p() {
@@ -215,6 +244,11 @@ detail::RingReduceScatter& Communicator::gather_p2p() {
     gather_p2p_ =
         std::make_unique<detail::RingReduceScatter>(pg_, detail::RingReduceScatter::kTagRange);
   return *gather_p2p_;
+}
+
+detail::RingReduceScatter& Communicator::reduce_p2p() {
+  if (!ring_) ring_ = std::make_unique<detail::RingReduceScatter>(pg_);
+  return *ring_;
 }
 
 namespace {
@@ -346,18 +380,19 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
                " elements but the input has ", input.numel(), "; they must match");
   }
   using Algorithm = detail::RingReduceScatter::Algorithm;
-  if (const auto algorithm = detail::RingReduceScatter::choose(input, ws)) {
+  auto& p2p = reduce_p2p();
+  if (const auto algorithm = detail::RingReduceScatter::choose(input, ws, p2p.shared_memory())) {
     // Point-to-point, pipelined: the sums overlap the transfer, and only a few chunks are ever
-    // received ahead of them (a caller's scratch is used when given, else a small one).
+    // received ahead of them (a caller's scratch is used when given, else a small one; none
+    // over shared memory, where the sums read the peers' slots).
     const at::Tensor window = scratch.defined() ? scratch.view({-1}) : at::Tensor();
-    if (!ring_) ring_ = std::make_unique<detail::RingReduceScatter>(pg_);
     stats_->bytes_sent += nbytes(output) * (ws - 1);
     if (*algorithm == Algorithm::kRankOrder) {
-      return make_work({ring_->run_rank_order(output.view({-1}), input.view({-1}), window,
-                                              op == ReduceOp::kAvg, timeout_)},
+      return make_work({p2p.run_rank_order(output.view({-1}), input.view({-1}), window,
+                                           op == ReduceOp::kAvg, timeout_)},
                        "reduce_scatter", nbytes(input), nullptr);
     }
-    return make_work({ring_->run(output.view({-1}), input.view({-1}), window, timeout_)},
+    return make_work({p2p.run(output.view({-1}), input.view({-1}), window, timeout_)},
                      "reduce_scatter", nbytes(input), [output, op, ws] {
                        if (op == ReduceOp::kAvg) output.div_(ws);
                      });
@@ -419,6 +454,7 @@ std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
   auto pg = compat::make_process_group(store, rank_, size_, timeout_, backend_, bind_host_);
   auto c = std::make_shared<Communicator>(pg, store_, backend_, timeout_, prefix, bind_host_);
   c->peers_ = peers_;
+  c->connect_local_transport();
   return c;
 }
 
@@ -451,6 +487,7 @@ std::shared_ptr<Communicator> Communicator::subgroup(const std::string& name,
     for (int r : ranks) sub.push_back((*peers_)[r]);
     c->set_peers(std::move(sub));
   }
+  c->connect_local_transport();
   return c;
 }
 

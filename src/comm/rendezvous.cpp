@@ -210,6 +210,7 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
   auto pg = detail::connect_mesh(prefixed, info, timeout, deadline, backend, bind_host, peers);
   auto comm = std::make_shared<Communicator>(pg, prefixed, backend, timeout, "world", bind_host);
   comm->set_peers(std::move(peers));
+  comm->connect_local_transport();
   return comm;
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "rank_order_sum.h"
+#include "shm_transport.h"
 
 namespace fsdp::detail {
 
@@ -112,8 +113,15 @@ bool RingReduceScatter::supports(const at::Tensor& input, int world) {
          (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble);
 }
 
+void RingReduceScatter::attach_shared_memory(std::unique_ptr<ShmTransport> shm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FSDP_CHECK(!worker_.joinable(), "attach_shared_memory: the exchange has already run jobs");
+  shm_ = std::move(shm);
+}
+
 std::optional<RingReduceScatter::Algorithm> RingReduceScatter::choose(const at::Tensor& input,
-                                                                      int world) {
+                                                                      int world,
+                                                                      bool shared_memory) {
   if (!input.is_cpu() || world < 2) return std::nullopt;
   const char* env = std::getenv("FSDP_REDUCE_SCATTER");
   const std::string choice = env && *env ? env : "auto";
@@ -129,7 +137,7 @@ std::optional<RingReduceScatter::Algorithm> RingReduceScatter::choose(const at::
   }
   FSDP_CHECK(choice == "auto", "FSDP_REDUCE_SCATTER='", choice,
              "' is not one of auto, rank-order, ring, alltoall");
-  if (supports(input, world)) return Algorithm::kRing;
+  if (supports(input, world) && !shared_memory) return Algorithm::kRing;
   return Algorithm::kRankOrder;
 }
 
@@ -223,7 +231,13 @@ void RingReduceScatter::worker_loop() {
       if (job.algorithm == Algorithm::kRing) {
         reduce(job);
       } else if (job.algorithm == Algorithm::kRankOrder) {
-        reduce_rank_order(job);
+        if (shm_) {
+          shm_->reduce(job.output, job.input, job.average, job.timeout);
+        } else {
+          reduce_rank_order(job);
+        }
+      } else if (shm_) {
+        shm_->all_gather(job.into, job.pieces, job.timeout);
       } else {
         all_gather(job);
       }

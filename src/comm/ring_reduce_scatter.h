@@ -24,6 +24,11 @@
 // instance of its own (own worker, own tag range), so all-gathers never queue behind
 // reduce-scatters.
 //
+// Between ranks on one host, a ShmTransport (shm_transport.h) may carry the rank-order exchange
+// and the all-gathers instead of the process group's send/recv (attach_shared_memory): the same
+// jobs, in the same order, on the same worker; the ring is not used then (the rank-order sum gives
+// the same bits at two ranks).
+//
 // One worker thread per RingReduceScatter runs the rings in the order they were issued, so every
 // rank posts the same point-to-point operations in the same order (tags are unique per ring).
 // Thread-safety: run() may be called from one thread at a time; the returned Work may be waited
@@ -36,6 +41,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -47,6 +53,8 @@ class Work;
 }  // namespace c10d
 
 namespace fsdp::detail {
+
+class ShmTransport;
 
 class RingReduceScatter {
  public:
@@ -79,6 +87,11 @@ class RingReduceScatter {
   // two ranks only.
   static bool supports(const at::Tensor& input, int world);
 
+  // Moves the rank-order exchanges and all-gathers through `shm` (before the first run: every
+  // rank attaches it at the same point, right after ShmTransport::connect).
+  void attach_shared_memory(std::unique_ptr<ShmTransport> shm);
+  bool shared_memory() const { return shm_ != nullptr; }
+
   enum class Algorithm {
     kRing,       // the pipelined ring: fp32/fp64 at two ranks (supports())
     kRankOrder,  // the chunked exchange summed in rank order: any CPU dtype, any world size
@@ -87,8 +100,10 @@ class RingReduceScatter {
   // The algorithm the communicator uses for `input` on `world` (>= 2) ranks; nullopt: none (the
   // plain alltoall + sum at wait). FSDP_REDUCE_SCATTER chooses instead of the default ("auto": the
   // ring where supports(), else rank order): "rank-order", "ring" (an error where unsupported) or
-  // "alltoall"; read at every call (tests and fsdp-bench compare the paths in one process).
-  static std::optional<Algorithm> choose(const at::Tensor& input, int world);
+  // "alltoall"; read at every call (tests and fsdp-bench compare the paths in one process). With
+  // `shared_memory`, "auto" is the rank-order exchange at every world size.
+  static std::optional<Algorithm> choose(const at::Tensor& input, int world,
+                                         bool shared_memory = false);
 
   // REQUIRES: CPU fp32/fp64 tensors; output (n), input (N*n) and scratch (at least (N-2)*n, or
   // undefined: allocated) flat, contiguous, one dtype. output = sum over ranks of block `rank` of
@@ -132,6 +147,7 @@ class RingReduceScatter {
   void all_gather(Job& job);
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::unique_ptr<ShmTransport> shm_;  // the worker thread's only, once attached
   at::Tensor window_;  // the rank-order exchange's receive window; the worker thread's only
   int tag_offset_;
   uint32_t rings_ = 0;  // rings issued: the tag space of the next one

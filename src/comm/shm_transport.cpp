@@ -1,0 +1,546 @@
+#include "shm_transport.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <fsdp/error.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <random>
+#include <sstream>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "failure.h"
+#include "rank_order_sum.h"
+
+namespace fsdp::detail {
+
+struct ShmPart {  // one contiguous piece of a stream
+  char* ptr;
+  int64_t bytes;
+};
+
+namespace {
+
+constexpr uint64_t kMagic = 0x66736470'73686d31ull;  // "fsdpshm1"
+constexpr int64_t kSlotBytes = ShmTransport::kSlotBytes;
+constexpr int64_t kSlots = ShmTransport::kSlots;
+// An idle rank wakes at least this often to check its peers' processes and its deadline.
+constexpr auto kTick = std::chrono::milliseconds(20);
+
+struct alignas(64) Header {
+  uint64_t magic;
+  uint64_t nonce;
+  int32_t world;
+  int32_t owner;
+  alignas(64) std::atomic<uint32_t> bell;  // rung by a peer that filled or freed a slot for owner
+  std::atomic<uint32_t> sleeping;          // 1 while the owner sleeps on bell
+};
+
+struct SlotTag {    // what a filled slot holds
+  uint64_t seq;     // the job
+  uint64_t total;   // bytes of the whole stream
+  uint64_t offset;  // of this piece in the stream
+  uint64_t len;     // bytes in this slot
+};
+
+struct alignas(64) Channel {               // owner -> one peer
+  alignas(64) std::atomic<uint64_t> head;  // slots filled, written by the owner
+  alignas(64) std::atomic<uint64_t> tail;  // slots consumed, written by the peer
+  alignas(64) SlotTag tags[kSlots];
+};
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free &&
+                  std::atomic<uint64_t>::is_always_lock_free,
+              "atomics shared between processes must be lock-free");
+
+int64_t data_offset(int world) {
+  const int64_t meta = sizeof(Header) + static_cast<int64_t>(world) * sizeof(Channel);
+  return (meta + 4095) / 4096 * 4096;
+}
+int64_t segment_bytes(int world) { return data_offset(world) + world * kSlots * kSlotBytes; }
+
+std::string errno_text(const char* call) { return cat(call, ": ", std::strerror(errno)); }
+
+// Which shared-memory and network world this process lives in: ranks agreeing on it share
+// /dev/shm, and are on one host as their addresses see it (two network namespaces on one machine
+// are two hosts to the TCP path, and stay so here).
+std::string identity() {
+  auto link = [](const char* path) {
+    char buf[256] = {0};
+    const ssize_t n = ::readlink(path, buf, sizeof buf - 1);
+    return n > 0 ? std::string(buf, n) : std::string("?");
+  };
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  return cat(this_host(), " boot ", boot, " ", link("/proc/self/ns/net"), " ",
+             link("/proc/self/ns/mnt"));
+}
+
+bool process_gone(int64_t pid) {
+  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat(cat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const auto close = line.rfind(')');  // the state follows the command name in parentheses
+  return close != std::string::npos && close + 2 < line.size() &&
+         (line[close + 2] == 'Z' || line[close + 2] == 'X');
+}
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t seen, std::chrono::milliseconds limit) {
+  timespec ts{static_cast<time_t>(limit.count() / 1000),
+              static_cast<long>((limit.count() % 1000) * 1000000)};
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
+}
+
+void futex_wake(std::atomic<uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+}
+
+// Copies between a stream's parts and one slot, from the stream position `at`.
+using Part = ShmPart;
+void copy_parts(const std::vector<Part>& parts, int64_t at, char* slot, int64_t len, bool out) {
+  for (const Part& p : parts) {
+    if (len == 0) return;
+    if (at >= p.bytes) {
+      at -= p.bytes;
+      continue;
+    }
+    const int64_t n = std::min(len, p.bytes - at);
+    if (out) {
+      std::memcpy(slot, p.ptr + at, n);
+    } else {
+      std::memcpy(p.ptr + at, slot, n);
+    }
+    slot += n;
+    len -= n;
+    at = 0;
+  }
+}
+
+std::vector<Part> parts_of(const std::vector<at::Tensor>& ts) {
+  std::vector<Part> parts;
+  for (const auto& t : ts)
+    if (t.numel() > 0)
+      parts.push_back(
+          {static_cast<char*>(t.data_ptr()), t.numel() * static_cast<int64_t>(t.element_size())});
+  return parts;
+}
+
+int64_t total_of(const std::vector<Part>& parts) {
+  int64_t n = 0;
+  for (const Part& p : parts) n += p.bytes;
+  return n;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Segments
+// ---------------------------------------------------------------------------------------------
+struct ShmTransport::Segment {
+  std::string name;
+  char* base = nullptr;
+  int64_t bytes = 0;
+  int world = 0;
+  bool linked = false;  // this process created it and has not unlinked it yet
+
+  ~Segment() {
+    if (base) ::munmap(base, bytes);
+    unlink();
+  }
+  void unlink() {
+    if (linked) ::shm_unlink(name.c_str());
+    linked = false;
+  }
+  Header* header() const { return reinterpret_cast<Header*>(base); }
+  Channel* channel(int peer) const {
+    return reinterpret_cast<Channel*>(base + sizeof(Header)) + peer;
+  }
+  char* slot(int peer, uint64_t n) const {
+    return base + data_offset(world) +
+           (peer * kSlots + static_cast<int64_t>(n % kSlots)) * kSlotBytes;
+  }
+
+  // A new segment of this rank's, or the reason it could not be made.
+  static std::unique_ptr<Segment> create(int rank, int world, uint64_t nonce, std::string* why) {
+    static std::atomic<int> made{0};
+    auto s = std::make_unique<Segment>();
+    s->name = cat("/fsdp-", ::getpid(), "-", made++, "-", std::hex, nonce);
+    s->world = world;
+    s->bytes = segment_bytes(world);
+    const int fd = ::shm_open(s->name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+      *why = errno_text("shm_open");
+      return nullptr;
+    }
+    s->linked = true;
+    // Reserved now: a full /dev/shm fails here, not as a SIGBUS when a slot is first written.
+    const int err = ::posix_fallocate(fd, 0, s->bytes);
+    if (err == 0) {
+      void* p = ::mmap(nullptr, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p != MAP_FAILED) s->base = static_cast<char*>(p);
+      if (!s->base) *why = errno_text("mmap");
+    } else {
+      *why = cat("reserving ", s->bytes, " bytes in /dev/shm: ", std::strerror(err));
+    }
+    ::close(fd);
+    if (!s->base) return nullptr;
+    auto* h = new (s->base) Header{};
+    h->magic = kMagic;
+    h->nonce = nonce;
+    h->world = world;
+    h->owner = rank;
+    for (int j = 0; j < world; ++j) new (s->channel(j)) Channel{};
+    return s;
+  }
+
+  // A peer's segment, or the reason it could not be mapped.
+  static std::unique_ptr<Segment> open(const std::string& name, int owner, int world,
+                                       uint64_t nonce, std::string* why) {
+    auto s = std::make_unique<Segment>();
+    s->name = name;
+    s->world = world;
+    s->bytes = segment_bytes(world);
+    const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) {
+      *why = errno_text("shm_open");
+      return nullptr;
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && st.st_size == s->bytes) {
+      void* p = ::mmap(nullptr, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p != MAP_FAILED) s->base = static_cast<char*>(p);
+      if (!s->base) *why = errno_text("mmap");
+    } else {
+      *why = cat("segment ", name, " has the wrong size");
+    }
+    ::close(fd);
+    if (!s->base) return nullptr;
+    const Header* h = s->header();
+    if (h->magic != kMagic || h->nonce != nonce || h->owner != owner || h->world != world) {
+      *why = cat("segment ", name, " is not rank ", owner, "'s");
+      return nullptr;
+    }
+    return s;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Rendezvous
+// ---------------------------------------------------------------------------------------------
+ShmTransport::Mode ShmTransport::mode_from_env() {
+  const char* env = std::getenv("FSDP_TRANSPORT");
+  const std::string v = env && *env ? env : "auto";
+  if (v == "auto") return Mode::kAuto;
+  if (v == "shm") return Mode::kShm;
+  if (v == "tcp") return Mode::kTcp;
+  throw Error(cat("FSDP_TRANSPORT='", v, "' is not one of auto, shm, tcp"));
+}
+
+ShmTransport::ShmTransport(int rank, int world) : rank_(rank), world_(world) {}
+ShmTransport::~ShmTransport() = default;
+
+namespace {
+// Every rank's value of `key`/`r`, each wait bounded by `timeout`.
+std::vector<std::string> gather_keys(c10d::Store& store, const std::string& key, int world,
+                                     std::chrono::milliseconds timeout) {
+  std::vector<std::string> keys, values;
+  for (int r = 0; r < world; ++r) keys.push_back(cat(key, "/", r));
+  try {
+    store.wait(keys, timeout);
+  } catch (const std::exception& e) {
+    throw CommError(cat("shared-memory rendezvous '", key, "': not every rank arrived within ",
+                        timeout.count(), " ms (", e.what(), ")"));
+  }
+  for (const auto& k : keys) {
+    const auto v = store.get(k);
+    values.emplace_back(v.begin(), v.end());
+  }
+  return values;
+}
+
+void set_key(c10d::Store& store, const std::string& key, const std::string& value) {
+  store.set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::vector<std::string> lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream in(s);
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+}  // namespace
+
+std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, const std::string& key,
+                                                    int rank, int world, Mode mode,
+                                                    std::chrono::milliseconds timeout) {
+  if (mode == Mode::kTcp || world < 2) return nullptr;
+  // A generation per rank: the same key may be connected again on one store (a communicator
+  // rebuilt under the same name); ranks make their transports in the same order.
+  const std::string base =
+      cat("fsdp-shm/", key, "#", store.add(cat("fsdp-shm/", key, "/gen/", rank), 1));
+  std::random_device rd;
+  const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  std::unique_ptr<ShmTransport> t(new ShmTransport(rank, world));
+  t->seg_.resize(world);
+  t->pid_.assign(world, 0);
+  std::string why;
+  t->seg_[rank] = Segment::create(rank, world, nonce, &why);
+  const std::string me = identity();
+  set_key(store, cat(base, "/info/", rank),
+          t->seg_[rank] ? cat("ok\n", me, "\n", t->seg_[rank]->name, "\n", ::getpid(), "\n", nonce)
+                        : cat("fail\n", me, "\n", why));
+  // Round 1: every rank sees every rank's identity and segment, so all decide alike.
+  std::string refusal;  // why not, the same on every rank
+  bool elsewhere = false;
+  const auto infos = gather_keys(store, cat(base, "/info"), world, timeout);
+  std::vector<std::vector<std::string>> fields;
+  for (int r = 0; r < world; ++r) {
+    fields.push_back(lines(infos[r]));
+    const auto& f = fields.back();
+    if (f.size() < 3) {
+      refusal = cat("rank ", r, " published no segment");
+    } else if (f[1] != me) {
+      elsewhere = true;
+      if (refusal.empty()) refusal = cat("rank ", r, " is on another host (", f[1], ")");
+    } else if (f[0] != "ok" && refusal.empty()) {
+      refusal = cat("rank ", r, ": ", f[2]);
+    }
+  }
+  // Round 2: each rank maps every peer's segment and says whether it could.
+  if (refusal.empty()) {
+    std::string mine = "ok";
+    for (int r = 0; r < world && mine == "ok"; ++r) {
+      if (r == rank) continue;
+      t->pid_[r] = std::stoll(fields[r][3]);
+      t->seg_[r] = Segment::open(fields[r][2], r, world, std::stoull(fields[r][4]), &why);
+      if (!t->seg_[r]) mine = cat("rank ", rank, " could not map rank ", r, "'s segment: ", why);
+    }
+    set_key(store, cat(base, "/mapped/", rank), mine);
+    const auto mapped = gather_keys(store, cat(base, "/mapped"), world, timeout);
+    for (const auto& m : mapped)
+      if (m != "ok" && refusal.empty()) refusal = m;
+  }
+  // Every rank has mapped every segment it will use (or gave up): no name is needed any more.
+  if (t->seg_[rank]) t->seg_[rank]->unlink();
+  if (refusal.empty()) return t;
+  if (mode == Mode::kShm)
+    throw Error(cat("FSDP_TRANSPORT=shm: the shared-memory transport cannot connect the ", world,
+                    " ranks of '", key, "' (", refusal,
+                    "); unset FSDP_TRANSPORT (auto) or set FSDP_TRANSPORT=tcp"));
+  if (!elsewhere) {
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true))
+      std::fprintf(stderr,
+                   "fsdp: warning: the ranks share this host but the shared-memory transport "
+                   "cannot connect them (%s); collectives go over TCP (slower). Set "
+                   "FSDP_TRANSPORT=tcp to choose TCP and silence this.\n",
+                   refusal.c_str());
+  }
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streams
+// ---------------------------------------------------------------------------------------------
+struct ShmTransport::Stream {
+  int peer = 0;
+  uint64_t seq = 0;
+  std::vector<Part> parts;
+  int64_t total = 0, done = 0;
+  bool finished() const { return done == total; }
+};
+
+uint32_t ShmTransport::bell() const { return seg_[rank_]->header()->bell.load(); }
+
+void ShmTransport::ring(int peer) {
+  Header* h = seg_[peer]->header();
+  h->bell.fetch_add(1);
+  if (h->sleeping.load()) futex_wake(&h->bell);
+}
+
+bool ShmTransport::send_some(Stream& s) {
+  Channel* ch = seg_[rank_]->channel(s.peer);
+  bool moved = false;
+  while (!s.finished()) {
+    const uint64_t head = ch->head.load(std::memory_order_relaxed);
+    if (head - ch->tail.load(std::memory_order_acquire) >= static_cast<uint64_t>(kSlots)) break;
+    const int64_t len = std::min(kSlotBytes, s.total - s.done);
+    copy_parts(s.parts, s.done, seg_[rank_]->slot(s.peer, head), len, true);
+    ch->tags[head % kSlots] = SlotTag{s.seq, static_cast<uint64_t>(s.total),
+                                      static_cast<uint64_t>(s.done), static_cast<uint64_t>(len)};
+    ch->head.store(head + 1, std::memory_order_release);
+    s.done += len;
+    moved = true;
+  }
+  if (moved) ring(s.peer);
+  return moved;
+}
+
+namespace {
+// The slot a consumer reads next from `ch`, or nullptr while the producer has not filled it;
+// throws when it belongs to another job or stream than the consumer expects.
+const SlotTag* next_slot(Channel* ch, uint64_t seq, int64_t total, int64_t done, int peer,
+                         int self) {
+  const uint64_t tail = ch->tail.load(std::memory_order_relaxed);
+  if (ch->head.load(std::memory_order_acquire) == tail) return nullptr;
+  const SlotTag* tag = &ch->tags[tail % kSlots];
+  if (tag->seq != seq || tag->total != static_cast<uint64_t>(total) ||
+      tag->offset != static_cast<uint64_t>(done))
+    throw CommError(cat("shared-memory exchange: rank ", peer, " sent bytes ", tag->offset, "..",
+                        tag->offset + tag->len, " of a ", tag->total, "-byte stream of its ",
+                        tag->seq + 1, "th collective on this lane, where rank ", self,
+                        " expects bytes from ", done, " of a ", total, "-byte stream of its ",
+                        seq + 1,
+                        "th: the ranks issued different collectives or sizes (every rank must "
+                        "issue the same collectives in the same order)"));
+  return tag;
+}
+}  // namespace
+
+void ShmTransport::idle(uint32_t seen, const std::vector<int>& waiting_for,
+                        std::chrono::steady_clock::time_point deadline,
+                        std::chrono::milliseconds timeout) {
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_check_ >= kTick) {  // a /proc read per peer: not on every idle turn
+    last_check_ = now;
+    for (int r : waiting_for)
+      if (process_gone(pid_[r]))
+        throw CommError(cat("shared-memory exchange: rank ", r, " (pid ", pid_[r],
+                            ") exited mid-collective: connection closed by peer"));
+  }
+  if (now >= deadline)
+    throw CommError(cat("shared-memory exchange timed out: no data moved for ", timeout.count(),
+                        " ms while waiting for ", rank_list(waiting_for)));
+  Header* h = seg_[rank_]->header();
+  h->sleeping.store(1);
+  futex_wait(&h->bell, seen, kTick);
+  h->sleeping.store(0);
+}
+
+void ShmTransport::all_gather(const std::vector<std::vector<at::Tensor>>& into,
+                              const std::vector<at::Tensor>& pieces,
+                              std::chrono::milliseconds timeout) {
+  const uint64_t seq = jobs_++;
+  std::vector<Stream> out, in;
+  const std::vector<Part> mine = parts_of(pieces);
+  for (int d = 1; d < world_; ++d) {  // to r+1, r+2, ...: no common first peer
+    const int j = (rank_ + d) % world_;
+    out.push_back({j, seq, mine, total_of(mine)});
+    auto theirs = parts_of(into[j]);
+    in.push_back({j, seq, theirs, total_of(theirs)});
+  }
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const uint32_t seen = bell();
+    bool moved = false, all_done = true;
+    std::vector<int> waiting;
+    for (auto& s : out) {
+      moved |= send_some(s);
+      all_done &= s.finished();
+      if (!s.finished()) waiting.push_back(s.peer);
+    }
+    for (auto& s : in) {
+      Channel* ch = seg_[s.peer]->channel(rank_);
+      bool got = false;
+      while (!s.finished()) {
+        const SlotTag* tag = next_slot(ch, seq, s.total, s.done, s.peer, rank_);
+        if (!tag) break;
+        const uint64_t tail = ch->tail.load(std::memory_order_relaxed);
+        copy_parts(s.parts, s.done, seg_[s.peer]->slot(rank_, tail), tag->len, false);
+        s.done += tag->len;
+        ch->tail.store(tail + 1, std::memory_order_release);
+        got = true;
+      }
+      if (got) ring(s.peer);
+      moved |= got;
+      all_done &= s.finished();
+      if (!s.finished()) waiting.push_back(s.peer);
+    }
+    if (all_done) return;
+    if (moved) {
+      deadline = std::chrono::steady_clock::now() + timeout;
+    } else {
+      std::sort(waiting.begin(), waiting.end());
+      waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
+      idle(seen, waiting, deadline, timeout);
+    }
+  }
+}
+
+void ShmTransport::reduce(const at::Tensor& output, const at::Tensor& input, bool average,
+                          std::chrono::milliseconds timeout) {
+  const uint64_t seq = jobs_++;
+  const int64_t n = output.numel(), es = input.element_size();
+  const int64_t chunk = kSlotBytes / es, chunks = (n + chunk - 1) / chunk;
+  std::vector<Stream> out;
+  for (int d = 1; d < world_; ++d) {
+    const int j = (rank_ + d) % world_;
+    out.push_back({j, seq, parts_of({input.narrow(0, j * n, n)}), n * es});
+  }
+  std::vector<at::Tensor> rows(world_);
+  int64_t k = 0;  // the next chunk to sum
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const uint32_t seen = bell();
+    bool moved = false, sent = true;
+    std::vector<int> waiting;
+    for (auto& s : out) {
+      moved |= send_some(s);
+      sent &= s.finished();
+      if (!s.finished()) waiting.push_back(s.peer);
+    }
+    // Sum chunk k (and the following ones) once every peer's slot for it has arrived.
+    while (k < chunks) {
+      const int64_t off = k * chunk, len = std::min(chunk, n - off);
+      bool ready = true;
+      for (int j = 0; j < world_ && ready; ++j) {
+        if (j == rank_) {
+          rows[j] = input.narrow(0, rank_ * n + off, len);
+          continue;
+        }
+        Channel* ch = seg_[j]->channel(rank_);
+        if (!next_slot(ch, seq, n * es, off * es, j, rank_)) {
+          waiting.push_back(j);
+          ready = false;
+          break;
+        }
+        rows[j] = at::from_blob(seg_[j]->slot(rank_, ch->tail.load(std::memory_order_relaxed)),
+                                {len}, input.options());
+      }
+      if (!ready) break;
+      sum_in_rank_order(output.narrow(0, off, len), rows, average);
+      for (int j = 0; j < world_; ++j) {
+        if (j == rank_) continue;
+        Channel* ch = seg_[j]->channel(rank_);
+        ch->tail.store(ch->tail.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+        ring(j);
+      }
+      ++k;
+      moved = true;
+    }
+    if (sent && k == chunks) return;
+    if (moved) {
+      deadline = std::chrono::steady_clock::now() + timeout;
+    } else {
+      std::sort(waiting.begin(), waiting.end());
+      waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
+      idle(seen, waiting, deadline, timeout);
+    }
+  }
+}
+
+}  // namespace fsdp::detail

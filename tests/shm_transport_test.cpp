@@ -1,0 +1,221 @@
+// The shared-memory transport (src/comm/shm_transport.h) on real ranks: generated exchanges
+// (every dtype, sizes around and across the slot size, ring wrap-around, several jobs in flight on
+// both lanes at once, in place and not) bitwise against the TCP paths of a lane that does not use
+// it; ranks that disagree on a collective's sizes fail naming both streams; the choice of
+// transport by FSDP_TRANSPORT; nothing left in /dev/shm.
+#include "comm/shm_transport.h"
+
+#include <ATen/ATen.h>
+#include <dirent.h>
+#include <fsdp/communicator.h>
+#include <fsdp/error.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "comm_data.h"
+#include "harness.h"
+
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::shm_transport_test {
+namespace {
+
+using detail::ShmTransport;
+
+const at::ScalarType kTypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16,
+                                 at::kInt,   at::kLong,   at::kChar, at::kByte};
+
+// Element counts that matter to a slot of kSlotBytes: empty, tiny, one short of / exactly / one
+// past a slot, and several slots (more than a channel holds, so slots are written again).
+int64_t draw_numel(std::mt19937_64& gen, int64_t element_size) {
+  const int64_t slot = ShmTransport::kSlotBytes / element_size;
+  switch (gen() % 6) {
+    case 0:
+      return static_cast<int64_t>(gen() % 3);
+    case 1:
+      return 1 + static_cast<int64_t>(gen() % 5000);
+    case 2:
+      return slot - 1 + static_cast<int64_t>(gen() % 3);
+    case 3:
+      return slot * (1 + static_cast<int64_t>(gen() % 3)) + static_cast<int64_t>(gen() % 7) - 3;
+    default:
+      return static_cast<int64_t>(gen() % (slot * (ShmTransport::kSlots + 3)));
+  }
+}
+
+// `n` values of `t` from `seed`: any bit pattern for a transfer; for a sum of floating values,
+// values whose sum is exact (comm_data.h); integers over their whole range (sums wrap alike).
+at::Tensor draw_values(int64_t n, uint64_t seed, at::ScalarType t, bool summed) {
+  if (at::isFloatingType(t)) return summed ? exact_sum_values(n, seed, t) : random_bits(n, seed, t);
+  auto gen = at::detail::createCPUGenerator(seed);
+  const int64_t lo = t == at::kByte   ? 0
+                     : t == at::kChar ? -128
+                     : t == at::kInt  ? INT32_MIN
+                                      : -(int64_t{1} << 62);
+  const int64_t hi = t == at::kByte   ? 256
+                     : t == at::kChar ? 128
+                     : t == at::kInt  ? int64_t{INT32_MAX} + 1
+                                      : int64_t{1} << 62;
+  return at::randint(lo, hi, {n}, gen, at::TensorOptions(t));
+}
+
+std::vector<std::string> our_segments() {
+  std::vector<std::string> names;
+  const std::string prefix = detail::cat("fsdp-", ::getpid(), "-");
+  if (DIR* d = ::opendir("/dev/shm")) {
+    while (dirent* e = ::readdir(d))
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) names.push_back(e->d_name);
+    ::closedir(d);
+  }
+  return names;
+}
+
+// One generated case: a reduce-scatter on both lanes and a gather into places, compared bit for
+// bit with the TCP lane's alltoall + sum and with the pieces themselves.
+struct Case {
+  at::ScalarType t;
+  int64_t n;
+  bool in_place, average;
+  std::vector<std::vector<int64_t>> lens;  // [rank][piece] of the gather
+};
+
+Case draw_case(std::mt19937_64& gen, int ws) {
+  Case c;
+  c.t = kTypes[gen() % 8];
+  const int64_t es = at::elementSize(c.t);
+  c.n = draw_numel(gen, es);
+  c.in_place = gen() % 2 == 0;
+  c.average = at::isFloatingType(c.t) && gen() % 2 == 0;
+  const int pieces = 1 + static_cast<int>(gen() % 12);
+  c.lens.assign(ws, std::vector<int64_t>(pieces));
+  for (auto& row : c.lens)
+    for (auto& l : row) l = gen() % 3 == 0 ? 0 : draw_numel(gen, es) / 2;
+  return c;
+}
+
+class ShmTransportTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShmTransportTest, GeneratedExchangesMatchTheTcpPathsBitwise) {
+  run_ranks(GetParam(), [](Rank& r) {
+    auto world = r.world();
+    const int ws = world->size(), me = world->rank();
+    ASSERT_TRUE(world->uses_shared_memory()) << "ranks on one host use shared memory by default";
+    auto lane = world->split("second");  // another shared-memory lane, ordered on its own
+    ASSERT_TRUE(lane->uses_shared_memory());
+    ::setenv("FSDP_TRANSPORT", "tcp", 1);
+    auto tcp = world->split("tcp");
+    ::unsetenv("FSDP_TRANSPORT");
+    ASSERT_FALSE(tcp->uses_shared_memory());
+    EXPECT_TRUE(our_segments().empty()) << "segments are unlinked once every rank mapped them";
+
+    std::mt19937_64 gen(4242 + ws);  // the same draws on every rank
+    for (int round = 0; round < 10; ++round) {
+      // Three cases in flight at once on two shared-memory lanes: jobs queue behind each other
+      // in each lane's channels, and the lanes run side by side.
+      std::vector<Case> cases;
+      for (int i = 0; i < 3; ++i) cases.push_back(draw_case(gen, ws));
+      std::vector<at::Tensor> inputs, outputs, references, blocks;
+      std::vector<std::vector<std::vector<at::Tensor>>> places;
+      std::vector<Work> works;
+      for (size_t i = 0; i < cases.size(); ++i) {
+        const Case& c = cases[i];
+        const uint64_t seed = 1000 * round + 10 * i;
+        const auto op = c.average ? ReduceOp::kAvg : ReduceOp::kSum;
+        at::Tensor in = draw_values(ws * c.n, seed + me, c.t, true);
+        at::Tensor reference = at::empty({c.n}, at::TensorOptions(c.t));
+        ::setenv("FSDP_REDUCE_SCATTER", "alltoall", 1);
+        tcp->reduce_scatter(reference, in.clone(), op).wait();
+        ::unsetenv("FSDP_REDUCE_SCATTER");
+        at::Tensor out = c.in_place ? in.narrow(0, me * c.n, c.n) : at::empty_like(reference);
+        works.push_back((i % 2 ? lane : world)->reduce_scatter(out, in, op));
+        inputs.push_back(in);
+        outputs.push_back(out);
+        references.push_back(reference);
+        // The gather: every rank's pieces land in one block, in rank-major order.
+        int64_t total = 0;
+        for (const auto& row : c.lens)
+          for (int64_t l : row) total += l;
+        at::Tensor block = at::zeros({total}, at::TensorOptions(c.t));
+        std::vector<std::vector<at::Tensor>> into(ws);
+        std::vector<at::Tensor> mine;
+        int64_t at_ = 0;
+        for (int q = 0; q < ws; ++q)
+          for (size_t p = 0; p < c.lens[q].size(); ++p) {
+            into[q].push_back(block.narrow(0, at_, c.lens[q][p]));
+            if (q == me)
+              mine.push_back(draw_values(c.lens[q][p], seed + 100 * q + p + 7, c.t, false));
+            at_ += c.lens[q][p];
+          }
+        works.push_back((i % 2 ? world : lane)->all_gather_into(into, mine));
+        blocks.push_back(block);
+      }
+      for (auto& w : works) w.wait();
+      for (size_t i = 0; i < cases.size(); ++i) {
+        const Case& c = cases[i];
+        const std::string what = detail::cat("round ", round, " case ", i, ": ", c.t, " n=", c.n,
+                                             c.in_place ? " in place" : "",
+                                             c.average ? " average" : " sum", " world=", ws);
+        EXPECT_TRUE(bit_equal(outputs[i], references[i])) << "reduce_scatter " << what;
+        // Rebuild every rank's pieces (their seeds are known) and compare the whole block.
+        std::vector<at::Tensor> expected;
+        for (int q = 0; q < ws; ++q)
+          for (size_t p = 0; p < c.lens[q].size(); ++p)
+            expected.push_back(
+                draw_values(c.lens[q][p], 1000 * round + 10 * i + 100 * q + p + 7, c.t, false));
+        EXPECT_TRUE(bit_equal(blocks[i], at::cat(expected))) << "all_gather_into " << what;
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSize, ShmTransportTest, ::testing::Values(2, 3, 4),
+                         [](const auto& info) { return "ws" + std::to_string(info.param); });
+
+// A rank that gathers a different size than its peer expects: both fail at once with the streams
+// named, instead of exchanging the wrong bytes or waiting out the limit.
+TEST(ShmTransport, RanksThatDisagreeOnSizesFailNamingBothStreams) {
+  RunOptions opt;
+  opt.collective_timeout_s = 30;
+  run_ranks(
+      2,
+      [](Rank& r) {
+        auto c = r.world();
+        ASSERT_TRUE(c->uses_shared_memory());
+        const int64_t n = c->rank() == 0 ? 100 : 120;  // rank 1 sends and expects 120
+        std::vector<std::vector<at::Tensor>> into{{at::empty({n})}, {at::empty({n})}};
+        const auto start = std::chrono::steady_clock::now();
+        expect_error([&] { c->all_gather_into(into, {at::ones({n})}).wait(); },
+                     {"all_gather of", "issued different collectives or sizes",
+                      c->rank() == 0 ? "400-byte stream" : "480-byte stream"});
+        EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                  10.0);
+      },
+      opt);
+}
+
+TEST(ShmTransport, TheEnvironmentChoosesTheTransport) {
+  run_ranks(2, [](Rank& r) {
+    auto c = r.world();
+    EXPECT_TRUE(c->uses_shared_memory());
+    ::setenv("FSDP_TRANSPORT", "shm", 1);
+    EXPECT_TRUE(c->split("forced")->uses_shared_memory());
+    ::setenv("FSDP_TRANSPORT", "tcp", 1);
+    auto tcp = c->split("tcp");
+    EXPECT_FALSE(tcp->uses_shared_memory());
+    auto out = at::empty({2 * 70000});
+    tcp->all_gather(out, at::full({70000}, 1.0 + c->rank())).wait();
+    EXPECT_EQ(out[0].item<float>(), 1.0f);
+    EXPECT_EQ(out[70000].item<float>(), 2.0f);
+    ::setenv("FSDP_TRANSPORT", "fast", 1);
+    expect_error([&] { c->split("bad"); }, {"FSDP_TRANSPORT='fast' is not one of auto, shm, tcp"});
+    ::unsetenv("FSDP_TRANSPORT");
+    EXPECT_TRUE(our_segments().empty());
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing::shm_transport_test
