@@ -305,6 +305,9 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
     j["params"] = t->params;
     j["mixed_precision"] = o.mixed_precision;
     j["malloc"] = memory::malloc_settings();
+    // How the ranks' all-gathers and reduce-scatters travel (FSDP_TRANSPORT); ddp's all-reduces
+    // are Gloo's (TCP) either way.
+    j["transport"] = comm->uses_shared_memory() ? "shm" : "tcp";
     j["preset"] = o.preset;
     j["layers"] = o.layers;
     j["width"] = o.width;

@@ -98,6 +98,7 @@ RingReduceScatter::~RingReduceScatter() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
+  if (shm_) shm_->abort();  // a shared-memory job waiting for its peers ends within a tick
   cv_.notify_all();
   if (worker_.joinable()) worker_.join();
 }

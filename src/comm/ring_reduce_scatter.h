@@ -72,7 +72,8 @@ class RingReduceScatter {
   // need disjoint ranges: kTagRange tags each).
   static constexpr int kTagRange = 1 << 30;
   explicit RingReduceScatter(c10::intrusive_ptr<c10d::ProcessGroup> pg, int tag_offset = 0);
-  // Rings already running finish (each bounded by its timeout); queued ones fail.
+  // Rings already running finish (each bounded by its timeout; over shared memory they stop at
+  // once); queued ones fail.
   ~RingReduceScatter();
   RingReduceScatter(const RingReduceScatter&) = delete;
   RingReduceScatter& operator=(const RingReduceScatter&) = delete;

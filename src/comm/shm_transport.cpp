@@ -414,6 +414,8 @@ const SlotTag* next_slot(Channel* ch, uint64_t seq, int64_t total, int64_t done,
 void ShmTransport::idle(uint32_t seen, const std::vector<int>& waiting_for,
                         std::chrono::steady_clock::time_point deadline,
                         std::chrono::milliseconds timeout) {
+  if (aborted_)
+    throw CommError("shared-memory exchange: the communicator was destroyed mid-collective");
   const auto now = std::chrono::steady_clock::now();
   if (now - last_check_ >= kTick) {  // a /proc read per peer: not on every idle turn
     last_check_ = now;

@@ -28,6 +28,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -71,6 +72,10 @@ class ShmTransport {
   void reduce(const at::Tensor& output, const at::Tensor& input, bool average,
               std::chrono::milliseconds timeout);
 
+  // Makes the running job (if any) and every later one fail at their next idle turn (within
+  // kTick) instead of waiting for their peers: the owner is being destroyed. Any thread.
+  void abort() { aborted_ = true; }
+
   struct Segment;  // a mapped segment (shm_transport.cpp)
 
  private:
@@ -85,7 +90,8 @@ class ShmTransport {
   uint32_t bell() const;
 
   int rank_, world_;
-  uint64_t jobs_ = 0;                                   // the sequence number of the next job
+  uint64_t jobs_ = 0;  // the sequence number of the next job
+  std::atomic<bool> aborted_{false};
   std::vector<std::unique_ptr<Segment>> seg_;           // by rank; seg_[rank_] is this rank's own
   std::vector<int64_t> pid_;                            // by rank
   std::chrono::steady_clock::time_point last_check_{};  // of the peers' processes
