@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <new>
 #include <random>
 #include <sstream>
@@ -179,6 +180,14 @@ struct ShmTransport::Segment {
     if (linked) ::shm_unlink(name.c_str());
     linked = false;
   }
+  void map(int fd, std::string* why) {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      *why = errno_text("mmap");
+    } else {
+      base = static_cast<char*>(p);
+    }
+  }
   Header* header() const { return reinterpret_cast<Header*>(base); }
   Channel* channel(int peer) const {
     return reinterpret_cast<Channel*>(base + sizeof(Header)) + peer;
@@ -204,9 +213,7 @@ struct ShmTransport::Segment {
     // Reserved now: a full /dev/shm fails here, not as a SIGBUS when a slot is first written.
     const int err = ::posix_fallocate(fd, 0, s->bytes);
     if (err == 0) {
-      void* p = ::mmap(nullptr, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (p != MAP_FAILED) s->base = static_cast<char*>(p);
-      if (!s->base) *why = errno_text("mmap");
+      s->map(fd, why);
     } else {
       *why = cat("reserving ", s->bytes, " bytes in /dev/shm: ", std::strerror(err));
     }
@@ -235,9 +242,7 @@ struct ShmTransport::Segment {
     }
     struct stat st {};
     if (::fstat(fd, &st) == 0 && st.st_size == s->bytes) {
-      void* p = ::mmap(nullptr, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (p != MAP_FAILED) s->base = static_cast<char*>(p);
-      if (!s->base) *why = errno_text("mmap");
+      s->map(fd, why);
     } else {
       *why = cat("segment ", name, " has the wrong size");
     }
@@ -454,6 +459,31 @@ void ShmTransport::idle(uint32_t seen, const std::vector<int>& waiting_for,
   h->sleeping.store(0);
 }
 
+void ShmTransport::drive(std::vector<Stream>& out, const std::function<Progress()>& receive,
+                         std::vector<int>& waiting, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const uint32_t seen = bell();  // before looking: a ring after this wakes the sleep below
+    waiting.clear();
+    bool moved = false, sent = true;
+    for (auto& s : out) {
+      moved |= send_some(s);
+      if (s.finished()) continue;
+      sent = false;
+      waiting.push_back(s.peer);
+    }
+    const Progress in = receive();
+    if (sent && in.done) return;
+    if (moved || in.moved) {
+      deadline = std::chrono::steady_clock::now() + timeout;
+      continue;
+    }
+    std::sort(waiting.begin(), waiting.end());
+    waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
+    idle(seen, waiting, deadline, timeout);
+  }
+}
+
 void ShmTransport::all_gather(const std::vector<std::vector<at::Tensor>>& into,
                               const std::vector<at::Tensor>& pieces,
                               std::chrono::milliseconds timeout) {
@@ -466,16 +496,10 @@ void ShmTransport::all_gather(const std::vector<std::vector<at::Tensor>>& into,
     auto theirs = parts_of(into[j]);
     in.push_back({j, seq, theirs, total_of(theirs)});
   }
-  auto deadline = std::chrono::steady_clock::now() + timeout;
-  for (;;) {
-    const uint32_t seen = bell();
-    bool moved = false, all_done = true;
-    std::vector<int> waiting;
-    for (auto& s : out) {
-      moved |= send_some(s);
-      all_done &= s.finished();
-      if (!s.finished()) waiting.push_back(s.peer);
-    }
+  std::vector<int> waiting;
+  // Copies every slot that has arrived into its places.
+  auto receive = [&] {
+    Progress p{false, true};
     for (auto& s : in) {
       Channel* ch = seg_[s.peer]->channel(rank_);
       bool got = false;
@@ -489,19 +513,15 @@ void ShmTransport::all_gather(const std::vector<std::vector<at::Tensor>>& into,
         got = true;
       }
       if (got) ring(s.peer);
-      moved |= got;
-      all_done &= s.finished();
-      if (!s.finished()) waiting.push_back(s.peer);
+      p.moved |= got;
+      if (!s.finished()) {
+        p.done = false;
+        waiting.push_back(s.peer);
+      }
     }
-    if (all_done) return;
-    if (moved) {
-      deadline = std::chrono::steady_clock::now() + timeout;
-    } else {
-      std::sort(waiting.begin(), waiting.end());
-      waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
-      idle(seen, waiting, deadline, timeout);
-    }
-  }
+    return p;
+  };
+  drive(out, receive, waiting, timeout);
 }
 
 void ShmTransport::reduce(const at::Tensor& output, const at::Tensor& input, bool average,
@@ -516,21 +536,13 @@ void ShmTransport::reduce(const at::Tensor& output, const at::Tensor& input, boo
   }
   std::vector<at::Tensor> rows(world_);
   int64_t k = 0;  // the next chunk to sum
-  auto deadline = std::chrono::steady_clock::now() + timeout;
-  for (;;) {
-    const uint32_t seen = bell();
-    bool moved = false, sent = true;
-    std::vector<int> waiting;
-    for (auto& s : out) {
-      moved |= send_some(s);
-      sent &= s.finished();
-      if (!s.finished()) waiting.push_back(s.peer);
-    }
-    // Sum chunk k (and the following ones) once every peer's slot for it has arrived.
+  std::vector<int> waiting;
+  // Sums chunk k (and the following ones) once every peer's slot for it has arrived.
+  auto receive = [&] {
+    Progress p{false, false};
     while (k < chunks) {
       const int64_t off = k * chunk, len = std::min(chunk, n - off);
-      bool ready = true;
-      for (int j = 0; j < world_ && ready; ++j) {
+      for (int j = 0; j < world_; ++j) {
         if (j == rank_) {
           rows[j] = input.narrow(0, rank_ * n + off, len);
           continue;
@@ -538,13 +550,11 @@ void ShmTransport::reduce(const at::Tensor& output, const at::Tensor& input, boo
         Channel* ch = seg_[j]->channel(rank_);
         if (!next_slot(ch, seq, n * es, off * es, j, rank_)) {
           waiting.push_back(j);
-          ready = false;
-          break;
+          return p;
         }
         rows[j] = at::from_blob(seg_[j]->slot(rank_, ch->tail.load(std::memory_order_relaxed)),
                                 {len}, input.options());
       }
-      if (!ready) break;
       sum_in_rank_order(output.narrow(0, off, len), rows, average);
       for (int j = 0; j < world_; ++j) {
         if (j == rank_) continue;
@@ -553,17 +563,12 @@ void ShmTransport::reduce(const at::Tensor& output, const at::Tensor& input, boo
         ring(j);
       }
       ++k;
-      moved = true;
+      p.moved = true;
     }
-    if (sent && k == chunks) return;
-    if (moved) {
-      deadline = std::chrono::steady_clock::now() + timeout;
-    } else {
-      std::sort(waiting.begin(), waiting.end());
-      waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
-      idle(seen, waiting, deadline, timeout);
-    }
-  }
+    p.done = true;
+    return p;
+  };
+  drive(out, receive, waiting, timeout);
 }
 
 }  // namespace fsdp::detail

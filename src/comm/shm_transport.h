@@ -31,6 +31,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -82,7 +83,15 @@ class ShmTransport {
   ShmTransport(int rank, int world);
   struct Stream;
   bool send_some(Stream& s);  // fills free slots of s's channel; true if it moved anything
-  void ring(int peer);        // rings peer's doorbell
+  struct Progress {
+    bool moved;  // something was received or summed
+    bool done;   // everything was
+  };
+  // Runs one job: sends what fits of every stream in `out` and calls `receive` (which adds to
+  // `waiting` the ranks it still needs) until both are done, sleeping while neither moves.
+  void drive(std::vector<Stream>& out, const std::function<Progress()>& receive,
+             std::vector<int>& waiting, std::chrono::milliseconds timeout);
+  void ring(int peer);  // rings peer's doorbell
   // Sleeps until the doorbell rings after `seen` (or a short tick), checking peers' processes and
   // the job's deadline; `waiting_for` names the ranks this rank still waits on.
   void idle(uint32_t seen, const std::vector<int>& waiting_for,
