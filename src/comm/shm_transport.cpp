@@ -330,8 +330,8 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, const st
   for (int r = 0; r < world; ++r) {
     fields.push_back(lines(infos[r]));
     const auto& f = fields.back();
-    if (f.size() < 3) {
-      refusal = cat("rank ", r, " published no segment");
+    if (f.size() < 3 || (f[0] == "ok" && f.size() < 5)) {
+      if (refusal.empty()) refusal = cat("rank ", r, " published no usable segment");
     } else if (f[1] != me) {
       elsewhere = true;
       if (refusal.empty()) refusal = cat("rank ", r, " is on another host (", f[1], ")");
