@@ -420,11 +420,11 @@ const SlotTag* next_slot(Channel* ch, uint64_t seq, int64_t total, int64_t done,
   if (tag->seq != seq || tag->total != static_cast<uint64_t>(total) ||
       tag->offset != static_cast<uint64_t>(done))
     throw CommError(cat("shared-memory exchange: rank ", peer, " sent bytes ", tag->offset, "..",
-                        tag->offset + tag->len, " of a ", tag->total, "-byte stream of its ",
-                        tag->seq + 1, "th collective on this lane, where rank ", self,
-                        " expects bytes from ", done, " of a ", total, "-byte stream of its ",
-                        seq + 1,
-                        "th: the ranks issued different collectives or sizes (every rank must "
+                        tag->offset + tag->len, " of a ", tag->total,
+                        "-byte stream of its collective #", tag->seq + 1,
+                        " on this lane, where rank ", self, " expects bytes from ", done, " of a ",
+                        total, "-byte stream of its collective #", seq + 1,
+                        ": the ranks issued different collectives or sizes (every rank must "
                         "issue the same collectives in the same order)"));
   return tag;
 }
