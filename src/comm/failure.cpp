@@ -13,10 +13,6 @@ namespace {
 
 bool has(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
 
-bool process_alive(int64_t pid) {
-  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH;
-}
-
 std::string seconds(double s) {
   std::ostringstream os;
   os.precision(s < 10 ? 2 : 3);
@@ -25,6 +21,10 @@ std::string seconds(double s) {
 }
 
 }  // namespace
+
+bool process_alive(int64_t pid) {
+  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH;
+}
 
 std::string this_host() {
   char buf[256] = {0};

@@ -105,7 +105,7 @@ std::string identity() {
 }
 
 bool process_gone(int64_t pid) {
-  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return true;
+  if (!process_alive(pid)) return true;
   std::ifstream stat(cat("/proc/", pid, "/stat"));
   std::string line;
   if (!std::getline(stat, line)) return false;
