@@ -53,4 +53,15 @@ inline at::Tensor exact_sum_values(int64_t n, uint64_t seed, at::ScalarType t) {
   return x.to(t);
 }
 
+// Values whose sum depends on the order of addition: normal draws scaled over 2^-20..2^20, with
+// signed zeros among them.
+inline at::Tensor order_sensitive_values(int64_t n, uint64_t seed, at::ScalarType t) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  auto x = at::randn({n}, gen, at::TensorOptions(at::kDouble));
+  auto scale = at::pow(2.0, at::randint(-20, 21, {n}, gen, at::TensorOptions(at::kDouble)));
+  x.mul_(scale);
+  if (n > 8) x.narrow(0, 0, n / 8).zero_().neg_();  // -0.0
+  return x.to(t);
+}
+
 }  // namespace fsdp::testing

@@ -187,17 +187,6 @@ TEST_P(RingReduceScatterTest, PipelinedRingSumsExactlyInEveryPiece) {
 INSTANTIATE_TEST_SUITE_P(WorldSize, RingReduceScatterTest, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
-// Values whose sum depends on the order of addition: normal draws scaled over 2^-20..2^20, with
-// signed zeros among them.
-at::Tensor order_sensitive_values(int64_t n, uint64_t seed, at::ScalarType t) {
-  auto gen = at::detail::createCPUGenerator(seed);
-  auto x = at::randn({n}, gen, at::TensorOptions(at::kDouble));
-  auto scale = at::pow(2.0, at::randint(-20, 21, {n}, gen, at::TensorOptions(at::kDouble)));
-  x.mul_(scale);
-  if (n > 8) x.narrow(0, 0, n / 8).zero_().neg_();  // -0.0
-  return x.to(t);
-}
-
 // all_gather_into: random pieces whose sizes differ between pieces and ranks (some empty, as a
 // trailing rank's rows of a small parameter), landing in random, disjoint places of one block,
 // every dtype, many seeds; the block bitwise against the concatenation every rank can rebuild,

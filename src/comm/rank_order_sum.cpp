@@ -4,6 +4,7 @@
 #include <fsdp/error.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace fsdp::detail {
 namespace {
@@ -11,24 +12,56 @@ namespace {
 // Elements summed per pass through the accumulator (8 KiB of fp32: well inside L1).
 constexpr int64_t kSpan = 2048;
 
-// One span of `len` elements. Always inlined so that the full spans (len == kSpan, a constant)
-// get a loop count the compiler knows and vectorises at -O2.
+// One span of `len` elements: out = ((rows[0] + rows[1]) + rows[2]) + ..., each row read once and
+// the output written once. The first two rows and the last one go straight between the rows and
+// the output; rows in between add into a span-sized accumulator that stays in L1. Elementwise
+// loops: the output may be one of the rows exactly (ivdep: no dependence across elements). Always
+// inlined, so that full spans (len == kSpan, a constant) get a loop count the compiler knows and
+// vectorises at -O2.
 template <class T, class Acc>
 __attribute__((always_inline)) inline void sum_span(T* out, const T* const* rows, int count,
                                                     int64_t off, int64_t len, bool average,
                                                     Acc* acc) {
+  const Acc divisor = static_cast<Acc>(count);
+  T* o = out + off;
   const T* first = rows[0] + off;
-  for (int64_t i = 0; i < len; ++i) acc[i] = static_cast<Acc>(first[i]);
-  for (int j = 1; j < count; ++j) {
+  if (count == 1) {
+    if (average) {
+#pragma GCC ivdep
+      for (int64_t i = 0; i < len; ++i) o[i] = static_cast<T>(static_cast<Acc>(first[i]) / divisor);
+    } else if (o != first) {
+      std::memcpy(o, first, len * sizeof(T));
+    }
+    return;
+  }
+  const T* second = rows[1] + off;
+  if (count == 2 && average) {
+#pragma GCC ivdep
+    for (int64_t i = 0; i < len; ++i)
+      o[i] = static_cast<T>((static_cast<Acc>(first[i]) + static_cast<Acc>(second[i])) / divisor);
+    return;
+  }
+  if (count == 2) {
+#pragma GCC ivdep
+    for (int64_t i = 0; i < len; ++i)
+      o[i] = static_cast<T>(static_cast<Acc>(first[i]) + static_cast<Acc>(second[i]));
+    return;
+  }
+  for (int64_t i = 0; i < len; ++i)
+    acc[i] = static_cast<Acc>(first[i]) + static_cast<Acc>(second[i]);
+  for (int j = 2; j + 1 < count; ++j) {
     const T* row = rows[j] + off;
     for (int64_t i = 0; i < len; ++i) acc[i] += static_cast<Acc>(row[i]);
   }
+  const T* last = rows[count - 1] + off;
   if (average) {
-    const Acc divisor = static_cast<Acc>(count);
-    for (int64_t i = 0; i < len; ++i) acc[i] /= divisor;
+#pragma GCC ivdep
+    for (int64_t i = 0; i < len; ++i)
+      o[i] = static_cast<T>((acc[i] + static_cast<Acc>(last[i])) / divisor);
+    return;
   }
-  T* o = out + off;
-  for (int64_t i = 0; i < len; ++i) o[i] = static_cast<T>(acc[i]);
+#pragma GCC ivdep
+  for (int64_t i = 0; i < len; ++i) o[i] = static_cast<T>(acc[i] + static_cast<Acc>(last[i]));
 }
 
 template <class T, class Acc>
