@@ -537,36 +537,34 @@ void ShmTransport::reduce(const at::Tensor& output, const at::Tensor& input, boo
   std::vector<at::Tensor> rows(world_);
   int64_t k = 0;  // the next chunk to sum
   std::vector<int> waiting;
-  // Sums chunk k (and the following ones) once every peer's slot for it has arrived.
+  // Sums chunk k once every peer's slot for it has arrived: one chunk per call, so that drive()
+  // refills the peers' channels between sums. (Summing every chunk that had arrived before sending
+  // again left the peers without data: idle 5-8 ms of a 13 ms job at N=2, 64 MiB; 0.5 ms after.)
   auto receive = [&] {
-    Progress p{false, false};
-    while (k < chunks) {
-      const int64_t off = k * chunk, len = std::min(chunk, n - off);
-      for (int j = 0; j < world_; ++j) {
-        if (j == rank_) {
-          rows[j] = input.narrow(0, rank_ * n + off, len);
-          continue;
-        }
-        Channel* ch = seg_[j]->channel(rank_);
-        if (!next_slot(ch, seq, n * es, off * es, j, rank_)) {
-          waiting.push_back(j);
-          return p;
-        }
-        rows[j] = at::from_blob(seg_[j]->slot(rank_, ch->tail.load(std::memory_order_relaxed)),
-                                {len}, input.options());
+    if (k == chunks) return Progress{false, true};
+    const int64_t off = k * chunk, len = std::min(chunk, n - off);
+    for (int j = 0; j < world_; ++j) {
+      if (j == rank_) {
+        rows[j] = input.narrow(0, rank_ * n + off, len);
+        continue;
       }
-      sum_in_rank_order(output.narrow(0, off, len), rows, average);
-      for (int j = 0; j < world_; ++j) {
-        if (j == rank_) continue;
-        Channel* ch = seg_[j]->channel(rank_);
-        ch->tail.store(ch->tail.load(std::memory_order_relaxed) + 1, std::memory_order_release);
-        ring(j);
+      Channel* ch = seg_[j]->channel(rank_);
+      if (!next_slot(ch, seq, n * es, off * es, j, rank_)) {
+        waiting.push_back(j);
+        return Progress{false, false};
       }
-      ++k;
-      p.moved = true;
+      rows[j] = at::from_blob(seg_[j]->slot(rank_, ch->tail.load(std::memory_order_relaxed)), {len},
+                              input.options());
     }
-    p.done = true;
-    return p;
+    sum_in_rank_order(output.narrow(0, off, len), rows, average);
+    for (int j = 0; j < world_; ++j) {
+      if (j == rank_) continue;
+      Channel* ch = seg_[j]->channel(rank_);
+      ch->tail.store(ch->tail.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+      ring(j);
+    }
+    ++k;
+    return Progress{true, k == chunks};
   };
   drive(out, receive, waiting, timeout);
 }
