@@ -134,7 +134,7 @@ void add_comm_options(CLI::App& app, fsdp::bench::CommBenchOptions& o) {
   // Shared with the training modes (CLI11 allows one --warmup): untimed steps there.
   g->add_option("--warmup", o.warmup, "untimed iterations per size (training: untimed steps)")
       ->capture_default_str();
-  g->add_option("--iters", o.iters, "timed iterations per size (0: by size, 50 down to 6)")
+  g->add_option("--iters", o.iters, "timed iterations per size (0: by size, 50 down to 20)")
       ->capture_default_str();
   g->add_option("--ops", o.ops, "collectives to run: all_gather reduce_scatter all_reduce")
       ->delimiter(',')

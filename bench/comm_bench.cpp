@@ -121,7 +121,7 @@ int run_comm_bench(const CommBenchOptions& options) {
     const int64_t actual = case_bytes(cases[0], ws);
     const int iters = options.iters > 0
                           ? options.iters
-                          : static_cast<int>(std::clamp<int64_t>((256ll << 20) / actual, 6, 50));
+                          : static_cast<int>(std::clamp<int64_t>((256ll << 20) / actual, 20, 50));
     for (auto& c : cases) {
       check_once(*comm, c);
       for (int i = 0; i < options.warmup; ++i) issue(*comm, c).wait();

@@ -24,7 +24,7 @@ struct CommBenchOptions {
   int64_t max_bytes = 64 << 20;  // largest buffer; sizes go up by `step` from min_bytes
   int step = 4;
   int warmup = 2;  // untimed iterations per (op, size), after the correctness check
-  int iters = 0;   // timed iterations; 0: from 50 at 64 KiB down to 6 at 64 MiB
+  int iters = 0;   // timed iterations; 0: from 50 at 64 KiB down to 20 from 16 MiB
   std::vector<std::string> ops = {"all_gather", "reduce_scatter", "all_reduce"};
 };
 
