@@ -4,64 +4,95 @@
 #include <fsdp/error.h>
 
 #include <algorithm>
-#include <cstring>
+#include <utility>
 
 namespace fsdp::detail {
 namespace {
 
-// Elements summed per pass through the accumulator (8 KiB of fp32: well inside L1).
+// Elements summed per pass (8 KiB of fp32: well inside L1); a constant for full spans, so that the
+// compiler knows their loop count and vectorises them at -O2.
 constexpr int64_t kSpan = 2048;
+// Up to this many rows are summed in one pass straight from the rows to the output; more go
+// through an accumulator.
+constexpr int kDirectRows = 8;
 
-// One span of `len` elements: out = ((rows[0] + rows[1]) + rows[2]) + ..., each row read once and
-// the output written once. The first two rows and the last one go straight between the rows and
-// the output; rows in between add into a span-sized accumulator that stays in L1. Elementwise
-// loops: the output may be one of the rows exactly (ivdep: no dependence across elements). Always
-// inlined, so that full spans (len == kSpan, a constant) get a loop count the compiler knows and
-// vectorises at -O2.
-template <class T, class Acc>
-__attribute__((always_inline)) inline void sum_span(T* out, const T* const* rows, int count,
-                                                    int64_t off, int64_t len, bool average,
-                                                    Acc* acc) {
-  const Acc divisor = static_cast<Acc>(count);
+// One span of `len` elements from `off`, C rows: out = ((rows[0] + rows[1]) + ...) [/ C] in one
+// pass, every row read once and the output written once (a left fold over a parameter pack: the
+// rank order, with no loop over rows in the way of vectorising). ivdep: the output may be one of
+// the rows exactly, and elements do not depend on each other.
+template <class T, class Acc, bool kAverage, size_t... I>
+__attribute__((always_inline)) inline void sum_direct(T* out, const T* const* rows, int64_t off,
+                                                      int64_t len, std::index_sequence<I...>) {
+  constexpr Acc divisor = static_cast<Acc>(sizeof...(I));
+  const T* r[] = {(rows[I] + off)...};
   T* o = out + off;
-  const T* first = rows[0] + off;
-  if (count == 1) {
-    if (average) {
 #pragma GCC ivdep
-      for (int64_t i = 0; i < len; ++i) o[i] = static_cast<T>(static_cast<Acc>(first[i]) / divisor);
-    } else if (o != first) {
-      std::memcpy(o, first, len * sizeof(T));
-    }
-    return;
+  for (int64_t i = 0; i < len; ++i) {
+    const Acc s = (... + static_cast<Acc>(r[I][i]));
+    o[i] = static_cast<T>(kAverage ? s / divisor : s);
   }
-  const T* second = rows[1] + off;
-  if (count == 2 && average) {
-#pragma GCC ivdep
-    for (int64_t i = 0; i < len; ++i)
-      o[i] = static_cast<T>((static_cast<Acc>(first[i]) + static_cast<Acc>(second[i])) / divisor);
-    return;
-  }
-  if (count == 2) {
-#pragma GCC ivdep
-    for (int64_t i = 0; i < len; ++i)
-      o[i] = static_cast<T>(static_cast<Acc>(first[i]) + static_cast<Acc>(second[i]));
-    return;
-  }
+}
+
+// More rows than kDirectRows: the first two into an accumulator that stays in L1, the rows in
+// between added to it, the last one added on the way to the output.
+template <class T, class Acc, bool kAverage>
+__attribute__((always_inline)) inline void sum_through(T* out, const T* const* rows, int count,
+                                                       int64_t off, int64_t len, Acc* acc) {
+  const Acc divisor = static_cast<Acc>(count);
   for (int64_t i = 0; i < len; ++i)
-    acc[i] = static_cast<Acc>(first[i]) + static_cast<Acc>(second[i]);
+    acc[i] = static_cast<Acc>(rows[0][off + i]) + static_cast<Acc>(rows[1][off + i]);
   for (int j = 2; j + 1 < count; ++j) {
     const T* row = rows[j] + off;
     for (int64_t i = 0; i < len; ++i) acc[i] += static_cast<Acc>(row[i]);
   }
   const T* last = rows[count - 1] + off;
-  if (average) {
+  T* o = out + off;
 #pragma GCC ivdep
-    for (int64_t i = 0; i < len; ++i)
-      o[i] = static_cast<T>((acc[i] + static_cast<Acc>(last[i])) / divisor);
-    return;
+  for (int64_t i = 0; i < len; ++i) {
+    const Acc s = acc[i] + static_cast<Acc>(last[i]);
+    o[i] = static_cast<T>(kAverage ? s / divisor : s);
   }
-#pragma GCC ivdep
-  for (int64_t i = 0; i < len; ++i) o[i] = static_cast<T>(acc[i] + static_cast<Acc>(last[i]));
+}
+
+// Every span of the output, full spans with their constant length.
+template <class T, class Acc, bool kAverage, int C>
+void sum_spans(T* out, const T* const* rows, int count, int64_t n) {
+  Acc acc[C == 0 ? kSpan : 1];
+  auto span = [&](int64_t off, int64_t len) {
+    if constexpr (C == 0) {
+      sum_through<T, Acc, kAverage>(out, rows, count, off, len, acc);
+    } else {
+      sum_direct<T, Acc, kAverage>(out, rows, off, len, std::make_index_sequence<C>());
+    }
+  };
+  int64_t off = 0;
+  for (; off + kSpan <= n; off += kSpan) span(off, kSpan);
+  if (off < n) span(off, n - off);
+}
+
+template <class T, class Acc, bool kAverage>
+void sum_by_count(T* out, const T* const* rows, int count, int64_t n) {
+  static_assert(kDirectRows == 8, "one case per row count up to kDirectRows");
+  switch (count) {
+    case 1:
+      return sum_spans<T, Acc, kAverage, 1>(out, rows, count, n);
+    case 2:
+      return sum_spans<T, Acc, kAverage, 2>(out, rows, count, n);
+    case 3:
+      return sum_spans<T, Acc, kAverage, 3>(out, rows, count, n);
+    case 4:
+      return sum_spans<T, Acc, kAverage, 4>(out, rows, count, n);
+    case 5:
+      return sum_spans<T, Acc, kAverage, 5>(out, rows, count, n);
+    case 6:
+      return sum_spans<T, Acc, kAverage, 6>(out, rows, count, n);
+    case 7:
+      return sum_spans<T, Acc, kAverage, 7>(out, rows, count, n);
+    case 8:
+      return sum_spans<T, Acc, kAverage, 8>(out, rows, count, n);
+    default:
+      return sum_spans<T, Acc, kAverage, 0>(out, rows, count, n);
+  }
 }
 
 template <class T, class Acc>
@@ -71,12 +102,11 @@ void sum_rows(const at::Tensor& output, const std::vector<at::Tensor>& rows, boo
   for (const auto& r : rows) src.push_back(r.data_ptr<T>());
   T* out = output.data_ptr<T>();
   const int count = static_cast<int>(src.size());
-  const int64_t n = output.numel();
-  Acc acc[kSpan];
-  int64_t off = 0;
-  for (; off + kSpan <= n; off += kSpan)
-    sum_span<T, Acc>(out, src.data(), count, off, kSpan, average, acc);
-  if (off < n) sum_span<T, Acc>(out, src.data(), count, off, n - off, average, acc);
+  if (average) {
+    sum_by_count<T, Acc, true>(out, src.data(), count, output.numel());
+  } else {
+    sum_by_count<T, Acc, false>(out, src.data(), count, output.numel());
+  }
 }
 
 }  // namespace
