@@ -6,7 +6,6 @@
 #include "comm/rank_order_sum.h"
 
 #include <ATen/ATen.h>
-#include <fsdp/error.h>
 #include <gtest/gtest.h>
 
 #include <random>
