@@ -4,6 +4,7 @@
 #include <fsdp/error.h>
 
 #include <algorithm>
+#include <array>
 #include <utility>
 
 namespace fsdp::detail {
@@ -70,29 +71,18 @@ void sum_spans(T* out, const T* const* rows, int count, int64_t n) {
   if (off < n) span(off, n - off);
 }
 
+// sum_spans for 1..kDirectRows rows, indexed by the count less one.
+template <class T, class Acc, bool kAverage, size_t... C>
+constexpr auto direct_sums(std::index_sequence<C...>) {
+  return std::array{&sum_spans<T, Acc, kAverage, static_cast<int>(C) + 1>...};
+}
+
 template <class T, class Acc, bool kAverage>
 void sum_by_count(T* out, const T* const* rows, int count, int64_t n) {
-  static_assert(kDirectRows == 8, "one case per row count up to kDirectRows");
-  switch (count) {
-    case 1:
-      return sum_spans<T, Acc, kAverage, 1>(out, rows, count, n);
-    case 2:
-      return sum_spans<T, Acc, kAverage, 2>(out, rows, count, n);
-    case 3:
-      return sum_spans<T, Acc, kAverage, 3>(out, rows, count, n);
-    case 4:
-      return sum_spans<T, Acc, kAverage, 4>(out, rows, count, n);
-    case 5:
-      return sum_spans<T, Acc, kAverage, 5>(out, rows, count, n);
-    case 6:
-      return sum_spans<T, Acc, kAverage, 6>(out, rows, count, n);
-    case 7:
-      return sum_spans<T, Acc, kAverage, 7>(out, rows, count, n);
-    case 8:
-      return sum_spans<T, Acc, kAverage, 8>(out, rows, count, n);
-    default:
-      return sum_spans<T, Acc, kAverage, 0>(out, rows, count, n);
-  }
+  static constexpr auto direct =
+      direct_sums<T, Acc, kAverage>(std::make_index_sequence<kDirectRows>());
+  if (count <= kDirectRows) return direct[count - 1](out, rows, count, n);
+  sum_spans<T, Acc, kAverage, 0>(out, rows, count, n);
 }
 
 template <class T, class Acc>

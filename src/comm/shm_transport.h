@@ -87,10 +87,10 @@ class ShmTransport {
     bool moved;  // something was received or summed
     bool done;   // everything was
   };
-  // Runs one job: sends what fits of every stream in `out` and calls `receive` (which adds to
-  // `waiting` the ranks it still needs) until both are done, sleeping while neither moves.
-  void drive(std::vector<Stream>& out, const std::function<Progress()>& receive,
-             std::vector<int>& waiting, std::chrono::milliseconds timeout);
+  // Runs one job: sends what fits of every stream in `out` and calls `receive` (which adds to the
+  // list it is given the ranks it still needs) until both are done, sleeping while neither moves.
+  void drive(std::vector<Stream>& out, const std::function<Progress(std::vector<int>&)>& receive,
+             std::chrono::milliseconds timeout);
   void ring(int peer);  // rings peer's doorbell
   // Sleeps until the doorbell rings after `seen` (or a short tick), checking peers' processes and
   // the job's deadline; `waiting_for` names the ranks this rank still waits on.
