@@ -8,6 +8,7 @@
 #include <fsdp/init.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -75,6 +76,34 @@ TEST(CommFailureText, DeadLocalPeerIsNamedWithPidAndHost) {
   m = detail::describe_failure(what, "Read error [10.1.0.1]:5000: Connection reset by peer", 0.5,
                                20s, peers, 0, alive);
   EXPECT_TRUE(contains(m, "the connection was reset; rank 1")) << m;
+}
+
+// A rank that has exited but is not yet reaped by its launcher (a zombie) counts as exited, for the
+// shared-memory exchange that notices it and for the message that names it alike: the clean-clone
+// run of 2026-12-02 caught the exchange failing on a zombie peer that the message then could not
+// name ("has exited" missing from DeadPeerIsNamedAtOnceAndSigpipeCannotKill).
+TEST(CommFailureText, AZombiePeerIsNamedAsExited) {
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(3);
+  // Not reaped: the child stays a zombie until waitpid below.
+  bool zombie = false;
+  for (int i = 0; i < 500 && !zombie; ++i) {
+    zombie = !detail::process_alive(child);
+    if (!zombie) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_TRUE(zombie) << "an exited, unreaped child still counts as running";
+  auto peers = three_peers("elsewhere");
+  peers[1].pid = child;
+  auto m = detail::describe_failure("all_gather of 64 bytes", "connection closed by peer", 0.1, 20s,
+                                    peers, 0, nullptr);
+  EXPECT_TRUE(
+      contains(m, detail::cat("rank 1 (pid ", child, " on ", detail::this_host(), ") has exited")))
+      << m;
+  EXPECT_TRUE(detail::process_alive(::getpid()));
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_FALSE(detail::process_alive(child));  // reaped: gone altogether
 }
 
 TEST(CommFailureText, RemotePeerIsNamedByItsAddress) {

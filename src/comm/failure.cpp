@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <fstream>
 #include <regex>
 
 namespace fsdp::detail {
@@ -23,7 +24,14 @@ std::string seconds(double s) {
 }  // namespace
 
 bool process_alive(int64_t pid) {
-  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  // A zombie has exited; only its parent has not reaped it yet (a launcher between two polls).
+  std::ifstream stat(cat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // no /proc (or not ours to read): it exists
+  const auto close = line.rfind(')');          // the state follows the command name in parentheses
+  return close == std::string::npos || close + 2 >= line.size() ||
+         (line[close + 2] != 'Z' && line[close + 2] != 'X');
 }
 
 std::string this_host() {

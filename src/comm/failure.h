@@ -41,7 +41,8 @@ std::string describe_failure(const std::string& what, const std::string& cause, 
 // "rank 3" or "ranks 1, 2" for failure messages.
 std::string rank_list(const std::vector<int>& ranks);
 
-// Whether a process of this host with this pid exists (a zombie counts as existing).
+// Whether a process of this host with this pid is running: false once it has exited, even while
+// its parent has not reaped it yet (a zombie).
 bool process_alive(int64_t pid);
 
 // This host's name (gethostname), as PeerInfo::host holds it.

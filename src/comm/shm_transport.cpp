@@ -104,16 +104,6 @@ std::string identity() {
              link("/proc/self/ns/mnt"));
 }
 
-bool process_gone(int64_t pid) {
-  if (!process_alive(pid)) return true;
-  std::ifstream stat(cat("/proc/", pid, "/stat"));
-  std::string line;
-  if (!std::getline(stat, line)) return false;
-  const auto close = line.rfind(')');  // the state follows the command name in parentheses
-  return close != std::string::npos && close + 2 < line.size() &&
-         (line[close + 2] == 'Z' || line[close + 2] == 'X');
-}
-
 void futex_wait(std::atomic<uint32_t>* word, uint32_t seen, std::chrono::milliseconds limit) {
   timespec ts{static_cast<time_t>(limit.count() / 1000),
               static_cast<long>((limit.count() % 1000) * 1000000)};
@@ -439,7 +429,7 @@ void ShmTransport::idle(uint32_t seen, const std::vector<int>& waiting_for,
   if (now - last_check_ >= kTick) {  // a /proc read per peer: not on every idle turn
     last_check_ = now;
     for (int r : waiting_for)
-      if (process_gone(pid_[r]))
+      if (!process_alive(pid_[r]))
         throw CommError(cat("shared-memory exchange: rank ", r, " (pid ", pid_[r],
                             ") exited mid-collective: connection closed by peer"));
   }
