@@ -28,8 +28,10 @@ struct ShardOptions {
   // true for sharded submodules, false for the root (whose parameters are needed first in
   // backward).
   std::optional<bool> reshard_after_forward;
-  // Check the post-backward invariants (Final, Once, Agreed, Complete) at every backward on every
-  // rank; also switched on by FSDP_AUDIT=1. Costs one small all-gather per backward.
+  // Check the post-backward invariants Final, Once and Complete at every backward on every rank;
+  // also switched on by FSDP_AUDIT=1. Local checks, no communication. (Agreed, that every rank
+  // issued the same collectives, is checked at every forward of the root and every backward
+  // whether this is on or not.)
   bool audit = false;
   // How many groups' gathered parameters may be alive at once through prefetching (issue order).
   int max_unsharded_groups = 2;

@@ -132,11 +132,20 @@ std::vector<at::Tensor> checkpoint_activations(const TensorFunction& fn,
   for (const auto& p : params)
     if (p.requires_grad()) trainable.push_back(p);
   at::Tensor rng = cpu_rng_state();
+  std::vector<int64_t> versions;
+  for (const auto& x : inputs) versions.push_back(x.defined() ? x._version() : 0);
   std::vector<at::Tensor> outs;
   {
     at::NoGradGuard no_grad;
     outs = fn(inputs);
   }
+  // The recomputation would start from the inputs as this call left them, not as it found them.
+  for (size_t i = 0; i < inputs.size(); ++i)
+    FSDP_CHECK(!inputs[i].defined() || inputs[i]._version() == versions[i],
+               "activation checkpointing: the checkpointed forward modified its tensor input #", i,
+               " in place, so recomputing it in backward would start from other values. Fix: "
+               "work on a copy inside forward (x = x.clone()), or switch activation_checkpointing "
+               "off for this module");
   auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(fn, inputs, rng, trainable),
                                                  torch::autograd::deleteNode);
   std::vector<at::Tensor> edges_of;

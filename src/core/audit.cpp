@@ -8,14 +8,6 @@
 
 namespace fsdp::detail {
 
-void Audit::on_gather(int group, int64_t numel) {
-  if (enabled) gathers_.emplace_back(group, numel);
-}
-
-void Audit::on_reduce(int group, int64_t numel) {
-  if (enabled) reduces_.emplace_back(group, numel);
-}
-
 void Audit::late_gradient(const Group& g, size_t i) {
   violations_.push_back(detail::cat(
       "Final: the gradient of parameter '", g.prefix(), g.params()[i].name(), "' in group '",
@@ -53,55 +45,11 @@ void Audit::check_reductions(const BackwardPass& pass, const std::vector<Group*>
                      " reduce-scatters were still in flight when backward returned"));
 }
 
-// Agreed: this rank's sequence equals rank 0's. Two exchanges: the lengths, then the sequences
-// padded to the longest.
-void Audit::check_agreed(const char* what, const Log& log, const std::vector<Group*>& groups) {
-  if (!lane || lane->size() == 1) return;
-  const int world = lane->size();
-  auto len = at::full({1}, static_cast<int64_t>(log.size()), at::kLong);
-  auto lens = at::empty({world}, at::kLong);
-  lane->all_gather(lens, len).wait();
-  const int64_t slots = 2 * std::max<int64_t>(1, lens.max().item<int64_t>());
-  auto mine = at::full({slots}, -1, at::kLong);
-  auto m = mine.accessor<int64_t, 1>();
-  for (size_t i = 0; i < log.size(); ++i) {
-    m[2 * i] = log[i].first;
-    m[2 * i + 1] = log[i].second;
-  }
-  auto all = at::empty({world * slots}, at::kLong);
-  lane->all_gather(all, mine).wait();
-  auto rows = all.view({world, slots});
-  auto name_of = [&](int64_t gi) -> std::string {
-    return gi >= 0 && gi < static_cast<int64_t>(groups.size()) ? "'" + groups[gi]->name() + "'"
-                                                               : "<none>";
-  };
-  for (int r = 1; r < world; ++r) {
-    at::Tensor row0 = rows[0], rowr = rows[r];
-    auto a = row0.accessor<int64_t, 1>();
-    auto b = rowr.accessor<int64_t, 1>();
-    int64_t k = 0;
-    while (k < slots && a[k] == b[k]) ++k;
-    if (k == slots) continue;
-    const int64_t pos = k / 2;
-    violations_.push_back(detail::cat(
-        "Agreed: ", what, " #", pos, " was group ", name_of(a[2 * pos]), " (", a[2 * pos + 1],
-        " elements) on rank 0 but group ", name_of(b[2 * pos]), " (", b[2 * pos + 1],
-        " elements) on rank ", r, " (rank 0 issued ", lens[0].item<int64_t>(), ", rank ", r,
-        " issued ", lens[r].item<int64_t>(), ")"));
-    return;
-  }
-}
-
-void Audit::check(const BackwardPass& pass, const std::vector<Group*>& groups) {
+void Audit::check(const BackwardPass& pass, const std::vector<Group*>& groups, int rank) {
   ++checked_;
   if (pass.reducing()) check_reductions(pass, groups);
-  check_agreed("all-gather", gathers_, groups);
-  check_agreed("reduce-scatter", reduces_, groups);
-  gathers_.clear();
-  reduces_.clear();
   if (violations_.empty()) return;
-  std::string msg =
-      detail::cat("audit failed on rank ", lane ? lane->rank() : 0, ": ", violations_.front());
+  std::string msg = detail::cat("audit failed on rank ", rank, ": ", violations_.front());
   if (violations_.size() > 1) msg += detail::cat(" (and ", violations_.size() - 1, " more)");
   violations_.clear();
   throw AuditError(msg);

@@ -295,7 +295,7 @@ void BackwardPass::issue(Group& g) {
   }
   if (!will_reduce(g)) return;
   s.reductions = 1;
-  ctx_.audit().on_reduce(ctx_.index_of(&g), g.flat_numel());
+  ctx_.agreement().on_reduce(ctx_.index_of(&g), g.flat_numel());
   std::this_thread::sleep_for(fault_reduce_delay(ctx_.reduce_lane().rank()));
   reap_reductions(gather_cursor_ >= gather_plan_.size() ? Reap::kAll : before_send_buffer(g));
   in_flight_.push_back(g.issue_reduce_scatter());
@@ -392,7 +392,8 @@ void BackwardPass::finalize() {
   }
   ctx_.log(ctx_.root(), "backward complete");
   if (error) std::rethrow_exception(error);
-  if (ctx_.audit().enabled) ctx_.audit().check(*this, ctx_.groups());
+  ctx_.check_agreement();
+  if (ctx_.audit().enabled) ctx_.audit().check(*this, ctx_.groups(), ctx_.reduce_lane().rank());
 }
 
 }  // namespace fsdp::detail

@@ -45,7 +45,8 @@ Context::Context(std::shared_ptr<Communicator> comm, std::shared_ptr<Communicato
   if (replicate_) replicate_lane_ = replicate_->lane("fsdp.replicate");
   debug_ = env_on("FSDP_DEBUG");
   audit_.enabled = audit || env_on("FSDP_AUDIT");
-  if (audit_.enabled) audit_.lane = comm_->lane("fsdp.audit");
+  agree_lane_ = comm_->lane("fsdp.agree");
+  if (replicate_) replicate_agree_lane_ = replicate_->lane("fsdp.agree");
 }
 
 Context::~Context() {
@@ -111,12 +112,24 @@ void Context::on_gather_issued(const Group* g) {
   if (g != root()) ++unsharded_groups_;
   peak_unsharded_bytes_ = std::max(peak_unsharded_bytes_, unsharded_bytes_);
   peak_unsharded_groups_ = std::max(peak_unsharded_groups_, unsharded_groups_);
-  audit_.on_gather(index_of(g), g->flat_numel());
+  agreement_.on_gather(index_of(g), g->flat_numel());
 }
 
 void Context::on_resharded(const Group* g) {
   unsharded_bytes_ -= g->full_bytes();
   if (g != root()) --unsharded_groups_;
+}
+
+bool Context::on_any_rank(bool local) {
+  if (agree_lane_->size() == 1) return local;
+  auto flag = at::full({1}, local ? 1 : 0, at::kLong);
+  agree_lane_->all_reduce(flag, ReduceOp::kSum).wait();
+  return flag.item<int64_t>() > 0;
+}
+
+void Context::check_agreement() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  agreement_.check(*agree_lane_, replicate_agree_lane_.get(), groups_);
 }
 
 void Context::reset_peaks() {
@@ -215,6 +228,7 @@ void Context::finalize(const void* key) {
   passes_.erase(it);
   release_task(key);
   backward_done_ = true;
+  ++epoch_;
   pass->finalize();
 }
 

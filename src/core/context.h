@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/agreement.h"
 #include "core/audit.h"
 
 namespace fsdp::detail {
@@ -76,6 +77,13 @@ class Context {
   // Starts a new iteration at the first forward after a backward; records the call order.
   void on_pre_forward(Group* g);
   void on_post_forward(Group* g);
+  // Epochs: a new one begins at every top-level forward call and at the end of every backward,
+  // the points between which user code (an optimizer step, a load) may write the shards.
+  uint64_t epoch() const { return epoch_; }
+  void advance_epoch() { ++epoch_; }
+  // Whether `local` holds on any rank of the shard lane (collective; this rank's value alone on
+  // one rank).
+  bool on_any_rank(bool local);
   // Issues the all-gather of the group expected to run next (the order recorded in the previous
   // iteration, or the explicit override list). Depends only on call order and settings.
   void prefetch_forward(Group* g);
@@ -112,6 +120,10 @@ class Context {
   bool debug() const { return debug_; }
   void log(const Group* g, const std::string& event) const;
   Audit& audit() { return audit_; }
+  Agreement& agreement() { return agreement_; }
+  // Agreed, checked at the end of every backward and of every forward of the root without grad
+  // mode: on the shard lane and, under HSDP, the replicate lane (core/agreement.h).
+  void check_agreement();
 
  private:
   void finalize(const void* key);
@@ -130,7 +142,10 @@ class Context {
   int unsharded_groups_ = 0, peak_unsharded_groups_ = 0;
   bool debug_ = false;
   int reap_wait_expiries_ = 0;
+  std::shared_ptr<Communicator> agree_lane_, replicate_agree_lane_;
+  uint64_t epoch_ = 1;
   Audit audit_;
+  Agreement agreement_;
   BufferPool pool_;
 };
 

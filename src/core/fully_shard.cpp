@@ -226,8 +226,6 @@ std::shared_ptr<Context> absorb_children(Registry& reg, const ModulePaths& paths
       context->add(g);
     }
   }
-  if (context->audit().enabled && !context->audit().lane)
-    context->audit().lane = comm->lane("fsdp.audit");
   return context;
 }
 
@@ -300,6 +298,7 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   group->set_path("");
   group->set_context(context);
   context->add(group.get());
+  if (context->groups().size() > 1) group->set_contains_groups();  // it absorbed sharded children
   group->attach_hooks();
   adopt_elements(reg, *group);
   if (gathers_on_use) {

@@ -278,6 +278,7 @@ void Group::unshard() {
     // Nothing to exchange: wait_for_unshard lends the shards' bytes. Still GATHERING until then,
     // so that a prefetch is cancelled like any other.
     shard_state_ = ShardState::kGathering;
+    gathered_epoch_ = context_->epoch();
     context_->on_gather_issued(this);
     context_->log(this, "unshard: one rank, no all-gather (SHARDED->GATHERING)");
     return;
@@ -303,6 +304,7 @@ void Group::unshard() {
     throw;
   }
   shard_state_ = ShardState::kGathering;
+  gathered_epoch_ = context_->epoch();
   context_->on_gather_issued(this);  // the gather buffer is as large as the gathered parameters
   context_->log(this, "unshard: all-gather issued (SHARDED->GATHERING)");
 }
@@ -377,10 +379,14 @@ void Group::reshard() {
   context_->log(this, "reshard: UNSHARDED->SHARDED");
 }
 
-bool Group::stale() const {
-  if (shard_state_ == ShardState::kSharded) return false;
-  for (const auto& p : params_)
-    if (p.shard_changed_since_gather()) return true;
+bool Group::stale() {
+  if (shard_state_ == ShardState::kSharded || gathered_epoch_ == context_->epoch()) return false;
+  bool changed = false;
+  for (const auto& p : params_) changed = changed || p.shard_changed_since_gather();
+  // One rank's shard may keep its values where another's change (no rows here, a zero update):
+  // the ranks decide together, since the decision is whether to all-gather again.
+  if (context_->on_any_rank(changed)) return true;
+  gathered_epoch_ = context_->epoch();
   return false;
 }
 
@@ -394,6 +400,8 @@ void Group::begin_iteration() {
 }
 
 void Group::pre_forward() {
+  call_inputs_.clear();
+  if (!context_->in_forward()) context_->advance_epoch();  // a top-level call
   check_materialized();  // before any state changes: the module stays usable after the error
   state_before_forward_ = training_state_;
   transition(TrainingState::kForward,
@@ -415,6 +423,7 @@ void Group::pre_forward() {
 }
 
 void Group::post_forward(const std::vector<at::Tensor>& outs) {
+  rebase_modified_inputs();
   if (forward_start_us_ >= 0)
     trace::complete("forward " + name_, "compute", forward_start_us_,
                     trace::now_us() - forward_start_us_);
@@ -438,6 +447,9 @@ void Group::post_forward(const std::vector<at::Tensor>& outs) {
   if (is_root() && !at::GradMode::is_enabled())
     for (Group* g : context_->groups())
       if (g->gathers_on_use() && g->training_state() == TrainingState::kIdle) g->reshard();
+  // Every forward of the root ends by checking that the ranks gathered the same groups, before a
+  // backward could reduce into the wrong ones (core/agreement.h).
+  if (is_root() && state_before_forward_ == TrainingState::kIdle) context_->check_agreement();
 }
 
 void Group::reshard_stale_elements() {
@@ -463,6 +475,7 @@ bool Group::gather_on_use() {
 }
 
 void Group::abort_forward() noexcept {
+  call_inputs_.clear();
   try {
     if (training_state_ == TrainingState::kForward) training_state_ = state_before_forward_;
     reshard();
@@ -479,6 +492,10 @@ at::Tensor Group::wrap_input(const at::Tensor& input) {
                     input.is_floating_point() && input.scalar_type() != *mp.param_dtype;
   const at::Tensor x = cast ? input.to(*mp.param_dtype) : input;
   if (!x.defined() || !x.requires_grad() || !at::GradMode::is_enabled()) return x;
+  // The same tensor passed twice is one tensor inside forward too: an in-place change through
+  // one argument is seen through the other, with its history.
+  for (const auto& w : call_inputs_)
+    if (w.outer.unsafeGetTensorImpl() == x.unsafeGetTensorImpl()) return w.inner;
   if (x.is_view()) {
     auto out = InputViewBackward::apply(c10::make_intrusive<GroupRef>(weak_from_this()), x);
     input_nodes_.push_back(out.grad_fn());
@@ -492,7 +509,31 @@ at::Tensor Group::wrap_input(const at::Tensor& input) {
   torch::autograd::impl::set_version_counter(y, torch::autograd::impl::version_counter(x));
   torch::autograd::impl::set_gradient_edge(y, {node, 0});
   input_nodes_.push_back(node);
+  call_inputs_.push_back(CallInput{x, y, node.get()});
   return y;
+}
+
+// [Note: inputs modified in place] An input handed to forward through the input-side node is a
+// separate tensor that shares the caller's storage and version counter. When forward modifies it
+// in place with grad mode on, autograd rebases the history of that tensor only: the caller's
+// tensor holds the new values with its old history, and every later use of it would get the
+// wrong gradient. Without sharding, the in-place op rebases the caller's tensor itself; so does
+// this, once forward returns, by giving it the inner tensor's gradient edge (whose history leads
+// back through the input-side node to the old one). A leaf that requires grad is refused, as
+// LibTorch refuses in-place ops on such leaves without sharding.
+void Group::rebase_modified_inputs() {
+  for (size_t i = 0; i < call_inputs_.size(); ++i) {
+    const CallInput& w = call_inputs_[i];
+    if (w.inner.grad_fn().get() == w.node) continue;  // not modified in place under grad mode
+    FSDP_CHECK(w.outer.grad_fn() != nullptr, "sharded module '", name_, "' (", type_name_,
+               ") modified its tensor input #", i,
+               " in place, but that input is a leaf that requires grad (LibTorch refuses in-place "
+               "operations on such a leaf). Fix: pass a copy (x.clone()) or change the module to "
+               "work out of place");
+    torch::autograd::impl::set_gradient_edge(w.outer,
+                                             torch::autograd::impl::gradient_edge(w.inner));
+  }
+  call_inputs_.clear();
 }
 
 void Group::broadcast_buffers_to_all() {
@@ -541,10 +582,14 @@ void Group::post_backward() {
   transition(TrainingState::kPostBackward,
              {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
   end_backward_span();
-  // An element's parameters may still be read by nodes of its forward that neither lead to its
-  // gradients nor pass an output hook or input-side node of its own (it has none): only the final
-  // callback is known to come after all of them.
-  if (reshard_after_backward_ && !on_use_) reshard();
+  // [Note: resharding during backward] Its own hooks, gradients and input-side nodes bound every
+  // node that reads a group's parameters only when the nodes between its outputs and inputs are
+  // its own. An element has no output hook or input-side node of its own. A group whose module
+  // contains other sharded modules has nodes that read its parameters (a frozen weight applied
+  // to a child's output, say) and lead to the children's gradients, not to its own inputs or
+  // gradients: they may run after every event of its own. For both, only the final callback is
+  // known to come after all such nodes.
+  if (reshard_after_backward_ && !on_use_ && !contains_groups_) reshard();
 }
 
 void Group::finalize_backward() {

@@ -113,8 +113,10 @@ class Group : public std::enable_shared_from_this<Group> {
   // Frees the full parameters' storage; a gather in flight is waited and discarded.
   void reshard();
   ShardState shard_state() const { return shard_state_; }
-  // Gathered, but a shard changed since (an optimizer step): the full values are stale.
-  bool stale() const;
+  // Gathered, but a shard changed on some rank since (an optimizer step, any write): the full
+  // values are stale. Collective over the shard ranks when the group was gathered before the
+  // current top-level forward ([Note: stale gathered parameters] in docs/design.md).
+  bool stale();
 
   // ---- forward ----
   void begin_iteration();  // the first forward after a backward: clear per-iteration records
@@ -145,6 +147,8 @@ class Group : public std::enable_shared_from_this<Group> {
   // Keeps an element group below this one alive as long as this one (its owner: no holder is).
   void own(std::shared_ptr<Group> element) { owned_elements_.push_back(std::move(element)); }
   void set_gathers_on_use() { on_use_ = true; }
+  // Its module contains other sharded modules (the root, a sharded parent): see post_backward.
+  void set_contains_groups() { contains_groups_ = true; }
   // Gathers now and records the use as this group's forward call; false (doing nothing) unless
   // the group gathers on use and a forward of the root is running.
   bool gather_on_use();
@@ -204,7 +208,8 @@ class Group : public std::enable_shared_from_this<Group> {
   // Every shard still lives in flat_shard_: the all-gather sends it without a copy.
   bool sends_in_place() const;
   void issue_gather(Communicator& lane, BufferPool& pool);  // unshard's all-gather
-  void release_gather(PendingGather& g);                    // returns its pooled buffers
+  void rebase_modified_inputs();          // post_forward: [Note: inputs modified in place]
+  void release_gather(PendingGather& g);  // returns its pooled buffers
 
   torch::nn::Module* module_;
   std::string type_name_;
@@ -236,12 +241,22 @@ class Group : public std::enable_shared_from_this<Group> {
   TrainingState training_state_ = TrainingState::kIdle;
   TrainingState state_before_forward_ = TrainingState::kIdle;
   PendingGather gather_;
+  uint64_t gathered_epoch_ = 0;  // Context::epoch() when gathered or last found current
 
   bool on_use_ = false;
+  bool contains_groups_ = false;
   bool reshard_after_backward_ = true;
   bool requires_gradient_sync_ = true;
   std::vector<Group*> forward_prefetch_, backward_prefetch_;
   bool forward_prefetch_set_ = false, backward_prefetch_set_ = false;
+
+  // The current forward call's tensor inputs handed over through an input-side node: the caller's
+  // tensor, the one forward received, and the node (rebase_modified_inputs).
+  struct CallInput {
+    at::Tensor outer, inner;
+    const torch::autograd::Node* node;
+  };
+  std::vector<CallInput> call_inputs_;
 
   // Per iteration (cleared by begin_iteration).
   std::vector<std::weak_ptr<torch::autograd::Node>> input_nodes_, output_nodes_;

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 #include <torch/csrc/autograd/variable.h>
+#include <xxhash.h>
 
 #include "compat.h"
 #include "core/deferred_init.h"
@@ -76,14 +77,25 @@ bool ParamState::shard_is_at(const at::Tensor& slot) const {
 }
 
 void ParamState::copy_in_shard(const at::Tensor& dst) {
-  gathered_version_ = static_cast<int64_t>(shard_._version());
+  gathered_fingerprint_ = shard_fingerprint();
   const int64_t n = shard_.numel();
   if (n > 0) dst.narrow(0, 0, n).copy_(shard_.detach().reshape({-1}));
   if (n < padded_numel()) dst.narrow(0, n, padded_numel() - n).zero_();
 }
 
+// [Note: stale gathered parameters] Writers of the shard need not bump its version counter
+// (LibTorch 1.13's SGD writes through p.data(), so do NoGradGuard + copy_ on .data() and loads),
+// so staleness is decided from the values themselves: a hash of the shard's bytes taken when it
+// is gathered and again when a gathered group is about to be used by a new forward.
+uint64_t ParamState::shard_fingerprint() const {
+  if (!shard_.device().is_cpu() || !shard_.is_contiguous()) return kNoFingerprint;
+  const size_t bytes = static_cast<size_t>(shard_.numel()) * shard_.element_size();
+  const uint64_t h = bytes == 0 ? 1 : XXH3_64bits(shard_.data_ptr(), bytes);
+  return h == kNoFingerprint ? 1 : h;
+}
+
 bool ParamState::shard_changed_since_gather() const {
-  return gathered_version_ != static_cast<int64_t>(shard_._version());
+  return gathered_fingerprint_ == kNoFingerprint || gathered_fingerprint_ != shard_fingerprint();
 }
 
 void ParamState::bind_full(const at::Tensor& block, size_t byte_offset) {
@@ -113,7 +125,7 @@ void ParamState::copy_out(const at::Tensor& gathered, int64_t offset, const at::
 void ParamState::borrow_shard() {
   compat::borrow_storage(param_, shard_, shard_.storage_offset() * shard_.element_size());
   guard::set_active(param_, false);
-  gathered_version_ = static_cast<int64_t>(shard_._version());
+  gathered_fingerprint_ = shard_fingerprint();
 }
 
 void ParamState::free_full() {

@@ -56,10 +56,13 @@ class ParamState {
   // would): the flat shard block holds this rank's rows as they are.
   bool shard_is_at(const at::Tensor& slot) const;
   // Writes this rank's rows (then zeros) into `dst` (padded_numel elements) and remembers the
-  // shard's version, so that a later in-place change of the shard (an optimizer step) is seen.
+  // shard's values (a fingerprint), so that a later change of the shard is seen, however it was
+  // written ([Note: stale gathered parameters] in docs/design.md).
   void copy_in_shard(const at::Tensor& dst);
-  // The all-gather sends the shard's own bytes (shard_is_at): remembers the version only.
-  void note_sent_in_place() { gathered_version_ = static_cast<int64_t>(shard_._version()); }
+  // The all-gather sends the shard's own bytes (shard_is_at): remembers the values only.
+  void note_sent_in_place() { gathered_fingerprint_ = shard_fingerprint(); }
+  // The shard's values differ from those last gathered (an optimizer step, a write through
+  // .data(), a copy_ under NoGradGuard, a load).
   bool shard_changed_since_gather() const;
   // Gives the full parameter its storage at `byte_offset` in `block` (the group's pooled block
   // of full parameters; lifting the resharded-parameter guard) and fills it from the gathered
@@ -116,7 +119,11 @@ class ParamState {
   std::shared_ptr<torch::autograd::Node> acc_;
   uintptr_t hook_key_ = 0;
   at::Tensor moved_grad_;
-  int64_t gathered_version_ = -1;  // the shard's version when last copied into a gather
+  // A 64-bit hash of the shard's bytes (XXH3) when last gathered; kNoFingerprint where none could
+  // be taken (a shard not in host memory): then the gathered values always count as stale.
+  static constexpr uint64_t kNoFingerprint = 0;
+  uint64_t shard_fingerprint() const;
+  uint64_t gathered_fingerprint_ = kNoFingerprint;
   bool materialized_ = true;
 };
 

@@ -1,0 +1,117 @@
+#include "core/agreement.h"
+
+#include <ATen/ATen.h>
+#include <fsdp/error.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "core/group.h"
+
+namespace fsdp::detail {
+
+void Agreement::Sequence::record(int group, int64_t numel) {
+  // splitmix64 over (hash, group, numel): order-sensitive, cheap.
+  auto mix = [](uint64_t x) {
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+  };
+  hash = mix(hash ^
+             mix(static_cast<uint64_t>(group) * 0x100000001b3ULL ^ static_cast<uint64_t>(numel)));
+  ++count;
+  if (entries.size() < kMaxRecorded) entries.emplace_back(group, numel);
+}
+
+void Agreement::reset() {
+  gathers_ = Sequence();
+  reduces_ = Sequence();
+}
+
+namespace {
+// Gathers (gather hash, count, reduce hash, count, extra) from every rank of `lane`; returns
+// whether the first four differ anywhere and whether any rank's `extra` is set.
+std::pair<bool, bool> exchange_hashes(Communicator& lane, const at::Tensor& mine, bool extra) {
+  const int world = lane.size();
+  auto row = at::cat({mine, at::full({1}, extra ? 1 : 0, at::kLong)});
+  auto all = at::empty({world * 5}, at::kLong);
+  lane.all_gather(all, row).wait();
+  auto rows = all.view({world, 5});
+  const bool differ = !rows.narrow(1, 0, 4).eq(mine.unsqueeze(0)).all().item<bool>();
+  const bool any_extra = rows.select(1, 4).gt(0).any().item<bool>();
+  return {differ, any_extra};
+}
+}  // namespace
+
+void Agreement::check(Communicator& lane, Communicator* replicate,
+                      const std::vector<Group*>& groups) {
+  auto mine = at::tensor({static_cast<int64_t>(gathers_.hash), gathers_.count,
+                          static_cast<int64_t>(reduces_.hash), reduces_.count},
+                         at::kLong);
+  bool row_differs = false, any_row_differs = false, column_differs = false;
+  if (lane.size() > 1) any_row_differs = row_differs = exchange_hashes(lane, mine, false).first;
+  if (replicate && replicate->size() > 1) {
+    // Every rank learns whether any shard group disagreed. When none did, every column compares
+    // the same per-row sequences, so all columns agree or all differ: every rank of the mesh
+    // takes the same decision below.
+    std::tie(column_differs, any_row_differs) = exchange_hashes(*replicate, mine, row_differs);
+  }
+  if (!any_row_differs && !column_differs) return reset();
+  // Naming the first difference exchanges the recorded sequences on the lane that differed (on
+  // the shard lane whenever any row differed: rows that agree find nothing).
+  Communicator& on = any_row_differs ? lane : *replicate;
+  std::string diff = first_difference(on, "all-gather", gathers_, groups);
+  if (diff.empty()) diff = first_difference(on, "reduce-scatter", reduces_, groups);
+  if (diff.empty())
+    diff = any_row_differs && !row_differs
+               ? std::string("the ranks of another shard group (HSDP replica) disagreed")
+               : detail::cat("the ranks' collective sequences differ after the first ",
+                             kMaxRecorded, " recorded ones (FSDP_AUDIT=1 records them all)");
+  reset();
+  throw Error(detail::cat(
+      "Agreed: ", diff,
+      ". The ranks issued different collectives: every rank must call the same sharded modules "
+      "in the same order (what runs inside a module may differ); otherwise ranks exchange other "
+      "modules' parameters and gradients. Fix: call every sharded module on every rank in the "
+      "same order (e.g. run a skipped expert or branch on an empty batch)"));
+}
+
+std::string Agreement::first_difference(Communicator& lane, const char* what, const Sequence& s,
+                                        const std::vector<Group*>& groups) {
+  const int world = lane.size();
+  auto len = at::full({1}, static_cast<int64_t>(s.entries.size()), at::kLong);
+  auto lens = at::empty({world}, at::kLong);
+  lane.all_gather(lens, len).wait();
+  const int64_t slots = 2 * std::max<int64_t>(1, lens.max().item<int64_t>());
+  auto mine = at::full({slots}, -1, at::kLong);
+  auto m = mine.accessor<int64_t, 1>();
+  for (size_t i = 0; i < s.entries.size(); ++i) {
+    m[2 * i] = s.entries[i].first;
+    m[2 * i + 1] = s.entries[i].second;
+  }
+  auto all = at::empty({world * slots}, at::kLong);
+  lane.all_gather(all, mine).wait();
+  auto rows = all.view({world, slots});
+  auto name_of = [&](int64_t gi) -> std::string {
+    return gi >= 0 && gi < static_cast<int64_t>(groups.size()) ? "'" + groups[gi]->name() + "'"
+                                                               : "<none>";
+  };
+  const at::Tensor row0 = rows[0];
+  auto a = row0.accessor<int64_t, 1>();
+  for (int r = 1; r < world; ++r) {
+    const at::Tensor rowr = rows[r];
+    auto b = rowr.accessor<int64_t, 1>();
+    int64_t k = 0;
+    while (k < slots && a[k] == b[k]) ++k;
+    if (k == slots) continue;
+    const int64_t pos = k / 2;
+    return detail::cat(what, " #", pos, " was group ", name_of(a[2 * pos]), " (", a[2 * pos + 1],
+                       " elements) on rank 0 but group ", name_of(b[2 * pos]), " (", b[2 * pos + 1],
+                       " elements) on rank ", r, " (rank 0 issued ", lens[0].item<int64_t>(),
+                       ", rank ", r, " issued ", lens[r].item<int64_t>(), ")");
+  }
+  return "";
+}
+
+}  // namespace fsdp::detail

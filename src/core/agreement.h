@@ -1,0 +1,55 @@
+// Agreement: checks that every rank issued the same collectives, in the same order, on both lanes
+// (all-gathers and reduce-scatters), at every backward and at the end of every forward of the
+// root without grad mode, whatever the audit's setting ([Note: agreement on both lanes] in
+// docs/design.md). Ranks that call different sharded modules of equal sizes would otherwise
+// exchange the wrong groups' bytes without any error.
+//
+// Each collective is recorded as (group registration index, padded shard elements) into a
+// running 64-bit hash per lane; one all-gather of the hashes per check (32 bytes per rank)
+// compares them. Only when they differ are the recorded sequences exchanged, to name the first
+// collective that differs and the groups on both ranks. Without the audit at most kMaxRecorded
+// entries are kept per lane between checks (the hash covers all).
+// Thread-safety: used under the Context's mutex.
+#pragma once
+
+#include <fsdp/communicator.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp::detail {
+
+class Group;
+
+class Agreement {
+ public:
+  static constexpr size_t kMaxRecorded = 1 << 16;
+
+  void on_gather(int group, int64_t numel) { gathers_.record(group, numel); }
+  void on_reduce(int group, int64_t numel) { reduces_.record(group, numel); }
+  // Compares this rank's sequences since the previous check with every other rank of the shard
+  // `lane` and, under HSDP, of the `replicate` lane (collective over both; together they connect
+  // every rank of the mesh), then starts new ones. Every rank of the mesh either returns or throws
+  // fsdp::Error naming the first collective that differs, the groups and the ranks.
+  void check(Communicator& lane, Communicator* replicate, const std::vector<Group*>& groups);
+  void reset();
+
+ private:
+  struct Sequence {
+    std::vector<std::pair<int, int64_t>> entries;  // the first kMaxRecorded
+    uint64_t hash = 0;
+    int64_t count = 0;
+    void record(int group, int64_t numel);
+  };
+  // The first position where `lane`'s ranks differ, named (collective over `lane`); empty when
+  // the recorded entries agree.
+  static std::string first_difference(Communicator& lane, const char* what, const Sequence& s,
+                                      const std::vector<Group*>& groups);
+
+  Sequence gathers_, reduces_;
+};
+
+}  // namespace fsdp::detail
