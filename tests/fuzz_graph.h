@@ -1,11 +1,23 @@
-// Random computation graphs over sharded modules, for the guarantee fuzzer (guarantee_fuzz_test).
+// Random training programs over sharded modules, for the guarantee fuzzer (guarantee_fuzz_test).
 //
-// A FuzzNet is a root with `blocks` sharded children. Its forward runs a program that is the same
-// on every rank (which block is called on which earlier value, blocks called several times or
-// never), and builds a loss from choices that differ per rank: which values enter the loss, which
-// block inputs are detached, whether the root's own parameter is used. Blocks have unequal or
-// equal sizes, tied weights within a group, frozen weights, weights on a branch that does not
-// reach the input, outputs that ignore the input, and two outputs each. Everything in fp64.
+// A Net is a root with 2-5 blocks. Each block is sharded through its fsdp::Sharded holder, as a
+// container element gathered on first use, or not at all (its parameters then belong to the
+// root's group), with its own reshard setting and, for holders, activation checkpointing. Blocks
+// have unequal or equal sizes, tied weights within a group, frozen weights, weights on a branch
+// that does not reach the input, outputs that ignore the input, and one kind modifies its input in
+// place (the caller uses the modified input afterwards, as `h = a(x); y = ip(h); f(y, h)` does).
+//
+// A training program is 3-4 iterations; each is 1-3 micro-batches (gradient sync only on the
+// last), then optionally clip_grad_norm_, then an SGD (momentum, weight decay) or AdamW step on the
+// shards, then zero_grad one of three ways. Every forward draws its own pass: which block is called
+// on which earlier value (blocks called several times or never), and per rank which values enter
+// the loss, which block inputs are detached and whether the root's parameters are used. Extra
+// forwards, evaluation (no grad) or grad mode without backward, come at random places: before,
+// between and after the micro-batches, and after the step.
+//
+// A mismatch program makes the ranks call different blocks of equal size in one forward (outside
+// the contract): training must stop with an fsdp::Error on every rank, never silently.
+// Everything in fp64.
 #pragma once
 
 #include <fsdp/fsdp.h>
@@ -19,7 +31,8 @@ namespace fsdp::testing::fuzz {
 
 constexpr int64_t kWidth = 5;
 
-enum class BlockKind { kTied, kBranch, kIgnoresInput, kFrozenTied, kCount };
+enum class BlockKind { kTied, kBranch, kIgnoresInput, kFrozenTied, kInPlace, kCount };
+const char* const kKindNames[] = {"tied", "branch", "ignores-input", "frozen-tied", "in-place"};
 
 struct BlockImpl : torch::nn::Module {
   BlockImpl(BlockKind kind, int64_t rows) : kind(kind) {
@@ -29,8 +42,13 @@ struct BlockImpl : torch::nn::Module {
                             /*requires_grad=*/kind != BlockKind::kFrozenTied);
   }
   // Two outputs, (B, kWidth) each.
-  std::vector<torch::Tensor> forward(const torch::Tensor& x) {
-    auto a = torch::tanh(x.matmul(wa) + ba);
+  std::vector<torch::Tensor> forward(torch::Tensor x) {
+    if (kind == BlockKind::kInPlace) x.mul_(1.5);  // the caller's tensor changes too
+    // Both outputs of kIgnoresInput ignore x: its input-side node and anything only it leads to
+    // get no gradient.
+    auto a = kind == BlockKind::kIgnoresInput
+                 ? torch::tanh(wa.sum(0) + ba).expand({x.size(0), kWidth})
+                 : torch::tanh(x.matmul(wa) + ba);
     torch::Tensor b;
     switch (kind) {
       case BlockKind::kTied:
@@ -39,6 +57,9 @@ struct BlockImpl : torch::nn::Module {
         break;
       case BlockKind::kBranch:
         b = a * wb.pow(2).sum(0);  // wb on a branch that does not reach x
+        break;
+      case BlockKind::kInPlace:
+        b = x * wb.sum(0);
         break;
       default:
         b = wb.sum(0).expand({x.size(0), kWidth});  // ignores x
@@ -50,124 +71,232 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-// The forward program: the same on every rank.
 struct Call {
   int block;  // which child
   int input;  // index into the value pool
 };
-// What one rank does with it.
+// What one rank does with a pass's values.
 struct RankChoice {
   std::vector<char> detach;  // per call: detach the block's input
   std::vector<int> loss_terms;
   bool use_root_w = true, use_root_scale = true;
 };
+// One forward of the model: the calls of each rank (the same on every rank but in a mismatch
+// program) and each rank's choices. Pool: value 0 is the root's input projection; call c appends
+// its two outputs and its input as the block left it (values 1 + 3c, 2 + 3c, 3 + 3c).
+struct Pass {
+  std::vector<std::vector<Call>> calls;  // per rank
+  std::vector<RankChoice> ranks;
+};
+
+enum class BlockMode { kHolder, kOnUse, kInRoot };
+enum class Optim { kSGD, kAdamW };
+enum class ZeroGrad { kSetToNone, kZeroInPlace, kOptimizer };
+enum class Extra { kEval, kGrad };  // a forward without backward: no grad / grad mode
+
+struct ExtraForward {
+  int at;  // before micro-batch `at`; == micro-batches: after the last, before the step; +1: after
+  Extra kind;
+  Pass pass;
+};
+struct Iteration {
+  std::vector<Pass> micro;  // the last one syncs gradients
+  std::vector<ExtraForward> extras;
+  double clip = 0;  // max norm for clip_grad_norm_; 0: no clipping
+  ZeroGrad zero = ZeroGrad::kSetToNone;
+};
 
 struct Program {
   uint64_t seed = 0;
   int world = 2;
+  int replicas = 1;  // HSDP: 2 at world 4 when drawn
   std::vector<BlockKind> kinds;
   std::vector<int64_t> rows;
-  std::vector<Call> calls;
-  std::vector<RankChoice> ranks;
-  bool input_requires_grad = false;
-  // Settings.
+  std::vector<BlockMode> modes;
   std::vector<int> child_reshard;  // per block: -1 default, 0 false, 1 true
-  // Per block: sharded as a container element would be (gathered on first use, no holder
-  // interception: fully_shard_elements' mode) rather than through its fsdp::Sharded holder.
-  std::vector<bool> on_use;
+  std::vector<bool> checkpointed;  // activation checkpointing (holders only)
   int root_reshard = -1;
   int max_unsharded_groups = 2;
   bool audit = true;
-  bool eval_forward_before_step = false, grad_forward_before_step = false;
+  bool input_requires_grad = false;
+  Optim optim = Optim::kSGD;
+  double lr = 0.1, momentum = 0, weight_decay = 0;
+  bool mismatch = false;  // ranks call different blocks (expects an fsdp::Error)
+  // The first call's first output enters every loss (so that the loss needs grad). Hand-written
+  // programs may leave it out; they must then make the loss depend on a trainable weight.
+  bool anchor_loss = true;
+  std::vector<Iteration> iterations;
 
   std::string describe() const {
-    std::string s = "seed " + std::to_string(seed) + " world " + std::to_string(world) + ": " +
-                    std::to_string(kinds.size()) + " blocks, " + std::to_string(calls.size()) +
-                    " calls, audit " + (audit ? "on" : "off") + ", max_unsharded_groups " +
-                    std::to_string(max_unsharded_groups) + ", root reshard " +
-                    std::to_string(root_reshard) +
-                    (eval_forward_before_step ? ", eval forward before step" : "") +
-                    (grad_forward_before_step ? ", grad forward without backward" : "");
-    for (size_t b = 0; b < on_use.size(); ++b)
-      if (on_use[b]) s += ", block " + std::to_string(b) + " gathered on use";
+    std::string s = "seed " + std::to_string(seed) + " world " + std::to_string(world) +
+                    (replicas > 1 ? " (HSDP 2x2)" : "") + ": " + std::to_string(kinds.size()) +
+                    " blocks [";
+    for (size_t b = 0; b < kinds.size(); ++b) {
+      s += std::string(b ? ", " : "") + kKindNames[static_cast<int>(kinds[b])] + " " +
+           std::to_string(rows[b]) + " rows " +
+           (modes[b] == BlockMode::kHolder  ? "holder"
+            : modes[b] == BlockMode::kOnUse ? "on-use"
+                                            : "in-root") +
+           " reshard " + std::to_string(child_reshard[b]) + (checkpointed[b] ? " AC" : "");
+    }
+    s +=
+        "], root reshard " + std::to_string(root_reshard) + ", audit " + (audit ? "on" : "off") +
+        ", max_unsharded_groups " + std::to_string(max_unsharded_groups) + ", " +
+        (optim == Optim::kSGD ? "SGD momentum " + std::to_string(momentum) : std::string("AdamW")) +
+        " wd " + std::to_string(weight_decay) + (mismatch ? ", MISMATCH" : "");
+    for (size_t i = 0; i < iterations.size(); ++i) {
+      const auto& it = iterations[i];
+      s += "; it" + std::to_string(i) + ": " + std::to_string(it.micro.size()) + " micro";
+      for (const auto& e : it.extras)
+        s += std::string(", ") + (e.kind == Extra::kEval ? "eval" : "grad") + "@" +
+             std::to_string(e.at);
+      if (it.clip > 0) s += ", clip " + std::to_string(it.clip);
+      s += ", zero " + std::to_string(static_cast<int>(it.zero));
+    }
     return s;
   }
 };
 
+class Drawer {
+ public:
+  Drawer(uint64_t seed, int world) : rng_(seed * 7919 + static_cast<uint64_t>(world) * 104729) {}
+  int pick(int n) { return static_cast<int>(rng_() % static_cast<uint64_t>(n)); }
+  bool chance(int one_in) { return pick(one_in) == 0; }
+  double uniform(double lo, double hi) {
+    return lo + (hi - lo) * static_cast<double>(rng_() % 1000000) / 1e6;
+  }
+
+  Pass pass(int blocks, int world) {
+    Pass p;
+    const int calls = 1 + pick(5);
+    std::vector<Call> cs;
+    for (int c = 0; c < calls; ++c) {
+      const int pool = 1 + 3 * c;
+      cs.push_back(Call{pick(blocks), chance(2) ? pick(pool) : pool - 1 - pick(std::min(pool, 3))});
+    }
+    const int values = 1 + 3 * calls;
+    for (int r = 0; r < world; ++r) {
+      p.calls.push_back(cs);
+      RankChoice rc;
+      for (int c = 0; c < calls; ++c) rc.detach.push_back(chance(6));
+      const int terms = 1 + pick(3);
+      for (int t = 0; t < terms; ++t) rc.loss_terms.push_back(1 + pick(values - 1));
+      rc.use_root_w = !chance(4);
+      rc.use_root_scale = !chance(3);
+      p.ranks.push_back(rc);
+    }
+    return p;
+  }
+
+ private:
+  std::mt19937_64 rng_;
+};
+
 inline Program make_program(uint64_t seed, int world) {
-  std::mt19937_64 rng(seed * 7919 + static_cast<uint64_t>(world));
-  auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<uint64_t>(n)); };
+  Drawer d(seed, world);
   Program p;
   p.seed = seed;
   p.world = world;
-  const int blocks = 2 + pick(4);
-  const bool equal_sizes = pick(3) == 0;
+  p.mismatch = d.chance(10);
+  if (world == 4 && d.chance(2)) p.replicas = 2;
+  const int blocks = 2 + d.pick(4);
+  const bool equal_sizes = p.mismatch || d.chance(3);
   for (int b = 0; b < blocks; ++b) {
-    p.kinds.push_back(static_cast<BlockKind>(pick(static_cast<int>(BlockKind::kCount))));
-    p.rows.push_back(equal_sizes ? 3 : 1 + pick(7));
-    p.child_reshard.push_back(pick(3) - 1);
+    p.kinds.push_back(static_cast<BlockKind>(d.pick(static_cast<int>(BlockKind::kCount))));
+    p.rows.push_back(equal_sizes ? 3 : 1 + d.pick(7));
+    p.child_reshard.push_back(d.pick(3) - 1);
+    const int mode = d.pick(5);
+    p.modes.push_back(mode < 3    ? BlockMode::kHolder
+                      : mode == 3 ? BlockMode::kOnUse
+                                  : BlockMode::kInRoot);
+    // Checkpointing replays forward, which must not see its input changed in place by itself
+    // (refused by name: ActivationCheckpointTest).
+    p.checkpointed.push_back(p.modes[b] == BlockMode::kHolder &&
+                             p.kinds[b] != BlockKind::kInPlace && d.chance(3));
   }
-  const int calls = 2 + pick(6);
-  for (int c = 0; c < calls; ++c) {
-    // Pool: value 0 is the root's input projection, call c appends values 1 + 2c and 2 + 2c.
-    const int pool = 1 + 2 * c;
-    p.calls.push_back(
-        Call{pick(blocks), pick(2) == 0 ? pick(pool) : pool - 1 - pick(std::min(pool, 2))});
+  p.root_reshard = d.pick(3) - 1;
+  p.max_unsharded_groups = 1 + d.pick(2);
+  p.audit = d.chance(3);
+  p.input_requires_grad = d.chance(2);
+  p.optim = d.chance(2) ? Optim::kSGD : Optim::kAdamW;
+  p.lr = p.optim == Optim::kSGD ? 0.1 : 0.01;
+  if (p.optim == Optim::kSGD && !d.chance(3)) p.momentum = 0.9;
+  if (!d.chance(2)) p.weight_decay = 0.05;
+  if (p.mismatch) {
+    // Every block through its holder with the same settings, one synced forward and backward:
+    // the ranks issue as many collectives of the same sizes, only of other groups.
+    // Blocks of one trainable kind: ranks that call other blocks of another structure can also
+    // wait on each other's lanes (then the collective timeout names the operation, slowly).
+    for (int b = 0; b < blocks; ++b) {
+      p.kinds[b] = BlockKind::kTied;
+      p.modes[b] = BlockMode::kHolder;
+      p.child_reshard[b] = -1;
+      p.checkpointed[b] = false;
+    }
+    Iteration it;
+    it.micro.push_back(d.pass(blocks, world));
+    for (int r = 1; r < world; ++r) {
+      auto& c = it.micro[0].calls[r][0];
+      c.block = (c.block + 1 + d.pick(blocks - 1)) % blocks;
+    }
+    p.iterations.push_back(it);
+    return p;
   }
-  const int values = 1 + 2 * calls;
-  for (int r = 0; r < world; ++r) {
-    RankChoice rc;
-    for (int c = 0; c < calls; ++c) rc.detach.push_back(pick(6) == 0);
-    const int terms = 1 + pick(3);
-    for (int t = 0; t < terms; ++t) rc.loss_terms.push_back(1 + pick(values - 1));
-    rc.use_root_w = pick(4) != 0;
-    rc.use_root_scale = pick(3) != 0;
-    p.ranks.push_back(rc);
+  const int iterations = 3 + d.pick(2);
+  for (int i = 0; i < iterations; ++i) {
+    Iteration it;
+    const int micro = 1 + d.pick(3);
+    for (int m = 0; m < micro; ++m) it.micro.push_back(d.pass(blocks, world));
+    const int extras = d.chance(2) ? 0 : 1 + d.pick(2);
+    for (int e = 0; e < extras; ++e)
+      it.extras.push_back(ExtraForward{d.pick(micro + 2), d.chance(2) ? Extra::kEval : Extra::kGrad,
+                                       d.pass(blocks, world)});
+    if (d.chance(3)) it.clip = d.chance(2) ? d.uniform(0.001, 0.05) : d.uniform(0.5, 5);
+    it.zero = static_cast<ZeroGrad>(d.pick(3));
+    p.iterations.push_back(it);
   }
-  p.input_requires_grad = pick(2) == 0;
-  p.root_reshard = pick(3) - 1;
-  p.max_unsharded_groups = 1 + pick(2);
-  p.audit = pick(4) != 0;
-  p.eval_forward_before_step = pick(3) == 0;
-  p.grad_forward_before_step = pick(4) == 0;
-  // Drawn last, so that the earlier draws of a seed stay what they were.
-  for (int b = 0; b < blocks; ++b) p.on_use.push_back(pick(3) == 0);
   return p;
 }
 
 struct NetImpl : torch::nn::Module {
-  explicit NetImpl(const Program& p) : program(p) {
+  explicit NetImpl(const Program& p) : anchor_loss(p.anchor_loss) {
     root_w = register_parameter("root_w", torch::randn({kWidth, kWidth}, torch::kDouble) * 0.4);
     root_scale = register_parameter("root_scale", torch::randn({3}, torch::kDouble) * 0.2);
     for (size_t b = 0; b < p.kinds.size(); ++b)
       blocks.push_back(register_module("b" + std::to_string(b), Block(p.kinds[b], p.rows[b])));
   }
-  // x: (B, kWidth). Returns this rank's scalar loss.
-  torch::Tensor forward(const torch::Tensor& x, int rank) {
-    const RankChoice& rc = program.ranks[rank];
+  // x: (B, kWidth). Returns this rank's scalar loss for `pass`.
+  torch::Tensor forward(const torch::Tensor& x, const Pass& pass, int rank) {
+    const RankChoice& rc = pass.ranks[rank];
+    const auto& calls = pass.calls[rank];
     std::vector<torch::Tensor> pool{rc.use_root_w ? torch::tanh(x.matmul(root_w)) : x * 0.5};
-    for (size_t c = 0; c < program.calls.size(); ++c) {
-      auto in = pool[program.calls[c].input];
+    for (size_t c = 0; c < calls.size(); ++c) {
+      auto in = pool[calls[c].input];
       if (rc.detach[c]) in = in.detach();
-      auto outs = blocks[program.calls[c].block](in);
+      // A value of its own for a block that changes its input in place: no node saved it.
+      if (blocks[calls[c].block]->kind == BlockKind::kInPlace) in = in + 1;
+      auto outs = blocks[calls[c].block](in);
       pool.push_back(outs[0]);
       pool.push_back(outs[1]);
+      pool.push_back(in);  // as the block left it
     }
     // The first call's first output always depends on a trainable weight: the loss needs grad.
-    auto loss = pool[1].sum() * 0.01;
+    auto loss = anchor_loss ? pool[1].sum() * 0.01 : torch::zeros({}, torch::kDouble);
     for (int t : rc.loss_terms) loss = loss + (pool[t] * 0.7).pow(2).mean();
     if (rc.use_root_scale) loss = loss * (1 + root_scale.pow(2).sum());
     return loss;
   }
-  Program program;
+  bool anchor_loss;
   torch::Tensor root_w, root_scale;
   std::vector<fsdp::Sharded<Block>> blocks;
 };
 TORCH_MODULE(Net);
 
-inline torch::Tensor input_for(const Program& p, int rank, int iteration) {
-  torch::manual_seed(static_cast<int64_t>(p.seed * 31 + static_cast<uint64_t>(rank) * 7 +
-                                          static_cast<uint64_t>(iteration)));
+// The input of rank `rank` for forward `which` of iteration `iteration`.
+inline torch::Tensor input_for(const Program& p, int rank, int iteration, int which) {
+  torch::manual_seed(static_cast<int64_t>(p.seed * 131 + static_cast<uint64_t>(rank) * 17 +
+                                          static_cast<uint64_t>(iteration) * 7 +
+                                          static_cast<uint64_t>(which)));
   return torch::randn({3, kWidth}, torch::kDouble).set_requires_grad(p.input_requires_grad);
 }
 
