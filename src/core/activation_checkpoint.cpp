@@ -137,8 +137,7 @@ std::vector<at::Tensor> checkpoint_activations(const TensorFunction& fn,
     at::NoGradGuard no_grad;
     outs = fn(inputs);
   }
-  auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(fn, inputs, rng, trainable),
-                                                 torch::autograd::deleteNode);
+  auto node = compat::make_node<RecomputeBackward>(fn, inputs, rng, trainable);
   std::vector<at::Tensor> edges_of;
   for (const auto& x : inputs) edges_of.push_back(x.defined() ? x : at::Tensor());
   edges_of.insert(edges_of.end(), trainable.begin(), trainable.end());

@@ -484,8 +484,7 @@ at::Tensor Group::wrap_input(const at::Tensor& input) {
     input_nodes_.push_back(out.grad_fn());
     return out;
   }
-  auto node = std::shared_ptr<InputBackward>(new InputBackward(weak_from_this()),
-                                             torch::autograd::deleteNode);
+  auto node = compat::make_node<InputBackward>(weak_from_this());
   node->set_next_edges({torch::autograd::impl::gradient_edge(x)});
   node->add_input_metadata(x);
   at::Tensor y = x.variable_data();
