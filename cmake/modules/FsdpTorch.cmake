@@ -1,5 +1,6 @@
 # Which LibTorch libraries and language level fsdp-cpp builds with, after find_package(Torch).
-# Sets FSDP_TORCH_LIBRARIES, FSDP_TORCH_INCLUDE_DIRS and FSDP_CXX_STD. (Not in cmake/*.cmake: those
+# Sets FSDP_TORCH_LIBRARIES, FSDP_TORCH_INCLUDE_DIRS, FSDP_CXX_STD and FSDP_TORCH_PREFIX (the
+# LibTorch prefix a consumer of this build must be given; empty for the system's). (Not in cmake/*.cmake: those
 # are the areas the top-level list includes one by one.)
 #
 # - Debian's LibTorch 1.13: ${TORCH_LIBRARIES} as before, C++17.
@@ -25,11 +26,14 @@ else()
 endif()
 
 set(FSDP_TORCH_INCLUDE_DIRS "")
+set(FSDP_TORCH_PREFIX "")
+if(NOT TORCH_INSTALL_PREFIX MATCHES "^/usr(/|$)")
+  set(FSDP_TORCH_PREFIX ${TORCH_INSTALL_PREFIX})
+endif()
 if(TARGET torch_cuda AND NOT FSDP_CUDA)
-  # The installed package (fsdpConfig.cmake) finds Torch again and links `torch`: the CPU-only
-  # selection is for this build tree.
+  # The installed package makes the same choice in fsdp::torch (cmake/fsdpConfig.cmake.in).
   set(FSDP_TORCH_LIBRARIES $<BUILD_INTERFACE:torch_cpu_library> $<BUILD_INTERFACE:c10>
-                           $<INSTALL_INTERFACE:torch>)
+                           $<INSTALL_INTERFACE:fsdp::torch>)
   foreach(dir ${TORCH_INCLUDE_DIRS})  # torch/csrc/api/include is on the `torch` target only
     list(APPEND FSDP_TORCH_INCLUDE_DIRS $<BUILD_INTERFACE:${dir}>)
   endforeach()
