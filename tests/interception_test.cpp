@@ -5,6 +5,7 @@
 #include "compat/interception.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <fsdp/deferred_init.h>
 #include <fsdp/error.h>
 #include <gtest/gtest.h>
