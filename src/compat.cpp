@@ -5,6 +5,11 @@
 #include <fsdp/error.h>
 #include <torch/version.h>
 
+#include <future>
+#include <memory>
+#include <stdexcept>
+#include <thread>
+
 #ifdef USE_C10D_NCCL  // defined by LibTorch's CMake config when it was built with NCCL
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/native/cuda/Resize.h>
@@ -100,6 +105,29 @@ c10::intrusive_ptr<c10d::Work> exchange_blocks(c10d::ProcessGroup& pg, const at:
   return pg.all_to_all_single(out, in, equal_splits, equal_splits);  // alltoall_base's new name
 #else
   return pg.alltoall_base(out, in, equal_splits, equal_splits);
+#endif
+}
+
+c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host,
+                                               const c10d::TCPStoreOptions& o) {
+#if TORCH_VERSION_MAJOR >= 2
+  using StorePtr = c10::intrusive_ptr<c10d::Store>;
+  auto result = std::make_shared<std::promise<StorePtr>>();
+  auto future = result->get_future();
+  std::thread([result, host, o] {
+    try {
+      result->set_value(c10::make_intrusive<c10d::TCPStore>(host, o));
+    } catch (...) {
+      result->set_exception(std::current_exception());
+    }
+  }).detach();
+  // A little slack: a connection made just at the limit is still taken.
+  if (future.wait_for(o.timeout + std::chrono::milliseconds(200)) != std::future_status::ready)
+    throw std::runtime_error(detail::cat("no store answered at ", host, ":", o.port, " within ",
+                                         o.timeout.count(), " ms"));
+  return future.get();
+#else
+  return c10::make_intrusive<c10d::TCPStore>(host, o);
 #endif
 }
 

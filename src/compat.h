@@ -18,6 +18,7 @@
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
 namespace fsdp::compat {
@@ -46,6 +47,12 @@ c10::intrusive_ptr<c10d::Work> all_gather_flat(c10d::ProcessGroup& pg, const at:
 // buffer on the wire, like a ring.
 c10::intrusive_ptr<c10d::Work> exchange_blocks(c10d::ProcessGroup& pg, const at::Tensor& received,
                                                const at::Tensor& input);
+
+// A TCPStore (server or client) that gives up within o.timeout, as 1.13's does. 2.x's client
+// retries a refused connection after a back-off and took 5.3 s to give up with a 2 s timeout, so
+// on 2.x it is built on a helper thread and abandoned at the limit (the thread ends by itself).
+c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host,
+                                               const c10d::TCPStoreOptions& o);
 
 c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
