@@ -1,6 +1,8 @@
 # Which LibTorch libraries and language level fsdp-cpp builds with, after find_package(Torch).
-# Sets FSDP_TORCH_LIBRARIES, FSDP_TORCH_INCLUDE_DIRS, FSDP_CXX_STD and FSDP_TORCH_PREFIX (the
-# LibTorch prefix a consumer of this build must be given; empty for the system's). (Not in cmake/*.cmake: those
+# Sets FSDP_TORCH_LIBRARIES, FSDP_TORCH_INCLUDE_DIRS, FSDP_CXX_STD, FSDP_TORCH_PREFIX (the
+# LibTorch prefix a consumer of this build must be given; empty for the system's) and
+# FSDP_TORCH_PYTHON / FSDP_TORCHRUN_SCRIPT (the Python of the same torch, whose torchrun the tests
+# use: a 1.13 torchrun agent's store resets 2.x clients, whose first request is new). (Not in cmake/*.cmake: those
 # are the areas the top-level list includes one by one.)
 #
 # - Debian's LibTorch 1.13: ${TORCH_LIBRARIES} as before, C++17.
@@ -27,8 +29,14 @@ endif()
 
 set(FSDP_TORCH_INCLUDE_DIRS "")
 set(FSDP_TORCH_PREFIX "")
+set(FSDP_TORCH_PYTHON /usr/bin/python3)
+set(FSDP_TORCHRUN_SCRIPT /usr/lib/python3/dist-packages/torch/distributed/run.py)
 if(NOT TORCH_INSTALL_PREFIX MATCHES "^/usr(/|$)")
   set(FSDP_TORCH_PREFIX ${TORCH_INSTALL_PREFIX})
+  # A wheel: <venv>/lib/pythonX.Y/site-packages/torch.
+  get_filename_component(FSDP_TORCH_VENV ${TORCH_INSTALL_PREFIX}/../../../.. ABSOLUTE)
+  set(FSDP_TORCH_PYTHON ${FSDP_TORCH_VENV}/bin/python)
+  set(FSDP_TORCHRUN_SCRIPT ${TORCH_INSTALL_PREFIX}/distributed/run.py)
 endif()
 if(TARGET torch_cuda AND NOT FSDP_CUDA)
   # The installed package makes the same choice in fsdp::torch (cmake/fsdpConfig.cmake.in).
