@@ -1,10 +1,25 @@
 # fsdp-cpp: thin driver over CMake + Ninja. `make run` and `make test` do everything on a fresh
 # Debian 12 machine (missing packages are installed by scripts/setup.sh).
+# LIBTORCH selects the LibTorch to build against, each in its own build directory:
+#   debian (default): Debian's libtorch-dev 1.13, in build/.
+#   pip: PyPI's torch wheel (TORCH_PIP_VERSION) in a venv at TORCH_PIP_VENV, installed by
+#        scripts/torch_pip.sh when missing, in build-pip/. Used on the CPU (FSDP_CUDA=OFF).
+LIBTORCH ?= debian
+TORCH_PIP_VERSION ?= 2.15.0
+TORCH_PIP_VENV ?= /opt/fsdp-cpp/torch$(subst .,,$(basename $(TORCH_PIP_VERSION)))
+ifeq ($(LIBTORCH),debian)
 BUILD   ?= build
+TORCH_CMAKE_ARGS =
+else ifeq ($(LIBTORCH),pip)
+BUILD   ?= build-pip
+TORCH_CMAKE_ARGS = -DCMAKE_PREFIX_PATH=$$(scripts/torch_pip.sh $(TORCH_PIP_VERSION) $(TORCH_PIP_VENV))
+else
+$(error LIBTORCH=$(LIBTORCH): expected debian or pip)
+endif
 JOBS    ?= $(shell nproc)
 CTEST_J ?= 2
 
-.PHONY: all setup setup-test configure build run test sanitize fuzz format clean
+.PHONY: all setup setup-test configure build run test sanitize fuzz format clean check-torch
 
 all: build
 
@@ -17,7 +32,7 @@ setup-test:
 	@scripts/setup.sh --test
 
 $(BUILD)/build.ninja: | setup
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(TORCH_CMAKE_ARGS)
 
 configure: setup $(BUILD)/build.ninja
 
@@ -28,8 +43,12 @@ build: configure
 run: build
 	$(BUILD)/bin/fsdp-train
 
-test: build setup-test
+test: build setup-test $(if $(filter pip,$(LIBTORCH)),check-torch)
 	cd $(BUILD) && ctest --output-on-failure -j $(CTEST_J) --timeout 600
+
+# A pip build must not have mixed in Debian's LibTorch headers or libraries.
+check-torch: build
+	scripts/check_torch_single.sh $(BUILD)
 
 # The test suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/.
 sanitize: setup

@@ -20,8 +20,10 @@
 
 #include <chrono>
 #include <memory>
-#include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <vector>
+
+#include "compat/autograd.h"
+#include "compat/reducer.h"
 
 namespace fsdp::bench {
 
@@ -42,10 +44,8 @@ class DdpReducer {
     std::reverse(indices.begin(), indices.end());
     std::reverse(limits.begin(), limits.end());
     buckets_ = indices.size();
-    reducer_ = std::make_shared<c10d::Reducer>(
-        params_, indices, limits, lane->process_group(), sparse, bucket_bytes,
-        /*find_unused_parameters=*/false, /*gradient_as_bucket_view=*/false,
-        std::unordered_map<size_t, std::string>{}, c10d::kDefaultFirstBucketBytes);
+    reducer_ = compat::make_reducer(params_, indices, limits, lane->process_group(), bucket_bytes,
+                                    c10d::kDefaultFirstBucketBytes);
     for (const auto& p : params_) {
       bytes_ += p.numel() * static_cast<int64_t>(p.element_size());
       auto acc = torch::autograd::impl::grad_accumulator(p);
@@ -93,7 +93,7 @@ class DdpReducer {
   int64_t bytes_ = 0;
   std::shared_ptr<c10d::Reducer> reducer_;
   Clock::time_point last_grad_{};
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  std::vector<std::pair<compat::NodePtr, uintptr_t>> hooks_;
 };
 
 }  // namespace fsdp::bench

@@ -26,5 +26,5 @@ target_link_libraries(fsdp_safetensors PUBLIC fsdp_comm fsdp_io nlohmann_json::n
 # Sharded checkpoints: the only translation unit with torch::optim headers.
 add_library(fsdp_checkpoint STATIC ${PROJECT_SOURCE_DIR}/src/checkpoint/checkpoint.cpp
                                    ${PROJECT_SOURCE_DIR}/src/checkpoint/scan.cpp)
-target_include_directories(fsdp_checkpoint PUBLIC ${FSDP_INCLUDE})
+target_include_directories(fsdp_checkpoint PUBLIC ${FSDP_INCLUDE} PRIVATE ${PROJECT_SOURCE_DIR}/src)
 target_link_libraries(fsdp_checkpoint PUBLIC fsdp_safetensors fsdp)

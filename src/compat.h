@@ -3,9 +3,12 @@
 //
 // 1.13 Gloo lacks reduce-scatter, _allgather_base, AVG and bf16 (verified; see docs/design.md).
 // NCCL: compiled only where LibTorch's CMake config defines USE_C10D_NCCL (a CUDA build).
-// 2.x: ProcessGroupGloo/NCCL derive from c10d::Backend rather than ProcessGroup and gain native
-// _reduce_scatter_base / allgather_into_tensor; make_process_group, all_gather_flat and
-// exchange_blocks are the functions to switch (not compiled here: Debian ships 1.13 only).
+// 2.x: ProcessGroupGloo/NCCL derive from c10d::Backend; make_process_group wraps the backend in
+// a c10d::ProcessGroup (compat/gloo.h), so callers hold a ProcessGroup on both versions. 2.x Gloo
+// also has reduce-scatter, _allgather_base, AVG and bf16; all_gather_flat and exchange_blocks keep
+// the 1.13 route on both (one code path; a possible 2.x speed-up, not a correctness matter).
+// Other version differences: compat/autograd.h (node ownership), compat/optim.h (optimizer state
+// keys), compat/reducer.h (c10d::Reducer), compat/interception.h (operator interception).
 // Thread-safety: stateless functions.
 #pragma once
 
@@ -15,12 +18,8 @@
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
-
-namespace c10 {
-class OperatorHandle;
-struct IValue;
-}  // namespace c10
 
 namespace fsdp::compat {
 
@@ -35,16 +34,6 @@ void borrow_storage(const at::Tensor& t, const at::Tensor& block, size_t byte_of
 // A tensor of t's shape and dtype with no bytes (guarded markers; never read by a kernel).
 at::Tensor storageless_like(const at::Tensor& t);
 
-// Registers `kernel` (boxed) for every operator at the Python dispatch key, which
-// TensorImpl::set_python_dispatch(true) puts on a tensor: the resharded-parameter guard.
-using BoxedKernel = void (*)(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack);
-void register_for_all_operators_at_python_key(BoxedKernel kernel);
-// Puts the Python key on a tensor (or takes it off). LibTorch expects such a tensor to carry a
-// Python interpreter, which it asks to detach it (detach(), .data(), views made by autograd);
-// fsdp-cpp installs a C++ stand-in whose detach is a plain shallow copy that stays guarded, so that
-// those calls never reach a null interpreter. Written against 1.13's PyInterpreterVTable.
-void set_python_key(const at::Tensor& t, bool on);
-
 // The dtype a tensor travels as on `backend` (bf16 is bit-cast to fp16 on Gloo).
 at::ScalarType wire_dtype(at::ScalarType t, const std::string& backend);
 // Whether the backend reduces `t` itself (else the caller sums in fp32 locally).
@@ -58,6 +47,12 @@ c10::intrusive_ptr<c10d::Work> all_gather_flat(c10d::ProcessGroup& pg, const at:
 // buffer on the wire, like a ring.
 c10::intrusive_ptr<c10d::Work> exchange_blocks(c10d::ProcessGroup& pg, const at::Tensor& received,
                                                const at::Tensor& input);
+
+// A TCPStore (server or client) that gives up within o.timeout, as 1.13's does. 2.x's client
+// retries a refused connection after a back-off and took 5.3 s to give up with a 2 s timeout, so
+// on 2.x it is built on a helper thread and abandoned at the limit (the thread ends by itself).
+c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host,
+                                               const c10d::TCPStoreOptions& o);
 
 c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

@@ -6,6 +6,7 @@ foreach(mode install subdirectory)
            COMMAND ${CMAKE_COMMAND} -DMODE=${mode} -DFSDP_SOURCE_DIR=${PROJECT_SOURCE_DIR}
                    -DFSDP_BUILD_DIR=${PROJECT_BINARY_DIR} -DCXX=${CMAKE_CXX_COMPILER}
                    "-DGENERATOR=${CMAKE_GENERATOR}" -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/consumer_${mode}
+                   "-DTORCH_PREFIX=${FSDP_TORCH_PREFIX}"
                    -P ${CMAKE_CURRENT_SOURCE_DIR}/package/build_consumer.cmake)
   # COST: ctest starts the longest tests first, beside the others, not alone at the end.
   set_tests_properties(consumer_${mode} PROPERTIES LABELS adoption TIMEOUT 1200 COST 1000)

@@ -4,6 +4,7 @@
 #include <fsdp/models/mlp.h>
 
 #include "adversarial.h"
+#include "compat/optim.h"
 #include "core/context.h"
 #include "fsdp_test_util.h"
 
@@ -257,8 +258,8 @@ TEST_P(Memory, ShardsGradsOptimizerStateAreOneNthAndGatheredParamsAreFreed) {
     for (auto& p : root.parameters()) {
       shard_bytes += p.numel() * 4;
       grad_bytes += p.grad().numel() * 4;
-      auto& st = static_cast<torch::optim::AdamWParamState&>(
-          *opt.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+      auto& st =
+          static_cast<torch::optim::AdamWParamState&>(*opt.state().at(compat::optim_state_key(p)));
       state_bytes += (st.exp_avg().numel() + st.exp_avg_sq().numel()) * 4;
     }
     // Padding: at most one row per parameter per rank.

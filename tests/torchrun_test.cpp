@@ -1,7 +1,7 @@
-// Debian's torchrun (python3 -m torch.distributed.run) launching a real multi-rank program: its
-// elastic agent already serves the store on MASTER_PORT, so the ranks must use it
-// (TORCHELASTIC_USE_AGENT_STORE) instead of binding the port themselves. Skipped where no python3
-// with torch is installed.
+// torchrun (python3 -m torch.distributed.run, of the torch the build uses: tests/comm.cmake)
+// launching a real multi-rank program: its elastic agent already serves the store on MASTER_PORT,
+// so the ranks must use it (TORCHELASTIC_USE_AGENT_STORE) instead of binding the port themselves.
+// Skipped where no python3 with torch is installed.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -16,12 +16,11 @@ namespace {
 
 using namespace std::chrono_literals;
 
-const char* kPython = "/usr/bin/python3";
+const char* kPython = FSDP_TORCH_PYTHON;
 
-// Debian's python3-torch installs torchrun here; asking python3 to import it costs ~10 s.
+// Where that torch installs torchrun; asking Python to import it costs ~10 s.
 bool have_torchrun() {
-  return ::access(kPython, X_OK) == 0 &&
-         ::access("/usr/lib/python3/dist-packages/torch/distributed/run.py", R_OK) == 0;
+  return ::access(kPython, X_OK) == 0 && ::access(FSDP_TORCHRUN_SCRIPT, R_OK) == 0;
 }
 
 int free_port() {

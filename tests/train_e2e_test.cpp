@@ -528,21 +528,21 @@ std::vector<pid_t> children_named(pid_t parent, const std::string& comm) {
 
 constexpr const char* kAgentStoreMissing = "ddress already in use";
 
-// Debian's torchrun with --max_restarts 1 and fsdp-train --resume auto: a rank is killed once
-// after the checkpoint at step 10; torchrun restarts both workers, which continue from the newest
-// checkpoint, and the losses equal an uninterrupted run's. (torchrun 1.13 on Python 3.11 needs
+// torchrun (of the build's torch) with --max_restarts 1 and fsdp-train --resume auto: a rank is
+// killed once after the checkpoint at step 10; torchrun restarts both workers, which continue from
+// the newest checkpoint, and the losses equal an uninterrupted run's. (torchrun 1.13 on Python 3.11
+// needs
 // --redirects 1 --tee 1.)
 TEST(TrainE2E, TorchrunRestartContinuesFromTheCheckpoint) {
-  // Debian's python3-torch, found without importing it (seconds).
-  if (!std::filesystem::exists("/usr/bin/python3") ||
-      !std::filesystem::exists("/usr/lib/python3/dist-packages/torch/distributed/run.py"))
-    GTEST_SKIP() << "no /usr/bin/python3 with torch (Debian's python3-torch): torchrun absent";
+  // The Python of the build's torch (tests/train.cmake), found without importing it (seconds).
+  if (!std::filesystem::exists(FSDP_TORCH_PYTHON) || !std::filesystem::exists(FSDP_TORCHRUN_SCRIPT))
+    GTEST_SKIP() << "no " << FSDP_TORCH_PYTHON << " with torch: torchrun absent";
   const int steps = 100;
   const auto dir = scratch_dir("torchrun");
   const std::string log = dir + ".log";
   const int port = free_port();
   ASSERT_GT(port, 0);
-  std::vector<std::string> argv_s = {"/usr/bin/python3",
+  std::vector<std::string> argv_s = {FSDP_TORCH_PYTHON,
                                      "-m",
                                      "torch.distributed.run",
                                      "--nnodes",

@@ -4,7 +4,6 @@
 // Every step that can fail on one rank ends in agree(), so all ranks raise together instead of one
 // rank waiting in the next collective. Format and schema: docs/checkpoint.md.
 #include <ATen/ATen.h>
-#include <c10/util/C++17.h>
 #include <fsdp/atomic_file.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/hex.h>
@@ -21,6 +20,8 @@
 #include <iostream>
 #include <map>
 #include <set>
+
+#include "compat/optim.h"
 
 namespace fsdp::checkpoint {
 
@@ -62,8 +63,6 @@ const char* kind_name(OptKind k) {
   return "none";
 }
 
-std::string state_key(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
-
 template <class State>
 void adam_state_out(const State& s, std::vector<std::pair<std::string, at::Tensor>>* rows,
                     std::optional<int64_t>* step) {
@@ -77,7 +76,7 @@ void adam_state_out(const State& s, std::vector<std::pair<std::string, at::Tenso
 void state_of(torch::optim::Optimizer* opt, OptKind kind, const at::Tensor& shard,
               std::vector<std::pair<std::string, at::Tensor>>* rows, std::optional<int64_t>* step) {
   if (kind == OptKind::kNone) return;
-  auto it = opt->state().find(state_key(shard));
+  auto it = opt->state().find(compat::optim_state_key(shard));
   if (it == opt->state().end()) return;
   auto* base = it->second.get();
   if (kind == OptKind::kAdamW) {
@@ -358,9 +357,9 @@ void check_names(const Index& idx, const std::vector<ShardInfo>& shards,
 }
 
 template <class State, class Options>
-void adam_state_in(torch::optim::Optimizer* opt, const std::string& key, const at::Tensor& shard,
-                   const ShardInfo& info, CheckpointReader& rd, bool amsgrad,
-                   const std::string& where) {
+void adam_state_in(torch::optim::Optimizer* opt, const compat::OptimStateKey& key,
+                   const at::Tensor& shard, const ShardInfo& info, CheckpointReader& rd,
+                   bool amsgrad, const std::string& where) {
   const Index& idx = rd.index();
   const IndexEntry* step = idx.find(info.name + "::step");
   const IndexEntry* m = idx.find(info.name + "::exp_avg");
@@ -419,12 +418,12 @@ void load_optimizer(torch::optim::Optimizer* opt, OptKind kind,
                     "; build the optimizer the run was saved with, or pass "
                     "nullptr to load parameters only"));
   }
-  std::map<std::string, bool> in_opt;  // state key -> amsgrad of its group
+  std::map<compat::OptimStateKey, bool> in_opt;  // state key -> amsgrad of its group
   for (const auto& g : opt->param_groups()) {
-    for (const auto& p : g.params()) in_opt[state_key(p)] = group_amsgrad(g, kind);
+    for (const auto& p : g.params()) in_opt[compat::optim_state_key(p)] = group_amsgrad(g, kind);
   }
   for (const auto& info : shards) {
-    auto key = state_key(info.shard);
+    auto key = compat::optim_state_key(info.shard);
     auto it = in_opt.find(key);
     if (it == in_opt.end()) continue;  // not optimized (e.g. frozen)
     if (kind == OptKind::kSGD) {

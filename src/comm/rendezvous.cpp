@@ -194,7 +194,7 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
     o.waitWorkers = false;  // 1.13 stops waiting for missing workers silently; see wait_for_all
     o.timeout = timeout;
     try {
-      store = c10::make_intrusive<c10d::TCPStore>(info.master_addr, o);
+      store = compat::make_tcp_store(info.master_addr, o);
     } catch (const std::exception& e) {
       throw CommError(rendezvous_error(info, timeout, "connecting to the store", e.what()));
     }

@@ -146,8 +146,7 @@ std::vector<at::Tensor> checkpoint_activations(const TensorFunction& fn,
                " in place, so recomputing it in backward would start from other values. Fix: "
                "work on a copy inside forward (x = x.clone()), or switch activation_checkpointing "
                "off for this module");
-  auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(fn, inputs, rng, trainable),
-                                                 torch::autograd::deleteNode);
+  auto node = compat::make_node<RecomputeBackward>(fn, inputs, rng, trainable);
   std::vector<at::Tensor> edges_of;
   for (const auto& x : inputs) edges_of.push_back(x.defined() ? x : at::Tensor());
   edges_of.insert(edges_of.end(), trainable.begin(), trainable.end());

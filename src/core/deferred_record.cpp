@@ -12,7 +12,6 @@
 // - An operator that needs values on the host (item, equal) throws.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <fsdp/deferred_init.h>
 #include <fsdp/error.h>
 
@@ -21,6 +20,7 @@
 #include <string>
 
 #include "compat.h"
+#include "compat/interception.h"
 #include "core/deferred_init.h"
 #include "core/deferred_recording.h"
 #include "core/guard.h"
@@ -128,7 +128,7 @@ at::Tensor make_pending(const at::Tensor& meta_out, const c10::Storage* storage)
   if (storage) impl->set_storage_keep_dtype(*storage);
   impl->set_sizes_and_strides(meta_out.sizes(), meta_out.strides(), meta_out.storage_offset());
   if (meta_out.unsafeGetTensorImpl()->is_wrapped_number()) impl->set_wrapped_number(true);
-  compat::set_python_key(t, true);
+  compat::interception::mark(t, true);
   return t;
 }
 
@@ -177,7 +177,7 @@ class Recorder {
 };
 
 void Recorder::on_operator(const c10::OperatorHandle& op, Stack* stack) {
-  c10::impl::ExcludeDispatchKeyGuard no_python(c10::DispatchKey::Python);
+  compat::interception::Bypass no_python;
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   const Stack args(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
@@ -186,9 +186,9 @@ void Recorder::on_operator(const c10::OperatorHandle& op, Stack* stack) {
   for (size_t i = 0; i < n; ++i)
     for_each_tensor(args[i], [&](const at::Tensor& t, int64_t element) {
       any_tensor = true;
-      const int64_t v = t.unsafeGetTensorImpl()->is_python_dispatch() ? rec_.value_of(t) : -1;
+      const int64_t v = compat::interception::is_marked(t) ? rec_.value_of(t) : -1;
       if (v < 0) {
-        FSDP_CHECK(!t.unsafeGetTensorImpl()->is_python_dispatch(), "deferred_init: ", describe(op),
+        FSDP_CHECK(!compat::interception::is_marked(t), "deferred_init: ", describe(op),
                    " was called on a tensor that this deferred_init did not build (a sharded "
                    "module's parameter, or a tensor of another deferred_init call). Fix: build "
                    "the whole model inside one deferred_init and use only its own tensors there");

@@ -10,7 +10,6 @@
 // value right after its last step: so the GPT's kaiming_uniform_ runs on scratch, init_weights'
 // normal_ fills the weight, and the weight goes to its shard before the next parameter is made.
 #include <ATen/ATen.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <fsdp/deferred_init.h>
 #include <fsdp/error.h>
 #include <torch/nn/module.h>
@@ -20,6 +19,7 @@
 #include <string>
 
 #include "compat.h"
+#include "compat/interception.h"
 #include "core/deferred_init.h"
 #include "core/deferred_recording.h"
 #include "core/value_agreement.h"
@@ -236,7 +236,7 @@ void Replay::deliver(int64_t v) {
   }
   bool shared_filled = false;
   for (const Target* t : in_place) {
-    compat::set_python_key(t->tensor, false);
+    compat::interception::mark(t->tensor, false);
     if (rec_.value_of(t->tensor) == v) {
       // The value's own storage, which its views share: fill it once, as the base.
       if (!shared_filled) {
@@ -283,7 +283,7 @@ void Replay::check_agreement() {
 }
 
 MaterializeReport Replay::run() {
-  c10::impl::ExcludeDispatchKeyGuard no_python(c10::DispatchKey::Python);
+  compat::interception::Bypass no_python;
   at::NoGradGuard no_grad;
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   set_generator_state(rec_.generator_state);

@@ -2,7 +2,6 @@
 // operator on the building thread reach the recorder (core/deferred_record.cpp), checks the build
 // and keeps the recording for materialize. [Note: deferred initialisation] in docs/design.md.
 #include <ATen/ATen.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <fsdp/deferred_init.h>
 #include <fsdp/error.h>
 #include <torch/nn/module.h>
@@ -10,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "compat/interception.h"
 #include "core/deferred_recording.h"
 #include "core/guard.h"
 
@@ -22,7 +22,7 @@ thread_local bool t_recording = false;
 struct RecordingScope::State {
   std::shared_ptr<Recording> rec = std::make_shared<Recording>();
   std::optional<guard::ScopedInterceptor> interceptor;
-  std::optional<c10::impl::IncludeDispatchKeyGuard> include;
+  std::optional<compat::interception::InterceptAll> include;
   bool kept = false;
 
   void stop() {
@@ -39,7 +39,7 @@ RecordingScope::RecordingScope() {
   state_ = std::make_unique<State>();
   state_->rec->generator_state = generator_state();
   state_->interceptor.emplace(make_recorder(*state_->rec));
-  state_->include.emplace(c10::DispatchKey::Python);  // factories reach the recorder too
+  state_->include.emplace();  // factories reach the recorder too
   t_recording = true;
 }
 

@@ -501,8 +501,7 @@ at::Tensor Group::wrap_input(const at::Tensor& input) {
     input_nodes_.push_back(out.grad_fn());
     return out;
   }
-  auto node = std::shared_ptr<InputBackward>(new InputBackward(weak_from_this()),
-                                             torch::autograd::deleteNode);
+  auto node = compat::make_node<InputBackward>(weak_from_this());
   node->set_next_edges({torch::autograd::impl::gradient_edge(x)});
   node->add_input_metadata(x);
   at::Tensor y = x.variable_data();
@@ -525,7 +524,7 @@ void Group::rebase_modified_inputs() {
   for (size_t i = 0; i < call_inputs_.size(); ++i) {
     const CallInput& w = call_inputs_[i];
     if (w.inner.grad_fn().get() == w.node) continue;  // not modified in place under grad mode
-    FSDP_CHECK(w.outer.grad_fn() != nullptr, "sharded module '", name_, "' (", type_name_,
+    FSDP_CHECK(w.outer.grad_fn().get() != nullptr, "sharded module '", name_, "' (", type_name_,
                ") modified its tensor input #", i,
                " in place, but that input is a leaf that requires grad (LibTorch refuses in-place "
                "operations on such a leaf). Fix: pass a copy (x.clone()) or change the module to "

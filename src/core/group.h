@@ -130,12 +130,8 @@ class Group : public std::enable_shared_from_this<Group> {
   at::Tensor cast_output(const at::Tensor& y) const;
   bool forwarded_with_grad() const { return forwarded_with_grad_; }
   // Autograd nodes recorded by this iteration's forward calls (weak: the graph owns them).
-  const std::vector<std::weak_ptr<torch::autograd::Node>>& input_nodes() const {
-    return input_nodes_;
-  }
-  const std::vector<std::weak_ptr<torch::autograd::Node>>& output_nodes() const {
-    return output_nodes_;
-  }
+  const std::vector<compat::WeakNodePtr>& input_nodes() const { return input_nodes_; }
+  const std::vector<compat::WeakNodePtr>& output_nodes() const { return output_nodes_; }
 
   // ---- elements gathered on first use (fully_shard_elements) ----
   // LibTorch's containers call their elements directly, so no holder can intercept an element's
@@ -259,7 +255,7 @@ class Group : public std::enable_shared_from_this<Group> {
   std::vector<CallInput> call_inputs_;
 
   // Per iteration (cleared by begin_iteration).
-  std::vector<std::weak_ptr<torch::autograd::Node>> input_nodes_, output_nodes_;
+  std::vector<compat::WeakNodePtr> input_nodes_, output_nodes_;
   bool forwarded_ = false, forwarded_with_grad_ = false;
   int64_t forward_start_us_ = -1, backward_start_us_ = -1;  // open timeline spans
 

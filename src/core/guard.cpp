@@ -1,7 +1,6 @@
 #include "core/guard.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <fsdp/error.h>
 
 #include <mutex>
@@ -9,6 +8,7 @@
 #include <unordered_map>
 
 #include "compat.h"
+#include "compat/interception.h"
 #include "core/deferred_init.h"
 #include "core/group.h"
 
@@ -89,11 +89,10 @@ std::vector<at::Tensor> guarded_arguments(const c10::OperatorHandle& op, torch::
   std::vector<at::Tensor> out;
   const size_t n = op.schema().arguments().size();
   for (const auto& v : torch::jit::last(*stack, n)) {
-    if (v.isTensor() && v.toTensor().unsafeGetTensorImpl()->is_python_dispatch())
-      out.push_back(v.toTensor());
+    if (v.isTensor() && compat::interception::is_marked(v.toTensor())) out.push_back(v.toTensor());
     if (v.isTensorList())
       for (const at::Tensor& t : v.toTensorList().vec())
-        if (t.defined() && t.unsafeGetTensorImpl()->is_python_dispatch()) out.push_back(t);
+        if (t.defined() && compat::interception::is_marked(t)) out.push_back(t);
   }
   return out;
 }
@@ -130,13 +129,13 @@ void on_python_key(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     // A shallow copy of a parameter gathered meanwhile keeps its mark: checked again at each use.
   }
   // Every argument has its values now: the operator runs below this key.
-  c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::Python);
+  compat::interception::Bypass below;
   op.callBoxed(stack);
 }
 
 void install_once() {
   static std::once_flag once;
-  std::call_once(once, [] { compat::register_for_all_operators_at_python_key(&on_python_key); });
+  std::call_once(once, [] { compat::interception::install(&on_python_key); });
 }
 
 }  // namespace
@@ -153,12 +152,12 @@ void forget(const at::Tensor& param) {
   entries().erase(key_of(param));
 }
 
-void set_active(const at::Tensor& param, bool on) { compat::set_python_key(param, on); }
+void set_active(const at::Tensor& param, bool on) { compat::interception::mark(param, on); }
 
 at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Group> group, size_t index) {
   install_once();
   at::Tensor m = compat::storageless_like(param);
-  compat::set_python_key(m, true);
+  compat::interception::mark(m, true);
   std::lock_guard<std::mutex> lock(mu());
   // One marker per parameter for the group's life (forget_marker in ~Group): bounded entries.
   entries()[key_of(m)] = Entry{std::move(group), index, /*moved_grad=*/true};

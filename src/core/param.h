@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "compat/autograd.h"
+
 namespace fsdp::detail {
 
 class ParamState {
@@ -106,7 +108,7 @@ class ParamState {
 
   // The AccumulateGrad node of the full parameter (null when frozen). Held strongly: autograd
   // keeps only a weak reference.
-  const std::shared_ptr<torch::autograd::Node>& accumulator() const { return acc_; }
+  const compat::NodePtr& accumulator() const { return acc_; }
   void set_hook_key(uintptr_t k) { hook_key_ = k; }
   uintptr_t hook_key() const { return hook_key_; }
 
@@ -116,7 +118,7 @@ class ParamState {
   at::Tensor shard_;
   int rank_, world_;
   int64_t rows_, row_numel_, chunk_;
-  std::shared_ptr<torch::autograd::Node> acc_;
+  compat::NodePtr acc_;
   uintptr_t hook_key_ = 0;
   at::Tensor moved_grad_;
   // A 64-bit hash of the shard's bytes (XXH3) when last gathered; kNoFingerprint where none could

@@ -3,6 +3,7 @@
 #   -DMODE=subdirectory  add_subdirectory(FSDP_SOURCE_DIR); checks no test or program of fsdp-cpp
 #                        was generated
 # and -DFSDP_SOURCE_DIR=... -DFSDP_BUILD_DIR=... -DWORK_DIR=... -DCXX=... -DGENERATOR=...
+# and -DTORCH_PREFIX=... (the LibTorch the build used, when not the system's: the pip wheel)
 # Fails (FATAL_ERROR) naming the step and printing its output.
 function(step what)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -13,6 +14,11 @@ function(step what)
 endfunction()
 
 file(REMOVE_RECURSE ${WORK_DIR})
+# A LibTorch outside the system's paths (the pip wheel) is where a user would point CMake at it:
+# the CMAKE_PREFIX_PATH environment variable, which find_package searches too.
+if(TORCH_PREFIX)
+  set(ENV{CMAKE_PREFIX_PATH} ${TORCH_PREFIX})
+endif()
 set(consumer_src ${FSDP_SOURCE_DIR}/examples/consumer)
 # No build type (no optimisation) and a unity build: this checks the package, not speed, and the
 # subdirectory mode compiles the whole library a second time (220 s alone on the 2-core VM per
@@ -27,7 +33,7 @@ if(MODE STREQUAL "install")
       message(FATAL_ERROR "consumer (install): ${f} was not installed under ${WORK_DIR}/prefix")
     endif()
   endforeach()
-  # Only the prefix: the package must find LibTorch itself.
+  # Only the prefix: the package must find LibTorch itself (TORCH_PREFIX: see below).
   step("configure (find_package)" ${configure} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
 elseif(MODE STREQUAL "subdirectory")
   step("configure (add_subdirectory)" ${configure} -DFSDP_SOURCE_DIR=${FSDP_SOURCE_DIR})
@@ -38,7 +44,12 @@ elseif(MODE STREQUAL "subdirectory")
 else()
   message(FATAL_ERROR "MODE must be install or subdirectory, not '${MODE}'")
 endif()
-step("build" ${CMAKE_COMMAND} --build ${WORK_DIR}/build --target consumer -j 2)
+# FSDP_TEST_JOBS (environment, default 2): fewer jobs on a machine shared with other builds.
+set(jobs 2)
+if(DEFINED ENV{FSDP_TEST_JOBS})
+  set(jobs $ENV{FSDP_TEST_JOBS})
+endif()
+step("build" ${CMAKE_COMMAND} --build ${WORK_DIR}/build --target consumer -j ${jobs})
 step("run" ${WORK_DIR}/build/consumer ${WORK_DIR}/ckpt)
 if(NOT STEP_OUTPUT MATCHES "consumer ok: loss [0-9.e+-]+, saved .*step_00000000")
   message(FATAL_ERROR "consumer (${MODE}): unexpected output:\n${STEP_OUTPUT}")
