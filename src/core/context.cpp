@@ -120,6 +120,10 @@ void Context::on_resharded(const Group* g) {
   if (g != root()) --unsharded_groups_;
 }
 
+void Context::end_epoch() {
+  for (Group* g : groups_) g->fingerprint_if_gathered();
+}
+
 bool Context::on_any_rank(bool local) {
   if (agree_lane_->size() == 1) return local;
   auto flag = at::full({1}, local ? 1 : 0, at::kLong);
@@ -229,7 +233,13 @@ void Context::finalize(const void* key) {
   release_task(key);
   backward_done_ = true;
   ++epoch_;
-  pass->finalize();
+  try {
+    pass->finalize();
+  } catch (...) {
+    end_epoch();
+    throw;
+  }
+  end_epoch();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -81,6 +81,8 @@ class Context {
   // the points between which user code (an optimizer step, a load) may write the shards.
   uint64_t epoch() const { return epoch_; }
   void advance_epoch() { ++epoch_; }
+  // The current epoch ends: every group still gathered remembers its shards' values.
+  void end_epoch();
   // Whether `local` holds on any rank of the shard lane (collective; this rank's value alone on
   // one rank).
   bool on_any_rank(bool local);

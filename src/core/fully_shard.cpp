@@ -403,6 +403,7 @@ void FSDPModule::unshard() {
   auto& g = checked(group_);
   g.unshard();
   g.wait_for_unshard();
+  g.context().end_epoch();  // user code follows
 }
 
 void FSDPModule::reshard() { checked(group_).reshard(); }

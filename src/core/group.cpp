@@ -279,6 +279,7 @@ void Group::unshard() {
     // so that a prefetch is cancelled like any other.
     shard_state_ = ShardState::kGathering;
     gathered_epoch_ = context_->epoch();
+    fingerprinted_ = false;
     context_->on_gather_issued(this);
     context_->log(this, "unshard: one rank, no all-gather (SHARDED->GATHERING)");
     return;
@@ -305,6 +306,7 @@ void Group::unshard() {
   }
   shard_state_ = ShardState::kGathering;
   gathered_epoch_ = context_->epoch();
+  fingerprinted_ = false;
   context_->on_gather_issued(this);  // the gather buffer is as large as the gathered parameters
   context_->log(this, "unshard: all-gather issued (SHARDED->GATHERING)");
 }
@@ -379,6 +381,12 @@ void Group::reshard() {
   context_->log(this, "reshard: UNSHARDED->SHARDED");
 }
 
+void Group::fingerprint_if_gathered() {
+  if (shard_state_ == ShardState::kSharded || fingerprinted_) return;
+  for (auto& p : params_) p.take_fingerprint();
+  fingerprinted_ = true;
+}
+
 bool Group::stale() {
   if (shard_state_ == ShardState::kSharded || gathered_epoch_ == context_->epoch()) return false;
   bool changed = false;
@@ -450,6 +458,9 @@ void Group::post_forward(const std::vector<at::Tensor>& outs) {
   // Every forward of the root ends by checking that the ranks gathered the same groups, before a
   // backward could reduce into the wrong ones (core/agreement.h).
   if (is_root() && state_before_forward_ == TrainingState::kIdle) context_->check_agreement();
+  // A top-level call ends its epoch: user code (an optimizer step) may follow.
+  if (state_before_forward_ == TrainingState::kIdle && !context_->in_forward())
+    context_->end_epoch();
 }
 
 void Group::reshard_stale_elements() {

@@ -117,6 +117,9 @@ class Group : public std::enable_shared_from_this<Group> {
   // values are stale. Collective over the shard ranks when the group was gathered before the
   // current top-level forward ([Note: stale gathered parameters] in docs/design.md).
   bool stale();
+  // The epoch of the gather ends with the group still gathered: remembers the shards' values
+  // (once per gather), which stale() compares with later.
+  void fingerprint_if_gathered();
 
   // ---- forward ----
   void begin_iteration();  // the first forward after a backward: clear per-iteration records
@@ -238,6 +241,7 @@ class Group : public std::enable_shared_from_this<Group> {
   TrainingState state_before_forward_ = TrainingState::kIdle;
   PendingGather gather_;
   uint64_t gathered_epoch_ = 0;  // Context::epoch() when gathered or last found current
+  bool fingerprinted_ = false;   // fingerprint_if_gathered ran since the gather
 
   bool on_use_ = false;
   bool contains_groups_ = false;

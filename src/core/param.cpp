@@ -77,7 +77,7 @@ bool ParamState::shard_is_at(const at::Tensor& slot) const {
 }
 
 void ParamState::copy_in_shard(const at::Tensor& dst) {
-  gathered_fingerprint_ = shard_fingerprint();
+  gathered_fingerprint_ = kNoFingerprint;
   const int64_t n = shard_.numel();
   if (n > 0) dst.narrow(0, 0, n).copy_(shard_.detach().reshape({-1}));
   if (n < padded_numel()) dst.narrow(0, n, padded_numel() - n).zero_();
@@ -86,7 +86,8 @@ void ParamState::copy_in_shard(const at::Tensor& dst) {
 // [Note: stale gathered parameters] Writers of the shard need not bump its version counter
 // (LibTorch 1.13's SGD writes through p.data(), so do NoGradGuard + copy_ on .data() and loads),
 // so staleness is decided from the values themselves: a hash of the shard's bytes taken when it
-// is gathered and again when a gathered group is about to be used by a new forward.
+// is still gathered when the epoch of its gather ends (Context::end_epoch), and again when a
+// gathered group is about to be used in a new epoch.
 uint64_t ParamState::shard_fingerprint() const {
   if (!shard_.device().is_cpu() || !shard_.is_contiguous()) return kNoFingerprint;
   const size_t bytes = static_cast<size_t>(shard_.numel()) * shard_.element_size();
@@ -125,7 +126,7 @@ void ParamState::copy_out(const at::Tensor& gathered, int64_t offset, const at::
 void ParamState::borrow_shard() {
   compat::borrow_storage(param_, shard_, shard_.storage_offset() * shard_.element_size());
   guard::set_active(param_, false);
-  gathered_fingerprint_ = shard_fingerprint();
+  gathered_fingerprint_ = kNoFingerprint;
 }
 
 void ParamState::free_full() {

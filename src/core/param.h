@@ -57,14 +57,16 @@ class ParamState {
   // The shard still lives at `slot` in its dtype (nothing replaced its storage since, as set_data
   // would): the flat shard block holds this rank's rows as they are.
   bool shard_is_at(const at::Tensor& slot) const;
-  // Writes this rank's rows (then zeros) into `dst` (padded_numel elements) and remembers the
-  // shard's values (a fingerprint), so that a later change of the shard is seen, however it was
-  // written ([Note: stale gathered parameters] in docs/design.md).
+  // Writes this rank's rows (then zeros) into `dst` (padded_numel elements).
   void copy_in_shard(const at::Tensor& dst);
-  // The all-gather sends the shard's own bytes (shard_is_at): remembers the values only.
-  void note_sent_in_place() { gathered_fingerprint_ = shard_fingerprint(); }
+  // The all-gather sends the shard's own bytes (shard_is_at).
+  void note_sent_in_place() { gathered_fingerprint_ = kNoFingerprint; }
+  // Remembers the shard's values (a hash), so that a later change is seen however it was written
+  // ([Note: stale gathered parameters] in docs/design.md). REQUIRES: the shard still holds the
+  // values last gathered (no user code ran since: the end of the epoch of the gather).
+  void take_fingerprint() { gathered_fingerprint_ = shard_fingerprint(); }
   // The shard's values differ from those last gathered (an optimizer step, a write through
-  // .data(), a copy_ under NoGradGuard, a load).
+  // .data(), a copy_ under NoGradGuard, a load), or no fingerprint was taken.
   bool shard_changed_since_gather() const;
   // Gives the full parameter its storage at `byte_offset` in `block` (the group's pooled block
   // of full parameters; lifting the resharded-parameter guard) and fills it from the gathered
@@ -121,8 +123,8 @@ class ParamState {
   compat::NodePtr acc_;
   uintptr_t hook_key_ = 0;
   at::Tensor moved_grad_;
-  // A 64-bit hash of the shard's bytes (XXH3) when last gathered; kNoFingerprint where none could
-  // be taken (a shard not in host memory): then the gathered values always count as stale.
+  // A 64-bit hash of the shard's bytes (XXH3) as last gathered; kNoFingerprint until taken, or
+  // where none can be (a shard not in host memory): then the gathered values count as stale.
   static constexpr uint64_t kNoFingerprint = 0;
   uint64_t shard_fingerprint() const;
   uint64_t gathered_fingerprint_ = kNoFingerprint;
