@@ -10,10 +10,8 @@ fsdp_add_test(launcher_test LABEL comm PCH core
   SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/launcher_test.cpp)
 add_dependencies(launcher_test fsdp-run)
 # fsdp-example under torchrun of the same torch as the build (Debian's python3-torch, or the pip
-# venv's; skipped without it).
+# venv's).
 fsdp_add_test(torchrun_test LABEL comm PCH core SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/torchrun_test.cpp)
 add_dependencies(torchrun_test fsdp-example)
-target_compile_definitions(torchrun_test PRIVATE FSDP_TORCH_PYTHON="${FSDP_TORCH_PYTHON}"
-                                                 FSDP_TORCHRUN_SCRIPT="${FSDP_TORCHRUN_SCRIPT}")
 # Two network namespaces and a veth pair: training across them, then a cut link (root only).
 fsdp_model_tests(LABEL comm SOURCES netns_test.cpp)

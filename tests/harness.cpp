@@ -82,6 +82,15 @@ bool in_rank_process() { return std::getenv("FSDP_TEST_RANK") != nullptr; }
 
 std::string bin_dir() { return FSDP_BIN_DIR; }
 
+bool has_torchrun() { return ::access(FSDP_TORCHRUN, X_OK) == 0; }
+
+std::vector<std::string> torchrun_command(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {FSDP_TORCHRUN};
+  if (FSDP_TORCHRUN_NEEDS_REDIRECTS) argv.insert(argv.end(), {"--redirects", "1", "--tee", "1"});
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
 RunResult run_ranks(int world_size, const std::function<void(Rank&)>& body,
                     const RunOptions& options) {
   const int call = next_call_index();

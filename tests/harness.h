@@ -69,6 +69,13 @@ ProcResult run_process(const std::vector<std::string>& argv, std::chrono::second
 // The directory holding the built programs (build/bin).
 std::string bin_dir();
 
+// torchrun of the torch the build uses (the venv's, or Debian's python3-torch), as users type it,
+// followed by `args`. Debian's torchrun 1.13 on Python 3.11 crashes before starting its workers
+// unless its output is redirected (torch's bug, gone in 2.x): there it gets --redirects 1 --tee 1,
+// as the README says. has_torchrun() is false where that torch is not installed.
+bool has_torchrun();
+std::vector<std::string> torchrun_command(const std::vector<std::string>& args);
+
 // Runs `fn` and expects an fsdp::Error whose message contains every one of `parts`.
 template <class F>
 void expect_error(F&& fn, std::initializer_list<std::string> parts) {

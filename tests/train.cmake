@@ -5,5 +5,3 @@ fsdp_add_test(train_unit_test LABEL train SOURCES train_unit_test.cpp LIBS fsdp_
 fsdp_add_test(train_e2e_test LABEL train SOURCES train_e2e_test.cpp LIBS fsdp_train_base)
 # The end-to-end tests run build/bin/fsdp-train, which starts its ranks with fsdp-run.
 add_dependencies(train_e2e_test fsdp-train fsdp-run)
-target_compile_definitions(train_e2e_test PRIVATE FSDP_TORCH_PYTHON="${FSDP_TORCH_PYTHON}"
-                                                  FSDP_TORCHRUN_SCRIPT="${FSDP_TORCHRUN_SCRIPT}")

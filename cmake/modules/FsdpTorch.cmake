@@ -1,7 +1,7 @@
 # Which LibTorch libraries and language level fsdp-cpp builds with, after find_package(Torch).
 # Sets FSDP_TORCH_LIBRARIES, FSDP_TORCH_INCLUDE_DIRS, FSDP_CXX_STD, FSDP_TORCH_PREFIX (the
 # LibTorch prefix a consumer of this build must be given; empty for the system's) and
-# FSDP_TORCH_PYTHON / FSDP_TORCHRUN_SCRIPT (the Python of the same torch, whose torchrun the tests
+# FSDP_TORCH_PYTHON / FSDP_TORCHRUN (the Python of the same torch and its torchrun, which the tests
 # use: a 1.13 torchrun agent's store resets 2.x clients, whose first request is new). (Not in cmake/*.cmake: those
 # are the areas the top-level list includes one by one.)
 #
@@ -27,16 +27,23 @@ else()
   set(FSDP_CXX_STD cxx_std_17)
 endif()
 
+# torchrun 1.13 on Python 3.11 needs its output redirected (tests/harness.h).
+if(FSDP_TORCH_VERSION VERSION_LESS 2)
+  set(FSDP_TORCHRUN_NEEDS_REDIRECTS 1)
+else()
+  set(FSDP_TORCHRUN_NEEDS_REDIRECTS 0)
+endif()
+
 set(FSDP_TORCH_INCLUDE_DIRS "")
 set(FSDP_TORCH_PREFIX "")
 set(FSDP_TORCH_PYTHON /usr/bin/python3)
-set(FSDP_TORCHRUN_SCRIPT /usr/lib/python3/dist-packages/torch/distributed/run.py)
+set(FSDP_TORCHRUN /usr/bin/torchrun)
 if(NOT TORCH_INSTALL_PREFIX MATCHES "^/usr(/|$)")
   set(FSDP_TORCH_PREFIX ${TORCH_INSTALL_PREFIX})
   # A wheel: <venv>/lib/pythonX.Y/site-packages/torch.
   get_filename_component(FSDP_TORCH_VENV ${TORCH_INSTALL_PREFIX}/../../../.. ABSOLUTE)
   set(FSDP_TORCH_PYTHON ${FSDP_TORCH_VENV}/bin/python)
-  set(FSDP_TORCHRUN_SCRIPT ${TORCH_INSTALL_PREFIX}/distributed/run.py)
+  set(FSDP_TORCHRUN ${FSDP_TORCH_VENV}/bin/torchrun)
 endif()
 if(TARGET torch_cuda AND NOT FSDP_CUDA)
   # The installed package makes the same choice in fsdp::torch (cmake/fsdpConfig.cmake.in).
