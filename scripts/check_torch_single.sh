@@ -16,3 +16,21 @@ if [ -n "$bad_headers$bad_libs" ]; then
   exit 1
 fi
 echo "check_torch_single: $build uses one LibTorch ($(grep -m1 '^Torch_DIR' CMakeCache.txt))"
+
+# The wheel ships no gloo headers; src/compat/gloo.cpp compiles ProcessGroupGloo.hpp against
+# Debian's older libgloo-dev ([Note: Gloo headers]). That is safe only while no code from those
+# headers reaches the programs: no gloo symbol defined in them, and the only Gloo references the
+# four exported c10d functions that build the backend.
+allowed='c10d::ProcessGroupGloo::(createDefaultDevice|createDeviceForHostname|Options::Options|ProcessGroupGloo)\('
+for prog in bin/*; do
+  [ -x "$prog" ] && [ "$(head -c 4 "$prog" | tail -c 3)" = ELF ] || continue
+  defined=$(nm -C --defined-only "$prog" | grep -E ' (gloo::|c10d::ProcessGroupGloo::)' || true)
+  used=$(nm -C -u "$prog" | grep -i gloo | grep -vE "$allowed" || true)
+  if [ -n "$defined$used" ]; then
+    echo "check_torch_single: $prog uses Gloo beyond the four exported c10d functions" \
+         "([Note: Gloo headers] in docs/design.md):" >&2
+    echo "$defined" "$used" | head -20 >&2
+    exit 1
+  fi
+done
+echo "check_torch_single: no code from the gloo headers in $build/bin (only c10d's exported functions)"
