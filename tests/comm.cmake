@@ -19,3 +19,9 @@ target_compile_definitions(torchrun_test PRIVATE FSDP_TORCH_PYTHON="${FSDP_TORCH
                                                  FSDP_TORCHRUN_SCRIPT="${FSDP_TORCHRUN_SCRIPT}")
 # Two network namespaces and a veth pair: training across them, then a cut link (root only).
 fsdp_model_tests(LABEL comm SOURCES netns_test.cpp)
+# A one-node Slurm cluster the test starts itself (root; Debian's slurmctld, slurmd, slurm-client
+# and munge from scripts/setup.sh --test; skipped without them): fsdp-train under srun and sbatch
+# with no MASTER_ADDR/MASTER_PORT, losses equal to fsdp-run's (label slurm).
+fsdp_add_test(slurm_cluster_test LABEL slurm SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/slurm_cluster_test.cpp
+              LIBS fsdp_train_base)
+add_dependencies(slurm_cluster_test fsdp-train fsdp-run)
