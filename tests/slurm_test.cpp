@@ -8,7 +8,10 @@
 #include <fsdp/init.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -240,6 +243,50 @@ TEST(SlurmRendezvousTest, AllocationEnvironmentIsNotATask) {
   env["SLURM_PROCID"] = "0";
   EXPECT_EQ(parse(env).source, "none");
   EXPECT_EQ(parse(env).world_size, 1);
+}
+
+// The process's own environment for one test: `vars` set, the launcher variables unset, all
+// restored afterwards.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(const Env& vars) {
+    for (const char* k : {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                          "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "FSDP_TIMEOUT_S"})
+      save(k), ::unsetenv(k);
+    for (const auto& [k, v] : vars) save(k), ::setenv(k.c_str(), v.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    for (const auto& [k, v] : saved_)
+      v ? ::setenv(k.c_str(), v->c_str(), 1) : ::unsetenv(k.c_str());
+  }
+
+ private:
+  void save(const std::string& k) {
+    if (saved_.count(k)) return;
+    const char* v = std::getenv(k.c_str());
+    saved_[k] = v ? std::optional<std::string>(v) : std::nullopt;
+  }
+  std::map<std::string, std::optional<std::string>> saved_;
+};
+
+TEST(SlurmRendezvousTest, FailureMessageSaysTheAddressAndPortWereDerived) {
+  // Rank 0 of 2 alone: it serves the store at the derived port and gives up waiting for rank 1.
+  auto env = srun_task(0);
+  env["SLURM_NTASKS"] = "2";
+  env["SLURM_STEP_NODELIST"] = "localhost";
+  ScopedEnv scoped(env);
+  InitOptions options;
+  options.timeout = std::chrono::milliseconds(1000);
+  try {
+    init_process_group(options);
+    ADD_FAILURE() << "rendezvous succeeded without rank 1";
+  } catch (const CommError& e) {
+    const std::string m = e.what();
+    EXPECT_HAS(m, "rank 0 of 2 at localhost:" + std::to_string(slurm_port(4242, 0)));
+    EXPECT_HAS(m, "MASTER_ADDR was not set: localhost is the first host of SLURM_STEP_NODELIST.");
+    EXPECT_HAS(m, "MASTER_PORT was not set: " + std::to_string(slurm_port(4242, 0)) +
+                      " is derived from SLURM_JOB_ID and SLURM_STEP_ID.");
+  }
 }
 
 }  // namespace
