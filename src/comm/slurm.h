@@ -27,7 +27,7 @@ struct SlurmPort {
   std::string from;
 };
 
-// The most hosts a host list may expand to (Slurm itself caps one range at 65536 hosts).
+// The most hosts a host list may expand to: beyond any cluster, few enough to expand in memory.
 constexpr size_t kMaxSlurmHosts = size_t{1} << 20;
 
 // The hosts of a Slurm host list, in order: "node[01-03,07],gpu-a[1-2]" is node01 node02 node03
@@ -39,8 +39,9 @@ constexpr size_t kMaxSlurmHosts = size_t{1} << 20;
 std::vector<std::string> expand_slurm_hostlist(const std::string& list,
                                                const std::string& variable);
 
-// The port range of slurm_port: 20480..28671, unprivileged, below torchrun's default 29500 and
-// Linux's ephemeral ports (32768..60999), clear of the usual well-known service ports.
+// The port range of slurm_port: 20480..28671, far from the well-known ports (0..1023), below
+// torchrun's default 29500 (and the 295xx ports people pick by hand) and below Linux's ephemeral
+// ports (32768..60999), which outgoing connections take.
 constexpr int kSlurmPortBase = 20480;
 constexpr int kSlurmPortCount = 8192;
 // Steps of one job that get ports of their own (srun ... & srun ... & in one allocation).
