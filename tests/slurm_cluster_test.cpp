@@ -203,7 +203,7 @@ class Cluster {
     auto idle = [&] {
       auto s = run_process({find_program("sinfo"), "-h", "-N", "-o", "%t"}, 10s, env());
       state = s.output;
-      return s.exit_code == 0 && s.output.rfind("idle", 0) == 0;
+      return s.exit_code == 0 && s.output == "idle\n";  // not "idle*": not responding
     };
     if (wait_for(idle, {&munged_, &slurmctld_, &slurmd_}, 30s, why)) return Up::kYes;
     if (!why.empty()) return Up::kCannotStart;  // a daemon exited
