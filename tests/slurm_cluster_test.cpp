@@ -331,6 +331,14 @@ std::string shell_words(const std::vector<std::string>& words) {
   return s;
 }
 
+// The line of `output` holding `key` ("" if none), for the log.
+std::string line_with(const std::string& output, const std::string& key) {
+  const size_t at = output.find(key);
+  if (at == std::string::npos) return "";
+  const size_t start = output.rfind('\n', at) + 1;  // npos + 1 == 0
+  return output.substr(start, output.find('\n', at) - start);
+}
+
 std::vector<double> losses(const std::string& run_dir) {
   std::vector<double> out;
   for (const auto& r : train::read_metrics(run_dir + "/metrics.csv")) out.push_back(r.loss);
@@ -397,7 +405,7 @@ TEST(SlurmClusterTest, SrunAndSbatchTrainWithoutMasterAddrOrPort) {
   EXPECT_NE(r.output.find("0: fsdp-train: "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(" on 2 ranks, 8 steps"), std::string::npos) << r.output;
   expect_trained_like(srun_dir, reference, r.output);
-  std::printf("srun -n 2: %.1f s\n", r.seconds);
+  std::printf("srun -n 2: %.1f s; %s\n", r.seconds, line_with(r.output, "final loss").c_str());
 
   // 2. sbatch --wait: a batch script that runs the same with srun.
   const std::string batch_dir = cluster.dir() + "/sbatch";
@@ -420,7 +428,9 @@ TEST(SlurmClusterTest, SrunAndSbatchTrainWithoutMasterAddrOrPort) {
       << batch_out;
   EXPECT_NE(batch_out.find(" on 2 ranks, 8 steps"), std::string::npos) << batch_out;
   expect_trained_like(batch_dir, reference, r.output + batch_out);
-  std::printf("sbatch --wait: %.1f s\n", r.seconds);
+  std::printf("sbatch --wait: %.1f s; %s; %s\n", r.seconds,
+              line_with(batch_out, "batch job").c_str(),
+              line_with(batch_out, "final loss").c_str());
 
   // The final sweep can see what the test started (else "nothing left" would prove nothing).
   EXPECT_GE(cluster.processes().size(), 3u)
