@@ -78,6 +78,7 @@ TEST(RendezvousEnvTest, Slurm) {
   auto i = parse({{"SLURM_PROCID", "5"},
                   {"SLURM_NTASKS", "6"},
                   {"SLURM_LOCALID", "1"},
+                  {"SLURM_STEP_ID", "0"},  // srun sets it for every task (slurm_test.cpp)
                   {"MASTER_ADDR", "127.0.0.1"},
                   {"MASTER_PORT", "1234"}});
   EXPECT_EQ(i.source, "slurm");
@@ -111,7 +112,8 @@ TEST(RendezvousEnvTest, NothingSetIsOneRank) {
 TEST(RendezvousEnvTest, RankNotBelowWorldSizeIsRejected) {
   auto m = error_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}});
   EXPECT_HAS(m, "RANK=2 must be less than WORLD_SIZE=2");
-  m = error_of({{"SLURM_PROCID", "4"}, {"SLURM_NTASKS", "4"}, {"MASTER_ADDR", "h"}});
+  m = error_of(
+      {{"SLURM_PROCID", "4"}, {"SLURM_NTASKS", "4"}, {"SLURM_STEP_ID", "0"}, {"MASTER_ADDR", "h"}});
   EXPECT_HAS(m, "SLURM_PROCID=4 must be less than SLURM_NTASKS=4");
 }
 

@@ -18,6 +18,11 @@ struct RendezvousInfo {
   int local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  // Where master_addr and master_port came from: "MASTER_ADDR"/"MASTER_PORT", the Slurm variables
+  // they were derived from for ranks started by srun (e.g. "SLURM_JOB_NODELIST", "SLURM_JOB_ID"),
+  // or "default".
+  std::string master_addr_from = "default";
+  std::string master_port_from = "default";
   std::string source = "none";  // "torchrun", "openmpi", "slurm" or "none" (single rank)
   // torchrun's elastic agent already serves a TCPStore at MASTER_ADDR:MASTER_PORT
   // (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects to it as a client, under the key
@@ -28,6 +33,9 @@ struct RendezvousInfo {
 
 // Reads the rendezvous from an environment lookup (getenv by default). Throws fsdp::Error naming
 // the variable for non-numbers, rank >= world size, a missing MASTER_ADDR when world size > 1, ...
+// Ranks started by srun (world size > 1) need neither MASTER_ADDR nor MASTER_PORT: unset, they are
+// the first host of the step's node list (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST, else
+// SLURM_NODELIST) and 20480 + (16 * SLURM_JOB_ID + SLURM_STEP_ID) mod 8192; explicit values win.
 RendezvousInfo parse_rendezvous_env(
     const std::function<const char*(const char*)>& getenv_fn = nullptr);
 

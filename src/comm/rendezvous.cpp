@@ -16,6 +16,7 @@
 #include "mesh_connect.h"
 #include "rendezvous_keys.h"
 #include "signals.h"
+#include "slurm.h"
 
 namespace fsdp {
 namespace {
@@ -37,11 +38,22 @@ std::string rendezvous_error(const RendezvousInfo& info, std::chrono::millisecon
                              const char* stage, std::string what) {
   what = what.substr(0, what.find('\n'));
   while (!what.empty() && (what.back() == '.' || what.back() == ' ')) what.pop_back();
+  // Under srun the address and port may be derived (slurm.h): say from what, since rank 0 may
+  // not run on the first node (srun --distribution=arbitrary) or another job may hold the port.
+  std::string derived;
+  auto is_derived = [](const std::string& from) { return from.rfind("SLURM_", 0) == 0; };
+  if (is_derived(info.master_addr_from))
+    derived += detail::cat(" MASTER_ADDR was not set: ", info.master_addr, " is the first host of ",
+                           info.master_addr_from, ".");
+  if (is_derived(info.master_port_from))
+    derived += detail::cat(" MASTER_PORT was not set: ", info.master_port, " is derived from ",
+                           info.master_port_from, ".");
   return detail::cat("rendezvous failed for rank ", info.rank, " of ", info.world_size, " at ",
                      info.master_addr, ":", info.master_port, " within ", timeout.count() / 1000.0,
                      " s (", stage, "): ", what, ". Check that all ", info.world_size,
                      " ranks were started with the same MASTER_ADDR/MASTER_PORT and that rank 0 is "
-                     "reachable (raise the limit with FSDP_TIMEOUT_S).");
+                     "reachable (raise the limit with FSDP_TIMEOUT_S).",
+                     derived);
 }
 
 // Every rank checks in on the store and waits until all have, so a missing rank is reported as
@@ -130,6 +142,8 @@ RendezvousInfo parse_rendezvous_env(const std::function<const char*(const char*)
   RendezvousInfo info;
   for (const auto& s : sources) {
     if (!env(s.rank) && !env(s.size)) continue;
+    // The Slurm variables of an allocation are not those of a task (slurm.h).
+    if (std::string(s.name) == "slurm" && !detail::is_slurm_task(env)) continue;
     FSDP_CHECK(env(s.rank) && env(s.size), s.name, " launch detected but ",
                env(s.rank) ? s.size : s.rank, " is not set; set both ", s.rank, " and ", s.size);
     info.source = s.name;
@@ -140,14 +154,27 @@ RendezvousInfo parse_rendezvous_env(const std::function<const char*(const char*)
     info.local_rank = env(s.local) ? parse_int(s.local, env(s.local), 0, 1 << 20) : 0;
     break;
   }
+  // srun sets ranks but no rendezvous address: derive it from the job (slurm.h) unless given.
+  const bool from_srun = info.source == "slurm" && info.world_size > 1;
   if (const char* a = env("MASTER_ADDR")) {
     info.master_addr = a;
+    info.master_addr_from = "MASTER_ADDR";
+  } else if (from_srun) {
+    auto host = detail::slurm_master_addr(env);
+    info.master_addr = std::move(host.host);
+    info.master_addr_from = std::move(host.from);
   } else {
     FSDP_CHECK(info.world_size == 1, "world size ", info.world_size, " (from ", info.source,
                ") needs MASTER_ADDR: set it to the address of rank 0's host (127.0.0.1 for one "
                "machine)");
   }
-  if (const char* p = env("MASTER_PORT")) info.master_port = parse_int("MASTER_PORT", p, 1, 65535);
+  if (const char* p = env("MASTER_PORT")) {
+    info.master_port = parse_int("MASTER_PORT", p, 1, 65535);
+    info.master_port_from = "MASTER_PORT";
+  } else if (auto port = from_srun ? detail::slurm_master_port(env) : std::nullopt) {
+    info.master_port = port->port;
+    info.master_port_from = std::move(port->from);
+  }
   // torchrun (static rendezvous) serves the store itself; PyTorch's own env:// handler compares
   // the value with "True" exactly.
   if (const char* a = env("TORCHELASTIC_USE_AGENT_STORE"))
