@@ -56,6 +56,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 
 PRESETS = {  # sizes; a `per_rank` batch is multiplied by the world size
     "train": dict(layers=4, heads=4, width=128, seq=64, batch=16),
@@ -169,21 +172,18 @@ def load_weights(model, args):
     One full tensor at a time; each rank keeps its rows."""
     names = [n for n, _ in model.named_parameters()]
     if args.init:
-        from safetensors import safe_open
         with safe_open(args.init, framework="pt") as f:
             missing = sorted(set(names) - set(f.keys()))
             if missing:
                 sys.exit(f"fsdp2_peer: {args.init} lacks {', '.join(missing)}; pass a file of "
                          "this model's settings (--layers/--width/...)")
-            full = lambda name, shape: f.get_tensor(name)
-            fill(model, full)
+            fill(model, lambda name, shape: f.get_tensor(name))
     else:
         gen = torch.Generator().manual_seed(args.seed)
         fill(model, lambda name, shape: initial_value(name, shape, args.layers, gen))
 
 
 def fill(model, full_of):
-    from torch.distributed.tensor import DTensor, distribute_tensor
     with torch.no_grad():
         for name, p in model.named_parameters():
             full = full_of(name, tuple(p.shape))
@@ -199,7 +199,6 @@ def build(args, rank, world):
     """The model on this rank (sharded or replicated) and its AdamW."""
     dims = (args.vocab, args.seq, args.layers, args.heads, args.width)
     if args.mode == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         with torch.device("meta"):
             model = GPT(*dims)
         mp = lambda root: MixedPrecisionPolicy()
@@ -276,7 +275,8 @@ def lr_at(args, s):
 
 
 def loss_of(model, x, y, vocab):
-    return F.cross_entropy(model(x).float().view(-1, vocab), y.reshape(-1))
+    """Mean cross-entropy of the logits, fp32 also under bf16 (the root's output_dtype)."""
+    return F.cross_entropy(model(x).view(-1, vocab), y.reshape(-1))
 
 
 def rss_mb():
@@ -344,7 +344,7 @@ def main(argv):
     model, wrapped, opt = build(args, rank, world)
     dist.barrier()
     out = dict(mode=args.mode, world=world, torch_version=torch.__version__,
-               settings={k: v for k, v in vars(args).items()}, steps=[])
+               settings=dict(vars(args)), steps=[])
     if args.steps == 0 and val is not None:
         v = evaluate(args, wrapped, val, rank, world)
         out["val_loss"] = v
