@@ -5,7 +5,8 @@ The same computation as fsdp-train, written independently from docs/trainer.md a
 - model (src/models/gpt.cpp): pre-LayerNorm GPT-2 blocks (LayerNorm eps 1e-5; attention with a
   causal mask, scale 1/sqrt(C/H); GELU tanh approximation; MLP 4C), learned positions, the head
   tied to `wte`; parameter names those of fsdp-cpp's consolidated safetensors checkpoint
-  (`wte.weight`, `h.0.c_attn.weight`, ...);
+  (`wte.weight`, `h.0.c_attn.weight`, ...); Linear layers compute as LibTorch's C++ frontend does
+  (matmul, then the bias added);
 - data (src/train/data.cpp): the file's last floor(M * val_fraction) tokens held out; step s, row r
   is stream row j = s*B + r at offset mix64(seed ^ mix64(j)) mod (N - T) (random) or
   (j mod floor((N-1)/T)) * T (sequential); rank k takes rows [k B/N, (k+1) B/N), in grad_accum
@@ -31,6 +32,10 @@ Run with the Python of torch 2.15 (scripts/torch_pip.sh makes it), one process p
       --layers 1 --heads 2 --width 32 --seq 16 --batch 8 --steps 30 --json peer.json
   torchrun --nproc_per_node 2 bench/fsdp2_peer.py --init step15.safetensors --steps 0 ...
       # --steps 0: only the validation loss of the --init weights
+
+`--adamw libtorch` replaces torch.optim.AdamW by the same update in the order of operations of
+LibTorch's torch::optim::AdamW, which fsdp-train uses: the tests compare fsdp-cpp's sharding and
+mixed precision to the last bits with it (docs/fsdp2_peer.md).
 
 Rank 0 prints one line per step (`step S loss L`, full precision) and `val_loss V` where
 evaluated; --json FILE gets the settings, per-step losses, learning rates and step times, the
@@ -92,6 +97,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--clip", type=float, default=0.0, help="global gradient norm; 0: no clipping")
+    p.add_argument("--adamw", choices=["torch", "libtorch"], default="torch",
+                   help="torch.optim.AdamW, or the same update in LibTorch's order of operations")
     p.add_argument("--data", default=DEFAULT_DATA)
     p.add_argument("--data-order", choices=["random", "sequential"], default="random")
     p.add_argument("--val-fraction", type=float, default=0.05)
@@ -116,16 +123,28 @@ def resolve_sizes(args, world):
 
 
 # ---- model (src/models/gpt.cpp) ----
+class Linear(nn.Linear):
+    """torch::nn::Linear of LibTorch's C++ frontend (torch/nn/functional/linear.h): addmm for 2-D
+    input, else matmul and then the bias added. Python's F.linear fuses the bias for 3-D input too
+    (one rounding instead of two); in bf16 that moves fsdp-train's losses by up to 5e-4 in 30 steps
+    (docs/fsdp2_peer.md)."""
+
+    def forward(self, x):
+        if x.dim() == 2:
+            return torch.addmm(self.bias, x, self.weight.t())
+        return x.matmul(self.weight.t()) + self.bias
+
+
 class Block(nn.Module):
     def __init__(self, C, H):
         super().__init__()
         self.n_head = H
         self.ln_1 = nn.LayerNorm(C)
-        self.c_attn = nn.Linear(C, 3 * C)
-        self.c_proj = nn.Linear(C, C)
+        self.c_attn = Linear(C, 3 * C)
+        self.c_proj = Linear(C, C)
         self.ln_2 = nn.LayerNorm(C)
-        self.c_fc = nn.Linear(C, 4 * C)
-        self.mlp_proj = nn.Linear(4 * C, C)
+        self.c_fc = Linear(C, 4 * C)
+        self.mlp_proj = Linear(4 * C, C)
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         B, T, C = x.shape
@@ -218,11 +237,43 @@ def build(args, rank, world):
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
+    adamw = torch.optim.AdamW if args.adamw == "torch" else LibTorchAdamW
+    opt = adamw(
         [{"params": decay, "weight_decay": args.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps)
     return model, wrapped, opt
+
+
+class LibTorchAdamW(torch.optim.Optimizer):
+    """torch::optim::AdamW's operations in its order (torch/csrc/api/src/optim/adamw.cpp): the same
+    update as torch.optim.AdamW, whose first moment uses lerp_ instead of mul_/add_ and so differs
+    in the last bits of the weights (docs/fsdp2_peer.md)."""
+
+    def __init__(self, params, lr, betas, eps):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                bias_correction1 = 1 - beta1 ** state["step"]
+                bias_correction2 = 1 - beta2 ** state["step"]
+                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias_correction2)).add_(
+                    group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-lr / bias_correction1)
 
 
 # ---- data (src/train/data.cpp) ----

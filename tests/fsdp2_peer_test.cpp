@@ -2,8 +2,8 @@
 // initial weights, batches, AdamW and schedule, written independently (issue 29, items 3 and 5).
 //
 // - Fp32 / Bf16: fsdp-train (its own launcher, fsdp-run) and the peer (torchrun) at N = 2 and 4,
-//   30 steps from one consolidated init file; per-step losses agree within 1e-5 relative (fp32)
-//   or the measured bf16 bound (docs/fsdp2_peer.md says how it was measured).
+//   30 steps from one consolidated init file; per-step losses agree within 1e-5 relative (fp32),
+//   or within the bf16 bounds below (docs/fsdp2_peer.md says how they were measured).
 // - PyTorchLoadsOurCheckpoint...: a consolidated checkpoint after 15 steps, read by `safetensors`
 //   into the peer's GPT, gives the validation loss fsdp-train logged for that step within 1e-6.
 //
@@ -34,14 +34,15 @@ namespace fs = std::filesystem;
 
 constexpr int kSteps = 30;
 constexpr int kEvalEvery = 15;  // also the checkpoint of the load test
-// bf16 (docs/fsdp2_peer.md): step 1 is the same bf16 forward of the same weights (measured within
-// 5e-10, the CSV's 9 digits; fp32's step 1 differs from bf16's by 1.3e-5, so this tells the
-// policies apart). Later steps drift: AdamW's first update moves each weight by about +-lr whatever
-// its gradient's size, so one bf16 rounding of a near-zero gradient element flipped by another
-// order of sums moves a weight by 2 lr. Measured max 4.8e-4 (N=2) and 3.8e-4 (N=4), up to 5.6e-4
-// from another init; plain PyTorch against itself with only the tied weight's two gradient terms
-// summed in fp32 instead of bf16: 3.2e-4. The bound leaves 3.5x room over the largest.
-constexpr double kBf16FirstStepRel = 1e-7;
+// bf16 (docs/fsdp2_peer.md). The peer runs with --adamw libtorch (torch::optim::AdamW's order of
+// operations; PyTorch's AdamW uses lerp_, whose last-bit differences in the fp32 weights bf16 casts
+// and AdamW amplify to a few 1e-4 in 30 steps). Then N = 2 agrees to the CSV's 9 digits at every
+// step (measured 1.5e-9). At N = 4 Gloo sums the four bf16 gradients in bf16 with intermediate
+// roundings where fsdp-cpp sums them in fp32 and rounds once (30% of step 1's gradient elements
+// round differently), and the losses drift from step 2: measured max 4.2e-4 over 30 steps; the
+// bound leaves about 5x room (bf16 against fp32 differs by 4e-4 to 8e-4, so at N = 4 only step 1
+// tells the policies apart: measured 2.4e-10, fp32's step 1 differs from bf16's by 1.3e-5).
+constexpr double kBf16SameOrderRel = 1e-7;
 constexpr double kBf16Rel = 2e-3;
 
 const std::string& scratch() {
@@ -183,15 +184,25 @@ double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b) 
   return worst;
 }
 
-// `tol` bounds every step's relative difference, `first_tol` the first step's.
-void expect_match(const std::string& precision, double tol, double first_tol) {
+// One world size: `tol` bounds every step's relative difference (and the validation losses'),
+// `first_tol` the first step's.
+struct Case {
+  int n;
+  double tol;
+  double first_tol;
+};
+
+void expect_match(const std::string& precision, const std::vector<std::string>& peer_flags,
+                  const std::vector<Case>& cases) {
   REQUIRE_PEER_PYTHON();
   ASSERT_TRUE(fs::exists(init_file())) << init_file();
-  for (int n : {2, 4}) {
+  for (const auto& [n, tol, first_tol] : cases) {
     const std::string what = precision + " N=" + std::to_string(n);
     const auto ours = train(n, precision, scratch() + "/" + precision + std::to_string(n));
     ASSERT_EQ(ours.error, "") << what << ": fsdp-train failed";
-    const auto theirs = peer(n, {"--init", init_file(), "--mixed-precision", precision});
+    auto flags = peer_flags;
+    flags.insert(flags.end(), {"--init", init_file(), "--mixed-precision", precision});
+    const auto theirs = peer(n, flags);
     ASSERT_EQ(theirs.error, "") << what << ": fsdp2_peer.py failed";
     ASSERT_EQ(ours.loss.size(), static_cast<size_t>(kSteps)) << what;
     const double loss_diff = max_rel_diff(ours.loss, theirs.loss);
@@ -216,10 +227,14 @@ void expect_match(const std::string& precision, double tol, double first_tol) {
   }
 }
 
-TEST(Fsdp2Peer, Fp32LossesMatchPyTorchFsdp2AtTwoAndFourRanks) { expect_match("none", 1e-5, 1e-5); }
+// PyTorch as its users run it: torch.optim.AdamW.
+TEST(Fsdp2Peer, Fp32LossesMatchPyTorchFsdp2AtTwoAndFourRanks) {
+  expect_match("none", {}, {{2, 1e-5, 1e-5}, {4, 1e-5, 1e-5}});
+}
 
 TEST(Fsdp2Peer, Bf16LossesMatchPyTorchFsdp2AtTwoAndFourRanks) {
-  expect_match("bf16", kBf16Rel, kBf16FirstStepRel);
+  expect_match("bf16", {"--adamw", "libtorch"},
+               {{2, kBf16SameOrderRel, kBf16SameOrderRel}, {4, kBf16Rel, kBf16SameOrderRel}});
 }
 
 // Item 5: PyTorch reads fsdp-cpp's consolidated checkpoint of step 15 (trained, not the init) with
