@@ -11,6 +11,7 @@
 // (scripts/torch_pip.sh installs both); without them the tests fail, saying so.
 #include <fsdp/checkpoint.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,7 +21,6 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 #include "harness.h"
@@ -68,10 +68,10 @@ std::string data_file() { return std::string(FSDP_SOURCE_DIR) + "/data/corpus.tx
 
 // The settings both programs get: a small model with a non-last (resharded) block.
 std::vector<std::string> shared_flags() {
-  return {"--layers", "2",  "--heads", "2",   "--width",      "32",
-          "--seq",    "16", "--batch", "8",   "--steps",      std::to_string(kSteps),
-          "--warmup", "5",  "--lr",    "1e-2", "--eval-every", std::to_string(kEvalEvery),
-          "--eval-batches", "2", "--data", data_file()};
+  return {"--layers",       "2",  "--heads", "2",        "--width",      "32",
+          "--seq",          "16", "--batch", "8",        "--steps",      std::to_string(kSteps),
+          "--warmup",       "5",  "--lr",    "1e-2",     "--eval-every", std::to_string(kEvalEvery),
+          "--eval-batches", "2",  "--data",  data_file()};
 }
 
 ProcResult run(const std::vector<std::string>& argv) {
@@ -107,9 +107,9 @@ const std::string& init_file() {
     const std::string dir = scratch() + "/init_run", out = scratch() + "/init.safetensors";
     auto argv = std::vector<std::string>{fsdp::testing::bin_dir() + "/fsdp-train"};
     for (const auto& f : shared_flags()) argv.push_back(f);
-    argv.insert(argv.end(), {"--steps", "1", "--save-every", "1", "--seed", "7", "--nproc", "1",
-                             "--eval-every", "0", "--sample-tokens", "0", "--peak-tflops", "1",
-                             "--quiet", "--run-dir", dir});
+    argv.insert(argv.end(),
+                {"--steps", "1", "--save-every", "1", "--seed", "7", "--nproc", "1", "--eval-every",
+                 "0", "--sample-tokens", "0", "--peak-tflops", "1", "--quiet", "--run-dir", dir});
     const auto r = run(argv);
     if (r.exit_code != 0) return "fsdp-train failed making the init file:\n" + r.output;
     checkpoint::consolidate(dir + "/step_00000000", out);
@@ -131,8 +131,8 @@ Losses train(int n, const std::string& precision, const std::string& dir,
   auto argv = std::vector<std::string>{fsdp::testing::bin_dir() + "/fsdp-train"};
   for (const auto& f : shared_flags()) argv.push_back(f);
   argv.insert(argv.end(), {"--nproc", std::to_string(n), "--mixed-precision", precision,
-                           "--init-from", init_file(), "--sample-tokens", "0", "--peak-tflops",
-                           "1", "--quiet", "--run-dir", dir});
+                           "--init-from", init_file(), "--sample-tokens", "0", "--peak-tflops", "1",
+                           "--quiet", "--run-dir", dir});
   argv.insert(argv.end(), extra.begin(), extra.end());
   const auto r = run(argv);
   Losses out;
@@ -151,8 +151,12 @@ Losses train(int n, const std::string& precision, const std::string& dir,
 // The peer under torchrun at N ranks; `flags` come after the shared ones (argparse: last wins).
 Losses peer(int n, const std::vector<std::string>& flags) {
   const std::string json = scratch() + "/peer_" + std::to_string(n) + ".json";
-  std::vector<std::string> argv = {FSDP_PEER_PYTHON, "-m", "torch.distributed.run", "--standalone",
-                                   "--nproc_per_node", std::to_string(n),
+  std::vector<std::string> argv = {FSDP_PEER_PYTHON,
+                                   "-m",
+                                   "torch.distributed.run",
+                                   "--standalone",
+                                   "--nproc_per_node",
+                                   std::to_string(n),
                                    std::string(FSDP_SOURCE_DIR) + "/bench/fsdp2_peer.py"};
   for (const auto& f : shared_flags()) argv.push_back(f);
   argv.insert(argv.end(), flags.begin(), flags.end());
@@ -212,9 +216,10 @@ void expect_match(const std::string& precision, const std::vector<std::string>& 
       theirs_val.push_back(theirs.val_loss.count(step) ? theirs.val_loss.at(step) : NAN);
     }
     const double val_diff = max_rel_diff(ours_val, theirs_val);
-    std::printf("[fsdp2 peer] %s: max relative loss difference over %d steps %.3g, validation "
-                "%.3g (fsdp-train %.1f s, peer %.1f s)\n",
-                what.c_str(), kSteps, loss_diff, val_diff, ours.seconds, theirs.seconds);
+    std::printf(
+        "[fsdp2 peer] %s: max relative loss difference over %d steps %.3g, validation "
+        "%.3g (fsdp-train %.1f s, peer %.1f s)\n",
+        what.c_str(), kSteps, loss_diff, val_diff, ours.seconds, theirs.seconds);
     EXPECT_LE(loss_diff, tol) << what << " per-step losses";
     EXPECT_LE(std::abs(ours.loss[0] - theirs.loss[0]), first_tol * std::abs(theirs.loss[0]))
         << what << " step 1 (the same forward of the same weights): fsdp-train " << ours.loss[0]
@@ -255,9 +260,10 @@ TEST(Fsdp2Peer, PyTorchLoadsOurConsolidatedCheckpointToTheSameValLoss) {
   ASSERT_EQ(theirs.error, "") << "fsdp2_peer.py failed";
   ASSERT_TRUE(theirs.val_loss.count(0)) << "the peer printed no validation loss";
   const double want = ours.val_loss.at(kEvalEvery), got = theirs.val_loss.at(0);
-  std::printf("[fsdp2 peer] step-%d checkpoint: fsdp-train val_loss %.17g, PyTorch %.17g, "
-              "relative difference %.3g\n",
-              kEvalEvery, want, got, std::abs(got - want) / want);
+  std::printf(
+      "[fsdp2 peer] step-%d checkpoint: fsdp-train val_loss %.17g, PyTorch %.17g, "
+      "relative difference %.3g\n",
+      kEvalEvery, want, got, std::abs(got - want) / want);
   EXPECT_LE(std::abs(got - want), 1e-6 * want);
   // A checkpoint after training, not the init: the loss moved well below the first step's.
   EXPECT_LT(got, ours.loss.front() - 0.5);
