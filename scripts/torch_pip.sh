@@ -4,6 +4,8 @@
 # the directory to pass as CMAKE_PREFIX_PATH: the wheel's torch/ package. Passing that (and not
 # Torch_DIR alone) matters where Debian's libtorch-dev is installed too: with Torch_DIR alone,
 # Torch's config finds Debian's Caffe2 config first and mixes 1.13 libraries into the link.
+# Also installs `safetensors` when missing: the PyTorch peer (bench/fsdp2_peer.py) and its tests
+# read fsdp-cpp's checkpoints with it.
 #   scripts/torch_pip.sh [version] [venv]
 set -euo pipefail
 version=${1:-2.15.0}
@@ -16,5 +18,9 @@ if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$
   mkdir -p "$(dirname "$venv")"
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet "torch==$version" >&2
+fi
+if ! "$py" -c "import safetensors" 2>/dev/null; then
+  echo "torch_pip: installing safetensors into $venv" >&2
+  "$venv/bin/pip" install --quiet safetensors >&2
 fi
 "$py" -c "import os, torch; print(os.path.dirname(torch.__file__))" 2>/dev/null
