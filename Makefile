@@ -37,12 +37,15 @@ all: build
 setup:
 	@scripts/setup.sh --libtorch $(LIBTORCH)
 
-# What only the tests use (scripts/setup.sh --test says which).
+# What only the tests use (scripts/setup.sh --test says which), and the torch 2.15 venv whatever
+# the LibTorch: PyTorch's FSDP2, torchrun and safetensors are the tests' peers and oracles.
 setup-test:
 	@scripts/setup.sh --test --libtorch $(LIBTORCH)
+	@scripts/torch_pip.sh $(TORCH_PIP_VERSION) $(TORCH_PIP_VENV) > /dev/null
 
 $(BUILD)/build.ninja: | setup
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(TORCH_CMAKE_ARGS)
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(TORCH_CMAKE_ARGS) \
+	  -DFSDP_PEER_PYTHON=$(TORCH_PIP_VENV)/bin/python
 
 configure: setup $(BUILD)/build.ninja
 
