@@ -3,7 +3,7 @@
 // back into the shards. Buffers (BatchNorm running statistics, ...) are included.
 //
 //   auto sd = fsdp::full_state_dict(root, {/*rank0_only=*/true});   // collective
-//   if (rank == 0) fsdp::safetensors::save_file(sd, "model.safetensors");
+//   if (rank == 0) ... fsdp::safetensors::write(path, views, meta)  // views: view_of(name, tensor)
 //   fsdp::load_full_state_dict(root, sd_on_every_rank);                // local
 //
 // Thread-safety: call from the thread that trains; full_state_dict and check_buffers_agree are

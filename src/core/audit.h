@@ -32,13 +32,10 @@ class Audit {
   // Throws AuditError naming this rank (`rank`).
   void check(const BackwardPass& pass, const std::vector<Group*>& groups, int rank);
 
-  int64_t backwards_checked() const { return checked_; }
-
  private:
   void check_reductions(const BackwardPass& pass, const std::vector<Group*>& groups);
 
   std::vector<std::string> violations_;
-  int64_t checked_ = 0;
 };
 
 }  // namespace fsdp::detail

@@ -404,7 +404,7 @@ bool Group::stale() {
 void Group::begin_iteration() {
   input_nodes_.clear();
   output_nodes_.clear();
-  forwarded_ = forwarded_with_grad_ = false;
+  forwarded_with_grad_ = false;
 }
 
 void Group::pre_forward() {
@@ -425,7 +425,6 @@ void Group::pre_forward() {
   unshard();
   context_->prefetch_forward(this);
   wait_for_unshard();
-  forwarded_ = true;
   if (at::GradMode::is_enabled()) forwarded_with_grad_ = true;
   forward_start_us_ = trace::enabled() ? trace::now_us() : -1;
 }
@@ -479,7 +478,6 @@ bool Group::gather_on_use() {
   unshard();
   context_->prefetch_forward(this);
   wait_for_unshard();
-  forwarded_ = true;
   if (at::GradMode::is_enabled()) forwarded_with_grad_ = true;
   context_->on_post_forward(this);
   return true;

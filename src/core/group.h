@@ -97,7 +97,6 @@ class Group : public std::enable_shared_from_this<Group> {
   int64_t flat_numel() const { return flat_numel_; }  // S: padded shard elements per rank
   // Dtypes on the wire (mixed precision): the all-gather's (= the full parameters') and the
   // reduce-scatter's.
-  at::ScalarType gather_dtype() const { return gather_dtype_; }
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   int64_t full_bytes() const;
 
@@ -183,7 +182,6 @@ class Group : public std::enable_shared_from_this<Group> {
   // ---- settings ----
   bool resolved_reshard_after_forward() const;
   void set_reshard_after_forward(bool v);
-  bool reshard_after_backward() const { return reshard_after_backward_; }
   void set_reshard_after_backward(bool v) { reshard_after_backward_ = v; }
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
   void set_requires_gradient_sync(bool v) { requires_gradient_sync_ = v; }
@@ -260,7 +258,7 @@ class Group : public std::enable_shared_from_this<Group> {
 
   // Per iteration (cleared by begin_iteration).
   std::vector<compat::WeakNodePtr> input_nodes_, output_nodes_;
-  bool forwarded_ = false, forwarded_with_grad_ = false;
+  bool forwarded_with_grad_ = false;
   int64_t forward_start_us_ = -1, backward_start_us_ = -1;  // open timeline spans
 
   // Last: destroyed first, while this group's context is still held.

@@ -134,8 +134,6 @@ void ParamState::free_full() {
   guard::set_active(param_, param_.numel() > 0);
 }
 
-bool ParamState::full_allocated() const { return compat::storage_allocated(param_); }
-
 void ParamState::pack_grad(const at::Tensor& send, int64_t offset) {
   // Writes every element of this parameter's columns (`send` is not zero-initialised): the
   // gradient's rows, zeros for padding, all zeros when there is no gradient (frozen or unused).

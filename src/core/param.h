@@ -87,7 +87,6 @@ class ParamState {
   // instead of a gathered copy; an optimizer step on the shard is seen by it at once.
   void borrow_shard();
   void free_full();  // frees the full storage and guards the parameter (core/guard.h)
-  bool full_allocated() const;
 
   // Packs the unsharded gradient (zeros when undefined or frozen, and for padding) into `send`
   // (world, S) at `offset`, and drops it from the parameter (it has been handed to the reduction).
