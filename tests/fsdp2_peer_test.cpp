@@ -11,6 +11,7 @@
 // (scripts/torch_pip.sh installs both); without them the tests fail, saying so.
 #include <fsdp/checkpoint.h>
 #include <gtest/gtest.h>
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -44,6 +45,12 @@ constexpr int kEvalEvery = 15;  // also the checkpoint of the load test
 // tells the policies apart: measured 2.4e-10, fp32's step 1 differs from bf16's by 1.3e-5).
 constexpr double kBf16SameOrderRel = 1e-7;
 constexpr double kBf16Rel = 2e-3;
+// fsdp-train built against another LibTorch than the peer's torch 2.15 (Debian's 1.13): its bf16
+// CPU kernels round differently, so step 1 is no longer the same bits (measured 5.1e-7 at N = 2,
+// 6.4e-7 at N = 4; still 6x below fp32-against-bf16's 1.3e-5) and the steps drift as at N = 4
+// (measured max 6.8e-4 and 8.6e-4 over 30 steps).
+constexpr double kBf16OtherKernelsFirstRel = 2e-6;
+constexpr bool kSameKernelsAsPeer = TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 15;
 
 const std::string& scratch() {
   static const std::string d = [] {
@@ -238,8 +245,13 @@ TEST(Fsdp2Peer, Fp32LossesMatchPyTorchFsdp2AtTwoAndFourRanks) {
 }
 
 TEST(Fsdp2Peer, Bf16LossesMatchPyTorchFsdp2AtTwoAndFourRanks) {
-  expect_match("bf16", {"--adamw", "libtorch"},
-               {{2, kBf16SameOrderRel, kBf16SameOrderRel}, {4, kBf16Rel, kBf16SameOrderRel}});
+  if (kSameKernelsAsPeer)
+    expect_match("bf16", {"--adamw", "libtorch"},
+                 {{2, kBf16SameOrderRel, kBf16SameOrderRel}, {4, kBf16Rel, kBf16SameOrderRel}});
+  else
+    expect_match(
+        "bf16", {"--adamw", "libtorch"},
+        {{2, kBf16Rel, kBf16OtherKernelsFirstRel}, {4, kBf16Rel, kBf16OtherKernelsFirstRel}});
 }
 
 // Item 5: PyTorch reads fsdp-cpp's consolidated checkpoint of step 15 (trained, not the init) with
