@@ -65,7 +65,7 @@ test-debian-labels:
 	$(MAKE) --no-print-directory build setup-test LIBTORCH=debian BUILD=build-debian
 	cd build-debian && ctest --output-on-failure -j $(CTEST_J) --timeout 600 -L '$(OTHER_LABELS)'
 
-# The CUDA path (FSDP_CUDA=ON: CUDA tensors, ProcessGroupNCCL, the collective streams) compiled and
+# The CUDA path (FSDP_CUDA=ON: CUDA tensors, ProcessGroupNCCL, [Note: CUDA streams]) compiled and
 # linked against the wheel's CUDA build: the library and the programs. Nothing runs on a GPU here;
 # the CUDA-linked trainer then takes a few steps on the CPU (Gloo), which checks that it loads.
 build-cuda:

@@ -27,7 +27,6 @@ class Work;
 namespace fsdp {
 namespace detail {
 class RingReduceScatter;
-class CollectiveStream;
 }  // namespace detail
 
 enum class ReduceOp {
@@ -174,8 +173,6 @@ class Communicator {
   std::unique_ptr<detail::RingReduceScatter> gather_p2p_;  // all_gather's direct exchange, lazily
   detail::RingReduceScatter& gather_p2p();                 // gather_p2p_, made at first use
   detail::RingReduceScatter& reduce_p2p();                 // ring_, made at first use
-  // The CUDA stream this communicator's collectives run on (collective_stream.h); unused on CPU.
-  std::unique_ptr<detail::CollectiveStream> stream_;
   std::shared_ptr<const std::vector<PeerInfo>> peers_ = std::make_shared<std::vector<PeerInfo>>();
 };
 

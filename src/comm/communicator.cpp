@@ -10,7 +10,6 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "compat.h"
-#include "collective_stream.h"
 #include "failure.h"
 #include "rank_order_sum.h"
 #include "ring_reduce_scatter.h"
@@ -170,7 +169,6 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
       bind_host_(std::move(bind_host)) {
   rank_ = pg_->getRank();
   size_ = pg_->getSize();
-  stream_ = std::make_unique<detail::CollectiveStream>();
 }
 
 Communicator::~Communicator() {
@@ -286,7 +284,6 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
     return make_work({gather_p2p().run_all_gather(out, in, timeout_)}, "all_gather", nbytes(output),
                      nullptr);
   }
-  auto on_stream = stream_->enter({out, in});
   return make_work({compat::all_gather_flat(*pg_, out, in)}, "all_gather", nbytes(output), nullptr);
 }
 
@@ -402,7 +399,6 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
   }
   const at::Tensor received =
       scratch.defined() ? scratch.view({-1}) : at::empty_like(input.view({-1}));
-  auto on_stream = stream_->enter({received, input});
   auto work = compat::exchange_blocks(*pg_, as_wire(received, backend_),
                                       as_wire(input.view({-1}), backend_));
   stats_->bytes_sent += nbytes(output) * (ws - 1);
@@ -419,7 +415,6 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   if (compat::backend_reduces(tensor.scalar_type(), backend_)) {
     std::vector<at::Tensor> ts{tensor};
     stats_->bytes_sent += 2 * nbytes(tensor) * (ws - 1) / ws;
-    auto on_stream = stream_->enter({tensor});
     auto w = pg_->allreduce(ts, opts);
     return make_work({w}, "all_reduce", nbytes(tensor), [tensor, op, ws] {
       if (op == ReduceOp::kAvg) tensor.div_(ws);
@@ -429,7 +424,6 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   auto wide = tensor.to(at::kFloat);
   std::vector<at::Tensor> ts{wide};
   stats_->bytes_sent += 2 * nbytes(wide) * (ws - 1) / ws;
-  auto on_stream = stream_->enter({wide});
   auto w = pg_->allreduce(ts, opts);
   return make_work({w}, "all_reduce", nbytes(tensor), [tensor, wide, op, ws] {
     if (op == ReduceOp::kAvg) wide.div_(ws);
@@ -446,7 +440,6 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   if (rank_ == root) stats_->bytes_sent += nbytes(tensor);
-  auto on_stream = stream_->enter({tensor});
   return make_work({pg_->broadcast(ts, opts)}, "broadcast", nbytes(tensor), nullptr);
 }
 
