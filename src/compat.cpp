@@ -75,6 +75,10 @@ at::Tensor storageless_like(const at::Tensor& t) {
   return m;
 }
 
+bool storage_allocated(const at::Tensor& t) {
+  return t.storage().unsafeGetStorageImpl()->nbytes() > 0 || t.numel() == 0;
+}
+
 at::ScalarType wire_dtype(at::ScalarType t, const std::string& backend) {
   if (backend == "gloo" && t == at::kBFloat16) return at::kHalf;
   return t;

@@ -27,6 +27,7 @@ namespace fsdp::compat {
 // its sizes, version counter and autograd metadata.
 void free_storage(const at::Tensor& t);
 void alloc_storage(const at::Tensor& t);
+bool storage_allocated(const at::Tensor& t);  // false once free_storage dropped the bytes
 // Points t's storage at t's bytes inside `block` from `byte_offset` on, instead of allocating
 // them: t holds a reference to block's storage until free_storage (pooled parameter storage).
 void borrow_storage(const at::Tensor& t, const at::Tensor& block, size_t byte_offset);

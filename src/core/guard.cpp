@@ -164,6 +164,8 @@ at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Group> group
   return m;
 }
 
+void install() { install_once(); }
+
 ScopedInterceptor::ScopedInterceptor(Interceptor f) : fn_(std::move(f)), previous_(t_interceptor) {
   install_once();
   t_interceptor = &fn_;

@@ -43,6 +43,7 @@ void forget_marker(const at::Tensor& t);  // its group is gone
 // goes to the interceptor instead of the guard (deferred initialisation's recorder, which also
 // includes the key in the thread's dispatch set). Nested scopes restore the previous one.
 using Interceptor = std::function<void(const c10::OperatorHandle&, std::vector<c10::IValue>*)>;
+void install();  // registers the interception handler (once per process)
 class ScopedInterceptor {
  public:
   explicit ScopedInterceptor(Interceptor f);
