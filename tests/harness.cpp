@@ -86,8 +86,9 @@ bool has_torchrun() { return ::access(FSDP_TORCHRUN, X_OK) == 0; }
 
 std::vector<std::string> torchrun_command(const std::vector<std::string>& args) {
   std::vector<std::string> argv = {FSDP_TORCHRUN};
-  if (FSDP_TORCHRUN_NEEDS_REDIRECTS) argv.insert(argv.end(), {"--redirects", "1", "--tee", "1"});
-  argv.insert(argv.end(), args.begin(), args.end());
+  if (FSDP_TORCHRUN_1_13) argv.insert(argv.end(), {"--redirects", "1", "--tee", "1"});
+  for (const auto& a : args)
+    argv.push_back(FSDP_TORCHRUN_1_13 && a == "--no-python" ? "--no_python" : a);
   return argv;
 }
 

@@ -72,7 +72,8 @@ std::string bin_dir();
 // torchrun of the torch the build uses (the venv's, or Debian's python3-torch), as users type it,
 // followed by `args`. Debian's torchrun 1.13 on Python 3.11 crashes before starting its workers
 // unless its output is redirected (torch's bug, gone in 2.x): there it gets --redirects 1 --tee 1,
-// as the README says. has_torchrun() is false where that torch is not installed.
+// as the README says, and 2.x's --no-python is spelled --no_python. has_torchrun() is false where
+// that torch is not installed.
 bool has_torchrun();
 std::vector<std::string> torchrun_command(const std::vector<std::string>& args);
 

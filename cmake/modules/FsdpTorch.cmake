@@ -27,11 +27,12 @@ else()
   set(FSDP_CXX_STD cxx_std_17)
 endif()
 
-# torchrun 1.13 on Python 3.11 needs its output redirected (tests/harness.h).
+# torchrun 1.13 on Python 3.11 needs its output redirected and spells --no-python --no_python
+# (tests/harness.h).
 if(FSDP_TORCH_VERSION VERSION_LESS 2)
-  set(FSDP_TORCHRUN_NEEDS_REDIRECTS 1)
+  set(FSDP_TORCHRUN_1_13 1)
 else()
-  set(FSDP_TORCHRUN_NEEDS_REDIRECTS 0)
+  set(FSDP_TORCHRUN_1_13 0)
 endif()
 
 set(FSDP_TORCH_INCLUDE_DIRS "")
