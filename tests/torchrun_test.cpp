@@ -30,10 +30,10 @@ int free_port() {
 TEST(TorchrunTest, QuickstartTrainsOnTwoRanksUsingTheAgentStore) {
   ASSERT_TRUE(has_torchrun()) << torchrun_command({})[0]
                               << " is missing: `make test` installs it (scripts/setup.sh)";
-  auto r = run_process(torchrun_command({"--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                                         "--master_port", std::to_string(free_port()),
-                                         "--no-python", bin_dir() + "/fsdp-example"}),
-                       180s, {{"FSDP_TIMEOUT_S", "60"}});
+  auto r = run_process(
+      torchrun_command({"--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+                        std::to_string(free_port()), "--no-python", bin_dir() + "/fsdp-example"}),
+      180s, {{"FSDP_TIMEOUT_S", "60"}});
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("step 15 loss"), std::string::npos) << r.output;

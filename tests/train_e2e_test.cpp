@@ -533,8 +533,8 @@ std::vector<pid_t> children_named(pid_t parent, const std::string& comm) {
 constexpr const char* kAgentStoreMissing = "ddress already in use";
 
 // torchrun (of the build's torch, tests/harness.h) with --max_restarts 1 and fsdp-train --resume
-// auto: a rank is killed once after the checkpoint at step 10; torchrun restarts both workers, which
-// continue from the newest checkpoint, and the losses equal an uninterrupted run's.
+// auto: a rank is killed once after the checkpoint at step 10; torchrun restarts both workers,
+// which continue from the newest checkpoint, and the losses equal an uninterrupted run's.
 TEST(TrainE2E, TorchrunRestartContinuesFromTheCheckpoint) {
   ASSERT_TRUE(fsdp::testing::has_torchrun())
       << fsdp::testing::torchrun_command({})[0]
