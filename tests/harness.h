@@ -69,6 +69,10 @@ ProcResult run_process(const std::vector<std::string>& argv, std::chrono::second
 // The directory holding the built programs (build/bin).
 std::string bin_dir();
 
+// A free TCP port on loopback (bound and released; the program under test binds it right after);
+// 0 when none could be had.
+int free_port();
+
 // torchrun of the torch the build uses (the venv's, or Debian's python3-torch), as users type it,
 // followed by `args`. Debian's torchrun 1.13 on Python 3.11 crashes before starting its workers
 // unless its output is redirected (torch's bug, gone in 2.x): there it gets --redirects 1 --tee 1,

@@ -63,18 +63,6 @@ std::string find_program(const std::string& name) {
   return "";
 }
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 // The pids whose environment holds SLURM_CONF=conf. Everything the test starts has it: the
 // daemons and client commands from the test, the job's tasks from srun, and slurmstepd (which
 // slurmd starts with a clean environment but for SLURM_CONF) from slurmd. The configuration lies

@@ -15,18 +15,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 TEST(TorchrunTest, QuickstartTrainsOnTwoRanksUsingTheAgentStore) {
   ASSERT_TRUE(has_torchrun()) << torchrun_command({})[0]
                               << " is missing: `make test` installs it (scripts/setup.sh)";

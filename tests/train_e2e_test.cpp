@@ -493,22 +493,6 @@ TEST(TrainE2E, CtrlCStopsAllRanksCleanly) {
   EXPECT_EQ(out.str().find("error"), std::string::npos) << out.str();
 }
 
-// A free TCP port on loopback (bound and released; the launcher binds it again right after).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ::close(fd);
-    return 0;
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 // The fsdp-train processes whose parent is `parent` (torchrun's workers).
 std::vector<pid_t> children_named(pid_t parent, const std::string& comm) {
   std::vector<pid_t> out;
@@ -542,7 +526,7 @@ TEST(TrainE2E, TorchrunRestartContinuesFromTheCheckpoint) {
   const int steps = 100;
   const auto dir = scratch_dir("torchrun");
   const std::string log = dir + ".log";
-  const int port = free_port();
+  const int port = fsdp::testing::free_port();
   ASSERT_GT(port, 0);
   auto argv_s = fsdp::testing::torchrun_command(
       {"--nnodes", "1", "--nproc_per_node", "2", "--max_restarts", "1", "--master_addr",
