@@ -157,7 +157,7 @@ int run_comm_bench(const CommBenchOptions& options) {
       j["time_ms_median"] = round4(actual / (med / f) / 1e6);
       j["iters"] = iters;
       j["dtype"] = "float32";
-      j["transport"] = c.op == "all_reduce" || !comm->uses_shared_memory() ? "tcp" : "shm";
+      j["transport"] = c.op == "all_reduce" ? "collective" : to_string(comm->transport());
       j["checked"] = true;
       std::cout << j.dump() << std::endl;
     }

@@ -307,7 +307,7 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
     j["malloc"] = memory::malloc_settings();
     // How the ranks' all-gathers and reduce-scatters travel (FSDP_TRANSPORT); ddp's all-reduces
     // are Gloo's (TCP) either way.
-    j["transport"] = comm->uses_shared_memory() ? "shm" : "tcp";
+    j["transport"] = to_string(comm->transport());
     j["preset"] = o.preset;
     j["layers"] = o.layers;
     j["width"] = o.width;

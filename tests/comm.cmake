@@ -2,10 +2,10 @@
 fsdp_add_test(comm_test LABEL comm PCH core
   SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/comm_test.cpp ${CMAKE_CURRENT_SOURCE_DIR}/rendezvous_test.cpp
           ${CMAKE_CURRENT_SOURCE_DIR}/comm_failure_test.cpp
-          ${CMAKE_CURRENT_SOURCE_DIR}/shm_transport_test.cpp
+          ${CMAKE_CURRENT_SOURCE_DIR}/shm_exchange_test.cpp
           ${CMAKE_CURRENT_SOURCE_DIR}/rank_order_sum_test.cpp
           ${CMAKE_CURRENT_SOURCE_DIR}/slurm_test.cpp)
-# comm_failure_test, shm_transport_test, rank_order_sum_test and slurm_test reach internal headers
+# comm_failure_test, shm_exchange_test, rank_order_sum_test and slurm_test reach internal headers
 # (src/comm/*.h).
 target_include_directories(comm_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
 fsdp_add_test(launcher_test LABEL comm PCH core

@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "comm/communicator_impl.h"
 #include "comm_data.h"
 #include "harness.h"
 
@@ -107,21 +108,25 @@ void check_all_reduce(Communicator& c, at::ScalarType t, int64_t n, ReduceOp op)
 // One launch per world size; inside, every op x dtype x size.
 class CollectivesTest : public ::testing::TestWithParam<int> {};
 
+// On each transport (the world's default, shm here, then tcp and collective).
 TEST_P(CollectivesTest, EveryOpAndDtypeMatchesReference) {
   run_ranks(GetParam(), [](Rank& r) {
     auto c = r.world();
     ASSERT_EQ(c->size(), r.size);
     ASSERT_EQ(c->rank(), r.rank);
-    for (at::ScalarType t : kDtypes) {
-      for (int64_t n : {int64_t{5}, int64_t{1031}}) {
-        check_all_gather(*c, t, n);
-        check_broadcast(*c, t, n, 0);
-        check_broadcast(*c, t, n, c->size() - 1);
-        check_reduce_scatter(*c, t, n, ReduceOp::kSum);
-        check_reduce_scatter(*c, t, n, ReduceOp::kAvg);
-        check_reduce_scatter(*c, t, n, ReduceOp::kAvg, /*in_place=*/true);
-        check_all_reduce(*c, t, n, ReduceOp::kSum);
-        check_all_reduce(*c, t, n, ReduceOp::kAvg);
+    for (auto lane : {c, r.lane_over("tcp"), r.lane_over("collective")}) {
+      for (at::ScalarType t : kDtypes) {
+        for (int64_t n : {int64_t{5}, int64_t{1031}}) {
+          SCOPED_TRACE(to_string(lane->transport()));
+          check_all_gather(*lane, t, n);
+          check_broadcast(*lane, t, n, 0);
+          check_broadcast(*lane, t, n, lane->size() - 1);
+          check_reduce_scatter(*lane, t, n, ReduceOp::kSum);
+          check_reduce_scatter(*lane, t, n, ReduceOp::kAvg);
+          check_reduce_scatter(*lane, t, n, ReduceOp::kAvg, /*in_place=*/true);
+          check_all_reduce(*lane, t, n, ReduceOp::kSum);
+          check_all_reduce(*lane, t, n, ReduceOp::kAvg);
+        }
       }
     }
     // Barrier: the last rank arrives 300 ms late; nobody may leave before it arrived.
@@ -139,128 +144,132 @@ TEST_P(CollectivesTest, EveryOpAndDtypeMatchesReference) {
 INSTANTIATE_TEST_SUITE_P(WorldSize, CollectivesTest, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
-// fp32/fp64 reduce-scatter runs as a pipelined ring at two ranks (src/comm/ring_reduce_scatter.h);
-// from three on as a pipelined exchange summed in rank order: exact here in either case. Blocks of
-// 300001 elements travel in pieces of at most 1 MiB (2 per step in fp32, 3 in fp64), the last one
-// short. Two
-// reduce-scatters are in flight at once (one with a caller's scratch buffer), and the sums must be
-// exact and land on the right rank.
-class RingReduceScatterTest : public ::testing::TestWithParam<int> {};
+// On shm and tcp, a reduce-scatter's blocks travel in chunks (one slot of 256 KiB over shared
+// memory, at most 1 MiB over tcp) and each chunk is summed as it arrives: exact here. Blocks of
+// 300001 elements span several chunks, the last one short; 1,200,001 elements span more chunks
+// than tcp receives ahead (kWindowChunks). In place and out of place; two reduce-scatters in flight
+// at once, waited in reverse order: the sums must be exact and land on the right rank.
+class PipelinedReduceScatterTest : public ::testing::TestWithParam<int> {};
 
-TEST_P(RingReduceScatterTest, PipelinedRingSumsExactlyInEveryPiece) {
+TEST_P(PipelinedReduceScatterTest, ChunkedSumsAreExactOnEveryTransport) {
   run_ranks(GetParam(), [](Rank& r) {
-    auto c = r.world();
-    const int ws = c->size();
-    const int64_t n = 300001;
-    for (at::ScalarType t : {at::kFloat, at::kDouble}) {
-      check_reduce_scatter(*c, t, n, ReduceOp::kSum);
-      check_reduce_scatter(*c, t, n, ReduceOp::kAvg);
-      // In place: at two ranks the ring's last step lands in a window of pieces; 1,200,001
-      // elements travel in more pieces than the window holds.
-      for (int64_t m : {n, int64_t{1200001}}) {
-        check_reduce_scatter(*c, t, m, ReduceOp::kSum, /*in_place=*/true);
-        check_reduce_scatter(*c, t, m, ReduceOp::kAvg, /*in_place=*/true);
-      }
-      // Two in flight, waited in reverse order; the second with a scratch buffer.
-      std::vector<at::Tensor> ins, outs, expected;
-      for (int k = 0; k < 2; ++k) {
-        std::vector<at::Tensor> blocks;
-        for (int q = 0; q < ws; ++q) {
-          auto in = exact_sum_values(ws * n, seed_of(10 + k, t, q, n), t);
-          if (q == c->rank()) ins.push_back(in);
-          blocks.push_back(in.narrow(0, c->rank() * n, n));
+    for (auto c : {r.world(), r.lane_over("tcp")}) {
+      SCOPED_TRACE(to_string(c->transport()));
+      const int ws = c->size();
+      const int64_t n = 300001;
+      for (at::ScalarType t : {at::kFloat, at::kDouble}) {
+        check_reduce_scatter(*c, t, n, ReduceOp::kSum);
+        check_reduce_scatter(*c, t, n, ReduceOp::kAvg);
+        for (int64_t m : {n, int64_t{1200001}}) {
+          check_reduce_scatter(*c, t, m, ReduceOp::kSum, /*in_place=*/true);
+          check_reduce_scatter(*c, t, m, ReduceOp::kAvg, /*in_place=*/true);
         }
-        expected.push_back(reduce_reference(blocks, ReduceOp::kSum, t));
-        outs.push_back(at::empty({n}, at::TensorOptions(t)));
+        std::vector<at::Tensor> ins, outs, expected;
+        for (int k = 0; k < 2; ++k) {
+          std::vector<at::Tensor> blocks;
+          for (int q = 0; q < ws; ++q) {
+            auto in = exact_sum_values(ws * n, seed_of(10 + k, t, q, n), t);
+            if (q == c->rank()) ins.push_back(in);
+            blocks.push_back(in.narrow(0, c->rank() * n, n));
+          }
+          expected.push_back(reduce_reference(blocks, ReduceOp::kSum, t));
+          outs.push_back(at::empty({n}, at::TensorOptions(t)));
+        }
+        auto first = c->reduce_scatter(outs[0], ins[0], ReduceOp::kSum);
+        auto second = c->reduce_scatter(outs[1], ins[1], ReduceOp::kSum);
+        second.wait();
+        first.wait();
+        for (int k = 0; k < 2; ++k)
+          EXPECT_TRUE(bit_equal(outs[k], expected[k])) << describe("in flight", t, n, ws) << k;
       }
-      auto scratch = at::empty({ws * n}, at::TensorOptions(t));
-      auto first = c->reduce_scatter(outs[0], ins[0], ReduceOp::kSum);
-      auto second = c->reduce_scatter(outs[1], ins[1], ReduceOp::kSum, scratch);
-      second.wait();
-      first.wait();
-      for (int k = 0; k < 2; ++k)
-        EXPECT_TRUE(bit_equal(outs[k], expected[k])) << describe("ring in flight", t, n, ws) << k;
     }
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSize, RingReduceScatterTest, ::testing::Values(2, 3, 4),
+INSTANTIATE_TEST_SUITE_P(WorldSize, PipelinedReduceScatterTest, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
 // all_gather_into: random pieces whose sizes differ between pieces and ranks (some empty, as a
 // trailing rank's rows of a small parameter), landing in random, disjoint places of one block,
 // every dtype, many seeds; the block bitwise against the concatenation every rank can rebuild,
-// and the gaps between places untouched. The lane refuses it where it cannot put pieces in place.
+// and the gaps between places untouched, on shm and tcp. A collective lane refuses it: it cannot
+// put pieces in place.
 class GatherIntoPlacesTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(GatherIntoPlacesTest, PiecesLandInTheirPlacesBitwise) {
   run_ranks(GetParam(), [](Rank& r) {
-    auto c = r.world();
-    const int ws = c->size();
-    for (int seed = 0; seed < 12; ++seed) {
-      const at::ScalarType t = kDtypes[seed % 4];
-      std::mt19937 gen(7919 * seed + ws);  // same on every rank: sizes and places agree
-      const int pieces = 1 + static_cast<int>(gen() % 9);
-      std::vector<std::vector<int64_t>> len(ws, std::vector<int64_t>(pieces));
-      for (auto& row : len)
-        for (auto& l : row) l = gen() % 4 == 0 ? 0 : static_cast<int64_t>(gen() % 5000);
-      // Places: (rank, piece) in a shuffled order, each after a random gap.
-      std::vector<std::pair<int, int>> order;
-      for (int q = 0; q < ws; ++q)
-        for (int i = 0; i < pieces; ++i) order.emplace_back(q, i);
-      std::shuffle(order.begin(), order.end(), gen);
-      std::vector<std::vector<int64_t>> where(ws, std::vector<int64_t>(pieces));
-      int64_t end = 0;
-      for (auto [q, i] : order) {
-        end += gen() % 17;
-        where[q][i] = end;
-        end += len[q][i];
-      }
-      const auto fill = static_cast<double>(seed) + 0.5;
-      auto block = at::full({end + 3}, fill, at::TensorOptions(t));
-      std::vector<std::vector<at::Tensor>> places(ws);
-      std::vector<at::Tensor> mine;
-      auto expected = block.clone();
-      for (int q = 0; q < ws; ++q)
-        for (int i = 0; i < pieces; ++i) {
-          auto v = random_bits(len[q][i], seed_of(30 + seed, t, q, 100 * i + 1), t);
-          places[q].push_back(block.narrow(0, where[q][i], len[q][i]));
-          expected.narrow(0, where[q][i], len[q][i]).copy_(v);
-          if (q == c->rank()) mine.push_back(v);
+    for (auto c : {r.world(), r.lane_over("tcp")}) {
+      SCOPED_TRACE(to_string(c->transport()));
+      const int ws = c->size();
+      for (int seed = 0; seed < 12; ++seed) {
+        const at::ScalarType t = kDtypes[seed % 4];
+        std::mt19937 gen(7919 * seed + ws);  // same on every rank: sizes and places agree
+        const int pieces = 1 + static_cast<int>(gen() % 9);
+        std::vector<std::vector<int64_t>> len(ws, std::vector<int64_t>(pieces));
+        for (auto& row : len)
+          for (auto& l : row) l = gen() % 4 == 0 ? 0 : static_cast<int64_t>(gen() % 5000);
+        // Places: (rank, piece) in a shuffled order, each after a random gap.
+        std::vector<std::pair<int, int>> order;
+        for (int q = 0; q < ws; ++q)
+          for (int i = 0; i < pieces; ++i) order.emplace_back(q, i);
+        std::shuffle(order.begin(), order.end(), gen);
+        std::vector<std::vector<int64_t>> where(ws, std::vector<int64_t>(pieces));
+        int64_t end = 0;
+        for (auto [q, i] : order) {
+          end += gen() % 17;
+          where[q][i] = end;
+          end += len[q][i];
         }
-      ASSERT_TRUE(c->gathers_into_places(mine));
-      c->all_gather_into(std::move(places), std::move(mine)).wait();
-      EXPECT_TRUE(bit_equal(block, expected)) << describe("all_gather_into", t, end, ws);
+        const auto fill = static_cast<double>(seed) + 0.5;
+        auto block = at::full({end + 3}, fill, at::TensorOptions(t));
+        std::vector<std::vector<at::Tensor>> places(ws);
+        std::vector<at::Tensor> mine;
+        auto expected = block.clone();
+        for (int q = 0; q < ws; ++q)
+          for (int i = 0; i < pieces; ++i) {
+            auto v = random_bits(len[q][i], seed_of(30 + seed, t, q, 100 * i + 1), t);
+            places[q].push_back(block.narrow(0, where[q][i], len[q][i]));
+            expected.narrow(0, where[q][i], len[q][i]).copy_(v);
+            if (q == c->rank()) mine.push_back(v);
+          }
+        ASSERT_TRUE(detail::gathers_into_places(*c, mine));
+        detail::all_gather_into(*c, std::move(places), std::move(mine)).wait();
+        EXPECT_TRUE(bit_equal(block, expected)) << describe("all_gather_into", t, end, ws);
+      }
+      EXPECT_FALSE(detail::gathers_into_places(*c, {}));
+      expect_error(
+          [&] {
+            detail::all_gather_into(*c, std::vector<std::vector<at::Tensor>>(ws, {at::ones({4})}),
+                                    {at::ones({4}, at::kDouble)});
+          },
+          {"all_gather_into"});
     }
     auto one = std::vector<at::Tensor>{at::ones({4})};
-    ::setenv("FSDP_ALL_GATHER", "collective", 1);
-    EXPECT_FALSE(c->gathers_into_places(one));
-    expect_error([&] { c->all_gather_into(std::vector<std::vector<at::Tensor>>(ws), one); },
-                 {"cannot be gathered into their places here", "use all_gather"});
-    ::unsetenv("FSDP_ALL_GATHER");
-    EXPECT_FALSE(c->gathers_into_places({}));
+    if (r.size == 1) return;  // one rank gathers in place on every transport
+    auto collective = r.lane_over("collective");
+    EXPECT_FALSE(detail::gathers_into_places(*collective, one));
     expect_error(
         [&] {
-          c->all_gather_into(std::vector<std::vector<at::Tensor>>(ws, {at::ones({4})}),
-                             {at::ones({4}, at::kDouble)});
+          detail::all_gather_into(*collective, std::vector<std::vector<at::Tensor>>(r.size), one);
         },
-        {"all_gather_into"});
+        {"cannot be gathered into their places here", "use all_gather"});
   });
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSize, GatherIntoPlacesTest, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
-// From three ranks on, reduce-scatter exchanges chunks point to point and sums each chunk in rank
-// order as it arrives (src/comm/ring_reduce_scatter.h): bitwise the plain alltoall + sum's result
-// (FSDP_REDUCE_SCATTER=alltoall) for every dtype, both ops and sizes from one element to more
-// chunks than are received ahead (the last one short). The reverse-order check shows the data would
-// expose a different summation order.
+// On shm and tcp, reduce-scatter sums each chunk in rank order as it arrives: bitwise the
+// collective transport's result (the blocks exchanged by the backend's all-to-all, then summed)
+// for every dtype, both ops and sizes from one element to more chunks than are received ahead
+// (the last one short). The reverse-order check shows the data would expose a different summation
+// order.
 class RankOrderReduceScatterTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(RankOrderReduceScatterTest, BitwiseEqualToAlltoallThenSum) {
   run_ranks(GetParam(), [](Rank& r) {
     auto c = r.world();
+    auto tcp = r.lane_over("tcp"), collective = r.lane_over("collective");
     const int ws = c->size();
     bool order_visible = false;
     for (at::ScalarType t : kDtypes) {
@@ -281,14 +290,13 @@ TEST_P(RankOrderReduceScatterTest, BitwiseEqualToAlltoallThenSum) {
         }
         for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
           auto plain = at::empty({n}, at::TensorOptions(t));
-          auto piped = at::empty({n}, at::TensorOptions(t));
-          ::setenv("FSDP_REDUCE_SCATTER", "alltoall", 1);
-          c->reduce_scatter(plain, mine, op).wait();
-          ::setenv("FSDP_REDUCE_SCATTER", "rank-order", 1);
-          c->reduce_scatter(piped, mine, op).wait();
-          ::unsetenv("FSDP_REDUCE_SCATTER");
-          EXPECT_TRUE(bit_equal(piped, plain))
-              << describe("rank-order", t, n, ws) << " op " << static_cast<int>(op);
+          collective->reduce_scatter(plain, mine, op).wait();
+          for (auto lane : {c, tcp}) {
+            auto piped = at::empty({n}, at::TensorOptions(t));
+            lane->reduce_scatter(piped, mine, op).wait();
+            EXPECT_TRUE(bit_equal(piped, plain)) << describe(to_string(lane->transport()), t, n, ws)
+                                                 << " op " << static_cast<int>(op);
+          }
           if (look) {  // and both are the left fold over ranks 0, 1, ..., N-1
             auto fold = blocks[0].clone();
             for (int q = 1; q < ws; ++q) fold.add_(blocks[q]);
@@ -303,20 +311,12 @@ TEST_P(RankOrderReduceScatterTest, BitwiseEqualToAlltoallThenSum) {
         }
       }
     }
-    EXPECT_TRUE(order_visible) << "the data cannot tell summation orders apart";
-    // The default at this world size is the rank-order exchange, and the ring is refused.
-    auto in = at::ones({ws * 4}), out = at::empty({4});
-    ::setenv("FSDP_REDUCE_SCATTER", "ring", 1);
-    expect_error([&] { c->reduce_scatter(out, in, ReduceOp::kSum); },
-                 {"FSDP_REDUCE_SCATTER=ring needs"});
-    ::setenv("FSDP_REDUCE_SCATTER", "fast", 1);
-    expect_error([&] { c->reduce_scatter(out, in, ReduceOp::kSum); },
-                 {"FSDP_REDUCE_SCATTER='fast' is not one of"});
-    ::unsetenv("FSDP_REDUCE_SCATTER");
+    // Two summands commute: the order shows from three ranks on.
+    if (ws >= 3) EXPECT_TRUE(order_visible) << "the data cannot tell summation orders apart";
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSize, RankOrderReduceScatterTest, ::testing::Values(3, 4),
+INSTANTIATE_TEST_SUITE_P(WorldSize, RankOrderReduceScatterTest, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
 TEST(CommTest, CollectivesRunWhileComputeRuns) {
@@ -447,14 +447,14 @@ TEST(CommTest, MissingPeerCollectiveTimesOutWithCommError) {
 }
 
 // The explicit-timeout overload reports its own limit.
-// The ring's point-to-point waits time out like the collectives, with the same message.
-TEST(CommTest, MissingPeerRingReduceScatterTimesOutWithCommError) {
+// The tcp transport's point-to-point waits time out like the collectives, with the same message.
+TEST(CommTest, MissingPeerPointToPointReduceScatterTimesOutWithCommError) {
   RunOptions opt;
   opt.collective_timeout_s = 2;
   run_ranks(
       2,
       [](Rank& r) {
-        auto c = r.world();
+        auto c = r.lane_over("tcp");
         if (c->rank() == 1) {
           std::this_thread::sleep_for(3500ms);  // alive, connected, silent until rank 0 gave up
           return;

@@ -13,6 +13,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -62,6 +63,19 @@ int next_call_index() {
 std::shared_ptr<Communicator> Rank::world() {
   if (!world_) world_ = fsdp::init_process_group();
   return world_;
+}
+
+std::shared_ptr<Communicator> Rank::lane_over(const std::string& transport) {
+  auto w = world();
+  struct Restore {  // FSDP_TRANSPORT as it was, however split() ends
+    std::optional<std::string> before;
+    ~Restore() {
+      before ? ::setenv("FSDP_TRANSPORT", before->c_str(), 1) : ::unsetenv("FSDP_TRANSPORT");
+    }
+  } restore;
+  if (const char* v = std::getenv("FSDP_TRANSPORT")) restore.before = v;
+  ::setenv("FSDP_TRANSPORT", transport.c_str(), 1);
+  return w->split("over-" + transport);
 }
 
 bool in_rank_process() { return std::getenv("FSDP_TEST_RANK") != nullptr; }

@@ -31,6 +31,9 @@ struct Rank {
   // The rank's communicator over loopback; created on first use (rendezvous is collective).
   std::shared_ptr<Communicator> world();
   std::shared_ptr<Communicator> world_;
+  // A new lane of the world whose transport is `transport` (FSDP_TRANSPORT while it is built):
+  // "shm", "tcp" or "collective". Collective over the ranks, like Communicator::split.
+  std::shared_ptr<Communicator> lane_over(const std::string& transport);
 };
 
 struct RunOptions {

@@ -158,12 +158,19 @@ TEST(ParityVariants, NoReshardAfterForwardWorld3) { run_parity(3, Variant::kNoRe
 TEST(ParityVariants, GradientAccumulationWorld2) { run_parity(2, Variant::kAccumulate); }
 TEST(ParityVariants, GradientAccumulationWorld3) { run_parity(3, Variant::kAccumulate); }
 TEST(ParityVariants, ShardsGivenNewStorageWorld3) { run_parity(3, Variant::kNewStorage); }
-// Through a flat gather buffer and its copy-out, the path of collective backends (NCCL): on CPU
-// the all-gather otherwise lands in the full parameters' block directly.
-TEST(ParityVariants, FlatGatherBufferWorld3) {
-  ::setenv("FSDP_ALL_GATHER", "collective", 1);
+// On the collective transport (the path of NCCL): the all-gather through a flat buffer and its
+// copy-out, the reduce-scatter as the backend's all-to-all then the sum. On shm and tcp the
+// all-gather lands in the full parameters' block directly.
+TEST(ParityVariants, CollectiveTransportWorld3) {
+  ::setenv("FSDP_TRANSPORT", "collective", 1);
   run_parity(3, Variant::kDefault, torch::kDouble);
-  ::unsetenv("FSDP_ALL_GATHER");
+  ::unsetenv("FSDP_TRANSPORT");
+}
+// Over the process group's point-to-point send/recv, the transport across hosts.
+TEST(ParityVariants, TcpTransportWorld3) {
+  ::setenv("FSDP_TRANSPORT", "tcp", 1);
+  run_parity(3, Variant::kDefault, torch::kDouble);
+  ::unsetenv("FSDP_TRANSPORT");
 }
 
 }  // namespace

@@ -12,8 +12,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
-#include <functional>
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,9 +23,6 @@ class Work;
 }  // namespace c10d
 
 namespace fsdp {
-namespace detail {
-class RingReduceScatter;
-}  // namespace detail
 
 enum class ReduceOp {
   kSum,  // element-wise sum over ranks
@@ -75,47 +70,48 @@ struct PeerInfo {
   int64_t pid = 0;
 };
 
+// How a communicator's all-gathers and reduce-scatters travel, chosen once when it is built
+// (FSDP_TRANSPORT: auto, shm, tcp or collective; default auto):
+//   shm: shared memory between the ranks (auto's choice when every rank is on this host);
+//   tcp: the process group's point-to-point send/recv (auto's choice across hosts);
+//   collective: the backend's own all-gather and all-to-all (the only choice under NCCL).
+// shm and tcp sum a reduce-scatter's blocks in rank order as they arrive, bitwise equal to
+// collective's (the blocks exchanged, then summed in rank order); CUDA tensors always take the
+// collective path. all_reduce, broadcast and barrier are the backend's in every case.
+enum class Transport { kShm, kTcp, kCollective };
+const char* to_string(Transport t);
+
 class Communicator {
  public:
   // Wraps an existing c10d process group. `store` is kept for split(); `backend` is "gloo" or
-  // "nccl".
+  // "nccl"; `peers`: the ranks' identities (init_process_group passes them), which name a dead
+  // peer in failure messages and tell which ranks share this host. Collective: connects the
+  // transport (FSDP_TRANSPORT), so every rank of `pg` constructs its communicator together.
   Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::Store> store,
                std::string backend, std::chrono::milliseconds timeout, std::string name = "world",
-               std::string bind_host = "127.0.0.1");
+               std::string bind_host = "127.0.0.1", std::vector<PeerInfo> peers = {});
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  int rank() const { return rank_; }
-  int size() const { return size_; }
-  const std::string& name() const { return name_; }
-  const std::string& backend() const { return backend_; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
-  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+  int rank() const;
+  int size() const;
+  const std::string& name() const;
+  const std::string& backend() const;
+  std::chrono::milliseconds timeout() const;
+  void set_timeout(std::chrono::milliseconds t);
+  // How this communicator's all-gathers and reduce-scatters travel.
+  Transport transport() const;
 
   // REQUIRES: output contiguous, output.numel() == size() * input.numel(), same dtype.
   // output[r * n : (r + 1) * n] receives rank r's input.
   Work all_gather(const at::Tensor& output, const at::Tensor& input);
-  // The all-gather of a list of pieces straight into their places, with no gather buffer:
-  // outputs[r][i] receives rank r's inputs[i] (sizes may differ between pieces and ranks; every
-  // rank must agree on them; empty pieces are skipped), outputs[rank()][i] gets a copy of this
-  // rank's inputs[i]. REQUIRES gathers_into_places(inputs): CPU tensors under the point-to-point
-  // all-gather (FSDP_ALL_GATHER=direct, the default on CPU), at most kMaxGatherPieces pieces,
-  // every tensor contiguous and of one dtype. Elsewhere (a collective backend such as NCCL) the
-  // caller gathers into a flat buffer with all_gather and copies out.
-  static constexpr size_t kMaxGatherPieces = 4096;
-  bool gathers_into_places(const std::vector<at::Tensor>& inputs) const;
-  Work all_gather_into(std::vector<std::vector<at::Tensor>> outputs,
-                       std::vector<at::Tensor> inputs);
   // REQUIRES: input contiguous, input.numel() == size() * output.numel(), same dtype.
-  // output = op over ranks of input[rank * n : (rank + 1) * n]. Low-precision data is summed in
-  // fp32. The output may be this rank's own block of the input, input[rank * n : (rank + 1) * n]
-  // (in place: no output buffer; the rest of the input is left as it was), with the same result.
-  // `scratch` (optional, same size and dtype as input, contiguous) receives the exchanged blocks;
-  // without it a buffer is allocated per call: the whole exchange for the plain alltoall path
-  // (FSDP_REDUCE_SCATTER=alltoall), a few chunks for the pipelined paths on CPU.
-  Work reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
-                      const at::Tensor& scratch = {});
+  // output = op over ranks of input[rank * n : (rank + 1) * n], summed in rank order 0..N-1 (the
+  // same bits on every transport). Low-precision data is summed in fp32. The output may be this
+  // rank's own block of the input, input[rank * n : (rank + 1) * n] (in place: no output buffer;
+  // the rest of the input is left as it was), with the same result.
+  Work reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
   // In place, all ranks end with the reduction.
   Work all_reduce(const at::Tensor& tensor, ReduceOp op);
   // In place, from `root` to all.
@@ -135,45 +131,20 @@ class Communicator {
 
   // The c10d process group underneath, for c10d facilities that take one (e.g. c10d::Reducer);
   // collectives issued on it bypass this communicator's checks, timeouts and statistics.
-  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
-  // The ranks' identities (from init_process_group; empty for a hand-built communicator).
-  void set_peers(std::vector<PeerInfo> peers);
-  // Collective: where every rank is on this host (by the peers' host names; for a hand-built
-  // communicator, by what the ranks publish on the store), moves the point-to-point all-gathers
-  // and reduce-scatters through shared memory instead of the process group's TCP
-  // (FSDP_TRANSPORT: auto, shm or tcp; src/comm/shm_transport.h). init_process_group, split()
-  // and subgroup() call it; on a hand-built communicator, call it before its first collective
-  // (after that, and a second time, it does nothing).
-  void connect_local_transport();
-  // Whether this communicator's all-gathers and reduce-scatters go through shared memory.
-  bool uses_shared_memory() const;
-  const std::vector<PeerInfo>& peers() const { return *peers_; }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;
+  const std::vector<PeerInfo>& peers() const;
 
-  const CommStats& stats() const { return *stats_; }
+  const CommStats& stats() const;
   // This communicator's statistics plus those of every lane split from it.
   CommStats total_stats() const;
   void reset_stats();
 
- private:
-  Work make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::string op, int64_t bytes,
-                 std::function<void()> finish);
+  struct Impl;  // src/comm/communicator_impl.h
+  Impl& impl() { return *impl_; }
+  const Impl& impl() const { return *impl_; }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  c10::intrusive_ptr<c10d::Store> store_;
-  std::string backend_;
-  std::chrono::milliseconds timeout_;
-  std::string name_;
-  std::string bind_host_;
-  int rank_ = 0;
-  int size_ = 1;
-  int splits_ = 0;
-  std::map<std::string, std::shared_ptr<Communicator>> lanes_;
-  std::shared_ptr<CommStats> stats_ = std::make_shared<CommStats>();
-  std::unique_ptr<detail::RingReduceScatter> ring_;  // reduce_scatter's pipelined exchange, lazily
-  std::unique_ptr<detail::RingReduceScatter> gather_p2p_;  // all_gather's direct exchange, lazily
-  detail::RingReduceScatter& gather_p2p();                 // gather_p2p_, made at first use
-  detail::RingReduceScatter& reduce_p2p();                 // ring_, made at first use
-  std::shared_ptr<const std::vector<PeerInfo>> peers_ = std::make_shared<std::vector<PeerInfo>>();
+ private:
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace fsdp

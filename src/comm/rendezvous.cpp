@@ -235,10 +235,8 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
   }
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp", store);
   auto pg = detail::connect_mesh(prefixed, info, timeout, deadline, backend, bind_host, peers);
-  auto comm = std::make_shared<Communicator>(pg, prefixed, backend, timeout, "world", bind_host);
-  comm->set_peers(std::move(peers));
-  comm->connect_local_transport();
-  return comm;
+  return std::make_shared<Communicator>(pg, prefixed, backend, timeout, "world", bind_host,
+                                        std::move(peers));
 }
 
 }  // namespace fsdp

@@ -8,6 +8,7 @@
 
 #include <iostream>
 
+#include "comm/communicator_impl.h"
 #include "core/backward_pass.h"
 #include "core/buffers.h"
 #include "core/context.h"
@@ -319,13 +320,13 @@ void Group::issue_gather(Communicator& lane, BufferPool& pool) {
   pieces.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i)
     pieces.push_back(params_[i].rows_to_send(gather_.send, offsets_[i]));
-  if (lane.gathers_into_places(pieces)) {
+  if (detail::gathers_into_places(lane, pieces)) {
     full_block_ = pool.acquire(full_block_numel_, gather_dtype_);
     std::vector<std::vector<at::Tensor>> places(lane.size());
     for (int r = 0; r < lane.size(); ++r)
       for (size_t i = 0; i < params_.size(); ++i)
         places[r].push_back(params_[i].place_of_rows(full_block_, full_offsets_[i], r));
-    gather_.work = lane.all_gather_into(std::move(places), std::move(pieces));
+    gather_.work = all_gather_into(lane, std::move(places), std::move(pieces));
     return;
   }
   gather_.recv = pool.acquire(lane.size() * flat_numel_, gather_dtype_);

@@ -1,4 +1,4 @@
-#include "shm_transport.h"
+#include "shm_exchange.h"
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
@@ -25,7 +25,6 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "failure.h"
-#include "rank_order_sum.h"
 
 namespace fsdp::detail {
 
@@ -37,8 +36,8 @@ struct ShmPart {  // one contiguous piece of a stream
 namespace {
 
 constexpr uint64_t kMagic = 0x66736470'73686d31ull;  // "fsdpshm1"
-constexpr int64_t kSlotBytes = ShmTransport::kSlotBytes;
-constexpr int64_t kSlots = ShmTransport::kSlots;
+constexpr int64_t kSlotBytes = ShmExchange::kSlotBytes;
+constexpr int64_t kSlots = ShmExchange::kSlots;
 // An idle rank wakes at least this often to check its peers' processes and its deadline.
 constexpr auto kTick = std::chrono::milliseconds(20);
 // How long an idle rank watches its doorbell before it sleeps on it. fsdp-bench --comm at N=4,
@@ -155,7 +154,7 @@ int64_t total_of(const std::vector<Part>& parts) {
 // ---------------------------------------------------------------------------------------------
 // Segments
 // ---------------------------------------------------------------------------------------------
-struct ShmTransport::Segment {
+struct ShmExchange::Segment {
   std::string name;
   char* base = nullptr;
   int64_t bytes = 0;
@@ -250,17 +249,8 @@ struct ShmTransport::Segment {
 // ---------------------------------------------------------------------------------------------
 // Rendezvous
 // ---------------------------------------------------------------------------------------------
-ShmTransport::Mode ShmTransport::mode_from_env() {
-  const char* env = std::getenv("FSDP_TRANSPORT");
-  const std::string v = env && *env ? env : "auto";
-  if (v == "auto") return Mode::kAuto;
-  if (v == "shm") return Mode::kShm;
-  if (v == "tcp") return Mode::kTcp;
-  throw Error(cat("FSDP_TRANSPORT='", v, "' is not one of auto, shm, tcp"));
-}
-
-ShmTransport::ShmTransport(int rank, int world) : rank_(rank), world_(world) {}
-ShmTransport::~ShmTransport() = default;
+ShmExchange::ShmExchange(int rank, int world) : rank_(rank), world_(world) {}
+ShmExchange::~ShmExchange() = default;
 
 namespace {
 // Every rank's value of `key`/`r`, each wait bounded by `timeout`.
@@ -293,17 +283,17 @@ std::vector<std::string> lines(const std::string& s) {
 }
 }  // namespace
 
-std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, const std::string& key,
-                                                    int rank, int world, Mode mode,
+std::unique_ptr<ShmExchange> ShmExchange::connect(c10d::Store& store, const std::string& key,
+                                                    int rank, int world, bool required,
                                                     std::chrono::milliseconds timeout) {
-  if (mode == Mode::kTcp || world < 2) return nullptr;
+  if (world < 2) return nullptr;
   // A generation per rank: the same key may be connected again on one store (a communicator
   // rebuilt under the same name); ranks make their transports in the same order.
   const std::string base =
       cat("fsdp-shm/", key, "#", store.add(cat("fsdp-shm/", key, "/gen/", rank), 1));
   std::random_device rd;
   const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  std::unique_ptr<ShmTransport> t(new ShmTransport(rank, world));
+  std::unique_ptr<ShmExchange> t(new ShmExchange(rank, world));
   t->seg_.resize(world);
   t->pid_.assign(world, 0);
   std::string why;
@@ -346,26 +336,23 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(c10d::Store& store, const st
   // Every rank has mapped every segment it will use (or gave up): no name is needed any more.
   if (t->seg_[rank]) t->seg_[rank]->unlink();
   if (refusal.empty()) return t;
-  if (mode == Mode::kShm)
+  if (required)
     throw Error(cat("FSDP_TRANSPORT=shm: the shared-memory transport cannot connect the ", world,
                     " ranks of '", key, "' (", refusal,
                     "); unset FSDP_TRANSPORT (auto) or set FSDP_TRANSPORT=tcp"));
-  if (!elsewhere) {
-    static std::atomic<bool> warned{false};
-    if (!warned.exchange(true))
-      std::fprintf(stderr,
-                   "fsdp: warning: the ranks share this host but the shared-memory transport "
-                   "cannot connect them (%s); collectives go over TCP (slower). Set "
-                   "FSDP_TRANSPORT=tcp to choose TCP and silence this.\n",
-                   refusal.c_str());
-  }
+  if (!elsewhere)
+    TORCH_WARN_ONCE("fsdp: the ranks share this host but the shared-memory transport cannot "
+                    "connect them (",
+                    refusal,
+                    "); collectives go over TCP (slower). Set FSDP_TRANSPORT=tcp to choose TCP "
+                    "and silence this.");
   return nullptr;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Streams
 // ---------------------------------------------------------------------------------------------
-struct ShmTransport::Stream {
+struct ShmExchange::Stream {
   int peer = 0;
   uint64_t seq = 0;
   std::vector<Part> parts;
@@ -373,15 +360,15 @@ struct ShmTransport::Stream {
   bool finished() const { return done == total; }
 };
 
-uint32_t ShmTransport::bell() const { return seg_[rank_]->header()->bell.load(); }
+uint32_t ShmExchange::bell() const { return seg_[rank_]->header()->bell.load(); }
 
-void ShmTransport::ring(int peer) {
+void ShmExchange::ring(int peer) {
   Header* h = seg_[peer]->header();
   h->bell.fetch_add(1);
   if (h->sleeping.load()) futex_wake(&h->bell);
 }
 
-bool ShmTransport::send_some(Stream& s) {
+bool ShmExchange::send_some(Stream& s) {
   Channel* ch = seg_[rank_]->channel(s.peer);
   bool moved = false;
   while (!s.finished()) {
@@ -420,7 +407,7 @@ const SlotTag* next_slot(Channel* ch, uint64_t seq, int64_t total, int64_t done,
 }
 }  // namespace
 
-void ShmTransport::idle(uint32_t seen, const std::vector<int>& waiting_for,
+void ShmExchange::idle(uint32_t seen, const std::vector<int>& waiting_for,
                         std::chrono::steady_clock::time_point deadline,
                         std::chrono::milliseconds timeout) {
   if (aborted_)
@@ -449,7 +436,7 @@ void ShmTransport::idle(uint32_t seen, const std::vector<int>& waiting_for,
   h->sleeping.store(0);
 }
 
-void ShmTransport::drive(std::vector<Stream>& out,
+void ShmExchange::drive(std::vector<Stream>& out,
                          const std::function<Progress(std::vector<int>&)>& receive,
                          std::chrono::milliseconds timeout) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -476,7 +463,7 @@ void ShmTransport::drive(std::vector<Stream>& out,
   }
 }
 
-void ShmTransport::all_gather(const std::vector<std::vector<at::Tensor>>& into,
+void ShmExchange::all_gather(const std::vector<std::vector<at::Tensor>>& into,
                               const std::vector<at::Tensor>& pieces,
                               std::chrono::milliseconds timeout) {
   const uint64_t seq = jobs_++;
@@ -515,10 +502,11 @@ void ShmTransport::all_gather(const std::vector<std::vector<at::Tensor>>& into,
   drive(out, receive, timeout);
 }
 
-void ShmTransport::reduce(const at::Tensor& output, const at::Tensor& input, bool average,
-                          std::chrono::milliseconds timeout) {
+void ShmExchange::exchange_blocks(const at::Tensor& input, int64_t n,
+                                  const ChunkConsumer& consume,
+                                  std::chrono::milliseconds timeout) {
   const uint64_t seq = jobs_++;
-  const int64_t n = output.numel(), es = input.element_size();
+  const int64_t es = input.element_size();
   const int64_t chunk = kSlotBytes / es, chunks = (n + chunk - 1) / chunk;
   std::vector<Stream> out;
   for (int d = 1; d < world_; ++d) {
@@ -527,9 +515,10 @@ void ShmTransport::reduce(const at::Tensor& output, const at::Tensor& input, boo
   }
   std::vector<at::Tensor> rows(world_);
   int64_t k = 0;  // the next chunk to sum
-  // Sums chunk k once every peer's slot for it has arrived: one chunk per call, so that drive()
-  // refills the peers' channels between sums. (Summing every chunk that had arrived before sending
-  // again left the peers without data: idle 5-8 ms of a 13 ms job at N=2, 64 MiB; 0.5 ms after.)
+  // Consumes chunk k once every peer's slot for it has arrived: one chunk per call, so that
+  // drive() refills the peers' channels between sums. (Summing every chunk that had arrived before
+  // sending again left the peers without data: idle 5-8 ms of a 13 ms job at N=2, 64 MiB; 0.5 ms
+  // after.)
   auto receive = [&](std::vector<int>& waiting) {
     if (k == chunks) return Progress{false, true};
     const int64_t off = k * chunk, len = std::min(chunk, n - off);
@@ -546,7 +535,7 @@ void ShmTransport::reduce(const at::Tensor& output, const at::Tensor& input, boo
       rows[j] = at::from_blob(seg_[j]->slot(rank_, ch->tail.load(std::memory_order_relaxed)), {len},
                               input.options());
     }
-    sum_in_rank_order(output.narrow(0, off, len), rows, average);
+    consume(off, rows);
     for (int j = 0; j < world_; ++j) {
       if (j == rank_) continue;
       Channel* ch = seg_[j]->channel(rank_);

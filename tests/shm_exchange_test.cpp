@@ -1,9 +1,11 @@
-// The shared-memory transport (src/comm/shm_transport.h) on real ranks: generated exchanges
+// The shared-memory transport (src/comm/shm_exchange.h) on real ranks: generated exchanges
 // (every dtype, sizes around and across the slot size, ring wrap-around, several jobs in flight on
-// both lanes at once, in place and not) bitwise against the TCP paths of a lane that does not use
-// it; ranks that disagree on a collective's sizes fail naming both streams; the choice of
+// both lanes at once, in place and not) bitwise against the collective transport of a lane that
+// does not use it; ranks that disagree on a collective's sizes fail naming both streams; the choice of
 // transport by FSDP_TRANSPORT; nothing left in /dev/shm.
-#include "comm/shm_transport.h"
+#include "comm/shm_exchange.h"
+
+#include "comm/communicator_impl.h"
 
 #include <ATen/ATen.h>
 #include <dirent.h>
@@ -22,10 +24,10 @@
 #include "harness.h"
 
 // A namespace of its own: the unity build compiles this file in one unit with others.
-namespace fsdp::testing::shm_transport_test {
+namespace fsdp::testing::shm_exchange_test {
 namespace {
 
-using detail::ShmTransport;
+using detail::ShmExchange;
 
 const at::ScalarType kTypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16,
                                  at::kInt,   at::kLong,   at::kChar, at::kByte};
@@ -33,7 +35,7 @@ const at::ScalarType kTypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat
 // Element counts that matter to a slot of kSlotBytes: empty, tiny, one short of / exactly / one
 // past a slot, and several slots (more than a channel holds, so slots are written again).
 int64_t draw_numel(std::mt19937_64& gen, int64_t element_size) {
-  const int64_t slot = ShmTransport::kSlotBytes / element_size;
+  const int64_t slot = ShmExchange::kSlotBytes / element_size;
   switch (gen() % 6) {
     case 0:
       return static_cast<int64_t>(gen() % 3);
@@ -44,7 +46,7 @@ int64_t draw_numel(std::mt19937_64& gen, int64_t element_size) {
     case 3:
       return slot * (1 + static_cast<int64_t>(gen() % 3)) + static_cast<int64_t>(gen() % 7) - 3;
     default:
-      return static_cast<int64_t>(gen() % (slot * (ShmTransport::kSlots + 3)));
+      return static_cast<int64_t>(gen() % (slot * (ShmExchange::kSlots + 3)));
   }
 }
 
@@ -109,20 +111,19 @@ Case draw_case(std::mt19937_64& gen, int ws) {
   return c;
 }
 
-class ShmTransportTest : public ::testing::TestWithParam<int> {};
+class ShmExchangeTest : public ::testing::TestWithParam<int> {};
 
-TEST_P(ShmTransportTest, GeneratedExchangesMatchTheTcpPathsBitwise) {
+TEST_P(ShmExchangeTest, GeneratedExchangesMatchTheCollectivePathBitwise) {
   SKIP_WITHOUT_SHM_ROOM();
   run_ranks(GetParam(), [](Rank& r) {
     auto world = r.world();
     const int ws = world->size(), me = world->rank();
-    ASSERT_TRUE(world->uses_shared_memory()) << "ranks on one host use shared memory by default";
+    ASSERT_EQ(world->transport(), Transport::kShm)
+        << "ranks on one host use shared memory by default";
     auto lane = world->split("second");  // another shared-memory lane, ordered on its own
-    ASSERT_TRUE(lane->uses_shared_memory());
-    ::setenv("FSDP_TRANSPORT", "tcp", 1);
-    auto tcp = world->split("tcp");
-    ::unsetenv("FSDP_TRANSPORT");
-    ASSERT_FALSE(tcp->uses_shared_memory());
+    ASSERT_EQ(lane->transport(), Transport::kShm);
+    auto collective = r.lane_over("collective");
+    ASSERT_EQ(collective->transport(), Transport::kCollective);
     EXPECT_TRUE(our_segments().empty()) << "segments are unlinked once every rank mapped them";
 
     std::mt19937_64 gen(4242 + ws);  // the same draws on every rank
@@ -140,9 +141,7 @@ TEST_P(ShmTransportTest, GeneratedExchangesMatchTheTcpPathsBitwise) {
         const auto op = c.average ? ReduceOp::kAvg : ReduceOp::kSum;
         at::Tensor in = draw_values(ws * c.n, seed + me, c.t, true);
         at::Tensor reference = at::empty({c.n}, at::TensorOptions(c.t));
-        ::setenv("FSDP_REDUCE_SCATTER", "alltoall", 1);
-        tcp->reduce_scatter(reference, in.clone(), op).wait();
-        ::unsetenv("FSDP_REDUCE_SCATTER");
+        collective->reduce_scatter(reference, in.clone(), op).wait();
         at::Tensor out = c.in_place ? in.narrow(0, me * c.n, c.n) : at::empty_like(reference);
         works.push_back((i % 2 ? lane : world)->reduce_scatter(out, in, op));
         inputs.push_back(in);
@@ -163,7 +162,7 @@ TEST_P(ShmTransportTest, GeneratedExchangesMatchTheTcpPathsBitwise) {
               mine.push_back(draw_values(c.lens[q][p], seed + 100 * q + p + 7, c.t, false));
             at_ += c.lens[q][p];
           }
-        works.push_back((i % 2 ? world : lane)->all_gather_into(into, mine));
+        works.push_back(detail::all_gather_into(i % 2 ? *world : *lane, into, mine));
         blocks.push_back(block);
       }
       for (auto& w : works) w.wait();
@@ -185,12 +184,12 @@ TEST_P(ShmTransportTest, GeneratedExchangesMatchTheTcpPathsBitwise) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSize, ShmTransportTest, ::testing::Values(2, 3, 4),
+INSTANTIATE_TEST_SUITE_P(WorldSize, ShmExchangeTest, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
 
 // A rank that gathers a different size than its peer expects: both fail at once with the streams
 // named, instead of exchanging the wrong bytes or waiting out the limit.
-TEST(ShmTransport, RanksThatDisagreeOnSizesFailNamingBothStreams) {
+TEST(ShmExchange, RanksThatDisagreeOnSizesFailNamingBothStreams) {
   SKIP_WITHOUT_SHM_ROOM();
   RunOptions opt;
   opt.collective_timeout_s = 30;
@@ -198,11 +197,11 @@ TEST(ShmTransport, RanksThatDisagreeOnSizesFailNamingBothStreams) {
       2,
       [](Rank& r) {
         auto c = r.world();
-        ASSERT_TRUE(c->uses_shared_memory());
+        ASSERT_EQ(c->transport(), Transport::kShm);
         const int64_t n = c->rank() == 0 ? 100 : 120;  // rank 1 sends and expects 120
         std::vector<std::vector<at::Tensor>> into{{at::empty({n})}, {at::empty({n})}};
         const auto start = std::chrono::steady_clock::now();
-        expect_error([&] { c->all_gather_into(into, {at::ones({n})}).wait(); },
+        expect_error([&] { detail::all_gather_into(*c, into, {at::ones({n})}).wait(); },
                      {"all_gather of", "issued different collectives or sizes",
                       c->rank() == 0 ? "400-byte stream" : "480-byte stream"});
         EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
@@ -211,26 +210,26 @@ TEST(ShmTransport, RanksThatDisagreeOnSizesFailNamingBothStreams) {
       opt);
 }
 
-TEST(ShmTransport, TheEnvironmentChoosesTheTransport) {
+TEST(ShmExchange, TheEnvironmentChoosesTheTransport) {
   SKIP_WITHOUT_SHM_ROOM();
   run_ranks(2, [](Rank& r) {
     auto c = r.world();
-    EXPECT_TRUE(c->uses_shared_memory());
-    ::setenv("FSDP_TRANSPORT", "shm", 1);
-    EXPECT_TRUE(c->split("forced")->uses_shared_memory());
-    ::setenv("FSDP_TRANSPORT", "tcp", 1);
-    auto tcp = c->split("tcp");
-    EXPECT_FALSE(tcp->uses_shared_memory());
+    EXPECT_EQ(c->transport(), Transport::kShm);
+    EXPECT_EQ(r.lane_over("shm")->transport(), Transport::kShm);
+    auto tcp = r.lane_over("tcp");
+    EXPECT_EQ(tcp->transport(), Transport::kTcp);
+    EXPECT_EQ(r.lane_over("collective")->transport(), Transport::kCollective);
     auto out = at::empty({2 * 70000});
     tcp->all_gather(out, at::full({70000}, 1.0 + c->rank())).wait();
     EXPECT_EQ(out[0].item<float>(), 1.0f);
     EXPECT_EQ(out[70000].item<float>(), 2.0f);
     ::setenv("FSDP_TRANSPORT", "fast", 1);
-    expect_error([&] { c->split("bad"); }, {"FSDP_TRANSPORT='fast' is not one of auto, shm, tcp"});
+    expect_error([&] { c->split("bad"); },
+                 {"FSDP_TRANSPORT='fast' is not one of auto, shm, tcp, collective"});
     ::unsetenv("FSDP_TRANSPORT");
     EXPECT_TRUE(our_segments().empty());
   });
 }
 
 }  // namespace
-}  // namespace fsdp::testing::shm_transport_test
+}  // namespace fsdp::testing::shm_exchange_test

@@ -1,0 +1,251 @@
+// The collectives: validation on the calling rank, then the algorithm on the communicator's
+// transport (communicator_impl.h): on shm and tcp, the exchange workers (an all-gather straight
+// into its places; a reduce-scatter summed in rank order chunk by chunk as the blocks arrive); on
+// collective, the backend's all-gather and all-to-all, summed in rank order at wait. Both sums are
+// sum_in_rank_order's, so every transport gives the same bits.
+#include <ATen/ATen.h>
+#include <fsdp/communicator.h>
+#include <fsdp/error.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "communicator_impl.h"
+#include "compat.h"
+#include "rank_order_sum.h"
+
+namespace fsdp {
+
+using detail::nbytes;
+
+// ---------------------------------------------------------------------------------------------
+// Validation: every check runs on the calling rank before anything is issued.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+void check_supported(const at::Tensor& t, const char* op, const char* arg) {
+  FSDP_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor");
+  switch (t.scalar_type()) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kInt:
+    case at::kLong:
+    case at::kByte:
+    case at::kChar:
+      break;
+    default:
+      throw Error(
+          detail::cat(op, ": ", arg, " has dtype ", t.scalar_type(),
+                      "; supported are float, double, half, bfloat16 and 8/32/64-bit ints"));
+  }
+  FSDP_CHECK(t.is_contiguous(), op, ": ", arg, " must be contiguous (sizes ", t.sizes(),
+             ", strides ", t.strides(), "); pass .contiguous() or a flat buffer");
+}
+
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op) {
+  FSDP_CHECK(a.scalar_type() == b.scalar_type(), op, ": output dtype ", a.scalar_type(),
+             " does not match input dtype ", b.scalar_type(), "; both must have the same dtype");
+}
+
+at::Tensor as_wire(const at::Tensor& t, const std::string& backend) {
+  auto w = compat::wire_dtype(t.scalar_type(), backend);
+  return w == t.scalar_type() ? t : t.view(w);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// All-gather
+// ---------------------------------------------------------------------------------------------
+Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
+  Impl& m = *impl_;
+  check_supported(output, "all_gather", "output");
+  check_supported(input, "all_gather", "input");
+  check_same_dtype(output, input, "all_gather");
+  FSDP_CHECK(output.numel() == m.size * input.numel(), "all_gather: output has ", output.numel(),
+             " elements but world size ", m.size, " x input ", input.numel(), " = ",
+             m.size * input.numel(),
+             " were expected; size the output as world_size * input.numel()");
+  // Nothing to move (Gloo divides by the element count): complete at once, on every rank alike.
+  if (output.numel() == 0) return m.make_work({}, "all_gather", 0, nullptr);
+  if (m.size == 1) {
+    output.view({-1}).copy_(input.view({-1}));
+    return m.make_work({}, "all_gather", nbytes(output), nullptr);
+  }
+  auto out = as_wire(output.view({-1}), m.backend);
+  auto in = as_wire(input.view({-1}), m.backend);
+  if (m.uses_exchange(output)) {
+    const int64_t n = in.numel();
+    std::vector<std::vector<at::Tensor>> places(m.size);
+    for (int r = 0; r < m.size; ++r) places[r].push_back(out.narrow(0, r * n, n));
+    return detail::all_gather_into(*this, std::move(places), {in});
+  }
+  m.stats->bytes_sent += nbytes(input) * (m.size - 1);
+  return m.make_work({compat::all_gather_flat(*m.pg, out, in)}, "all_gather", nbytes(output),
+                     nullptr);
+}
+
+bool detail::gathers_into_places(const Communicator& c, const std::vector<at::Tensor>& inputs) {
+  if (inputs.empty() || inputs.size() > kMaxGatherPieces) return false;
+  // One rank: a local copy, whatever the transport.
+  return c.size() == 1 || c.impl().uses_exchange(inputs[0]);
+}
+
+namespace {
+// all_gather_into's checks; returns the bytes gathered.
+int64_t check_places(const std::vector<std::vector<at::Tensor>>& outputs,
+                     const std::vector<at::Tensor>& inputs, int rank, int size) {
+  FSDP_CHECK(outputs.size() == static_cast<size_t>(size), "all_gather_into: ", outputs.size(),
+             " output lists for a world of ", size, "; pass one per rank");
+  int64_t bytes = 0;
+  for (const auto& in : inputs) check_supported(in, "all_gather_into", "input");
+  for (int r = 0; r < size; ++r) {
+    FSDP_CHECK(outputs[r].size() == inputs.size(), "all_gather_into: ", outputs[r].size(),
+               " outputs for rank ", r, " but ", inputs.size(), " inputs");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& o = outputs[r][i];
+      check_supported(o, "all_gather_into", "output");
+      check_same_dtype(o, inputs[i], "all_gather_into");
+      bytes += nbytes(o);
+    }
+  }
+  for (size_t i = 0; i < inputs.size(); ++i)
+    FSDP_CHECK(outputs[rank][i].numel() == inputs[i].numel(), "all_gather_into: piece ", i, " has ",
+               inputs[i].numel(), " elements but its place on this rank ",
+               outputs[rank][i].numel());
+  return bytes;
+}
+}  // namespace
+
+Work detail::all_gather_into(Communicator& c, std::vector<std::vector<at::Tensor>> outputs,
+                             std::vector<at::Tensor> inputs) {
+  Communicator::Impl& m = c.impl();
+  FSDP_CHECK(gathers_into_places(c, inputs), "all_gather_into: ", inputs.size(),
+             " pieces cannot be gathered into their places here (1..", kMaxGatherPieces,
+             " CPU pieces on the shm or tcp transport); check gathers_into_places() first and "
+             "use all_gather into a flat buffer otherwise");
+  const int64_t bytes = check_places(outputs, inputs, m.rank, m.size);
+  int64_t sent = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    sent += nbytes(inputs[i]);
+    if (inputs[i].numel() > 0) outputs[m.rank][i].view({-1}).copy_(inputs[i].view({-1}));
+  }
+  if (m.size == 1 || bytes == 0) return m.make_work({}, "all_gather", bytes, nullptr);
+  for (auto& row : outputs)
+    for (auto& o : row) o = as_wire(o.view({-1}), m.backend);
+  for (auto& in : inputs) in = as_wire(in.view({-1}), m.backend);
+  m.stats->bytes_sent += sent * (m.size - 1);
+  auto job = [outputs = std::move(outputs), inputs = std::move(inputs),
+              timeout = m.timeout](detail::Exchange& e) { e.all_gather(outputs, inputs, timeout); };
+  return m.make_work({m.gathers->run(c10d::OpType::ALLGATHER, std::move(job))}, "all_gather", bytes,
+                     nullptr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reduce-scatter
+// ---------------------------------------------------------------------------------------------
+namespace {
+void check_reduce_scatter(const at::Tensor& output, const at::Tensor& input, int rank, int size) {
+  check_supported(output, "reduce_scatter", "output");
+  check_supported(input, "reduce_scatter", "input");
+  check_same_dtype(output, input, "reduce_scatter");
+  FSDP_CHECK(input.numel() == size * output.numel(), "reduce_scatter: input has ", input.numel(),
+             " elements but world size ", size, " x output ", output.numel(), " = ",
+             size * output.numel(),
+             " were expected; size the input as world_size * output.numel()");
+  const int64_t n = output.numel();
+  // In place is this rank's own block exactly; any other overlap would be read after written.
+  FSDP_CHECK(n == 0 || !output.storage().is_alias_of(input.storage()) ||
+                 output.data_ptr() == input.view({-1}).narrow(0, rank * n, n).data_ptr(),
+             "reduce_scatter: the output overlaps the input but is not this rank's own block "
+             "input[rank * n : (rank + 1) * n]; pass that block (in place) or a separate tensor");
+}
+}  // namespace
+
+Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+  Impl& m = *impl_;
+  check_reduce_scatter(output, input, m.rank, m.size);
+  const int64_t n = output.numel();
+  const int ws = m.size;
+  const bool average = op == ReduceOp::kAvg;
+  const at::Tensor out = output.view({-1}), in = input.view({-1});
+  // rows[r]: rank r's chunk of this rank's block, `offset` elements in.
+  auto sum_chunk = [out, average](int64_t offset, const std::vector<at::Tensor>& rows) {
+    detail::sum_in_rank_order(out.narrow(0, offset, rows[0].numel()), rows, average);
+  };
+  auto sum_blocks = [sum_chunk, ws, n](const at::Tensor& blocks) {  // (ws * n): block r from r
+    std::vector<at::Tensor> rows;
+    for (int j = 0; j < ws; ++j) rows.push_back(blocks.narrow(0, j * n, n));
+    sum_chunk(0, rows);
+  };
+  if (input.numel() == 0) return m.make_work({}, "reduce_scatter", 0, nullptr);
+  if (ws == 1) {
+    sum_blocks(in);
+    return m.make_work({}, "reduce_scatter", nbytes(input), nullptr);
+  }
+  m.stats->bytes_sent += nbytes(output) * (ws - 1);
+  if (m.uses_exchange(input)) {
+    // The sums run on the exchange's thread as the chunks arrive, overlapping the transfer.
+    auto job = [in, n, sum_chunk, timeout = m.timeout](detail::Exchange& e) {
+      e.exchange_blocks(in, n, sum_chunk, timeout);
+    };
+    return m.make_work({m.reductions->run(c10d::OpType::REDUCE_SCATTER, std::move(job))},
+                       "reduce_scatter", nbytes(input), nullptr);
+  }
+  const at::Tensor received = at::empty_like(in);
+  auto work = compat::exchange_blocks(*m.pg, as_wire(received, m.backend), as_wire(in, m.backend));
+  return m.make_work({work}, "reduce_scatter", nbytes(input),
+                     [sum_blocks, received] { sum_blocks(received); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// All-reduce, broadcast, barrier: the backend's own
+// ---------------------------------------------------------------------------------------------
+Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  Impl& m = *impl_;
+  check_supported(tensor, "all_reduce", "tensor");
+  const int ws = m.size;
+  if (ws == 1 || tensor.numel() == 0) return m.make_work({}, "all_reduce", nbytes(tensor), nullptr);
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  if (compat::backend_reduces(tensor.scalar_type(), m.backend)) {
+    std::vector<at::Tensor> ts{tensor};
+    m.stats->bytes_sent += 2 * nbytes(tensor) * (ws - 1) / ws;
+    auto w = m.pg->allreduce(ts, opts);
+    return m.make_work({w}, "all_reduce", nbytes(tensor), [tensor, op, ws] {
+      if (op == ReduceOp::kAvg) tensor.div_(ws);
+    });
+  }
+  // The backend cannot sum this dtype: sum an fp32 copy (accumulating in fp32), cast back at wait.
+  auto wide = tensor.to(at::kFloat);
+  std::vector<at::Tensor> ts{wide};
+  m.stats->bytes_sent += 2 * nbytes(wide) * (ws - 1) / ws;
+  auto w = m.pg->allreduce(ts, opts);
+  return m.make_work({w}, "all_reduce", nbytes(tensor), [tensor, wide, op, ws] {
+    if (op == ReduceOp::kAvg) wide.div_(ws);
+    tensor.copy_(wide);
+  });
+}
+
+Work Communicator::broadcast(const at::Tensor& tensor, int root) {
+  Impl& m = *impl_;
+  check_supported(tensor, "broadcast", "tensor");
+  FSDP_CHECK(root >= 0 && root < m.size, "broadcast: root rank ", root, " is outside 0..",
+             m.size - 1);
+  if (m.size == 1 || tensor.numel() == 0)
+    return m.make_work({}, "broadcast", nbytes(tensor), nullptr);
+  std::vector<at::Tensor> ts{as_wire(tensor, m.backend)};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  if (m.rank == root) m.stats->bytes_sent += nbytes(tensor);
+  return m.make_work({m.pg->broadcast(ts, opts)}, "broadcast", nbytes(tensor), nullptr);
+}
+
+Work Communicator::barrier() {
+  Impl& m = *impl_;
+  if (m.size == 1) return m.make_work({}, "barrier", 0, nullptr);
+  return m.make_work({m.pg->barrier()}, "barrier", 0, nullptr);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,68 @@
+// What a Communicator holds (its process group, lanes, statistics and the two exchange workers its
+// transport runs on), and the entry points only fsdp-cpp itself uses: the gather of a list of
+// pieces straight into their places (Group's unshard) and the Work bookkeeping.
+#pragma once
+
+#include <fsdp/communicator.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "exchange_worker.h"
+
+namespace fsdp {
+
+struct Communicator::Impl {
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  c10::intrusive_ptr<c10d::Store> store;  // the world's: the lanes' stores are prefixes of it
+  std::string backend;
+  std::chrono::milliseconds timeout;
+  std::string name;
+  std::string bind_host;
+  int rank = 0;
+  int size = 1;
+  int splits = 0;  // split()/subgroup() calls: part of each new lane's store prefix
+  std::map<std::string, std::shared_ptr<Communicator>> lanes;
+  std::shared_ptr<CommStats> stats = std::make_shared<CommStats>();
+  std::shared_ptr<const std::vector<PeerInfo>> peers;
+  Transport transport = Transport::kCollective;
+  // Under shm and tcp: the all-gathers' worker and the reduce-scatters' (each with its own
+  // exchange), so that gathers never queue behind reductions. Null under collective.
+  std::unique_ptr<detail::ExchangeWorker> gathers, reductions;
+
+  // Connects the transport FSDP_TRANSPORT asks for (collective over the communicator's ranks).
+  void connect_transport();
+  // Whether a collective on `t` runs on the exchange workers (CPU tensors under shm or tcp).
+  bool uses_exchange(const at::Tensor& t) const {
+    return gathers != nullptr && (!t.defined() || t.is_cpu());
+  }
+  // The Work of a collective issued as `works` (none: complete already); `finish` runs once on
+  // the waiting thread after they complete (a sum, a division, a cast back).
+  Work make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, const std::string& op,
+                 int64_t bytes, std::function<void()> finish);
+};
+
+namespace detail {
+
+// The all-gather of a list of pieces straight into their places, with no gather buffer:
+// outputs[r][i] receives rank r's inputs[i] (sizes may differ between pieces and ranks; every
+// rank must agree on them; empty pieces are skipped), outputs[rank()][i] gets a copy of this
+// rank's inputs[i]. REQUIRES gathers_into_places(c, inputs): CPU tensors under shm or tcp (or one
+// rank), at most
+// kMaxGatherPieces pieces, every tensor contiguous and of one dtype. Elsewhere (collective) the
+// caller gathers into a flat buffer with all_gather and copies out.
+constexpr size_t kMaxGatherPieces = 4096;
+bool gathers_into_places(const Communicator& c, const std::vector<at::Tensor>& inputs);
+Work all_gather_into(Communicator& c, std::vector<std::vector<at::Tensor>> outputs,
+                     std::vector<at::Tensor> inputs);
+
+// Bytes of a tensor's elements.
+inline int64_t nbytes(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+}  // namespace detail
+}  // namespace fsdp

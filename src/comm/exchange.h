@@ -1,0 +1,50 @@
+// Exchange: how the bytes of the point-to-point all-gathers and reduce-scatters move between the
+// ranks of one communicator. Two implementations: GlooExchange (the process group's send/recv,
+// over TCP) and ShmExchange (shared memory, every rank on one host). The communicator chooses one
+// when it is built (communicator_impl.h) and runs its collectives on it; the algorithms (what is
+// summed, in which order) live in the communicator, not here.
+//
+// Jobs must run in the same order on every rank of the communicator: one ExchangeWorker thread
+// per exchange runs them (exchange_worker.h). Every wait on a peer gives up after `timeout` and
+// throws fsdp::CommError naming the cause.
+// Thread-safety: one job at a time (the worker's thread); abort() from any thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace fsdp::detail {
+
+class Exchange {
+ public:
+  virtual ~Exchange() = default;
+
+  // "tcp" or "shm": what fsdp-bench prints as the transport.
+  virtual const char* name() const = 0;
+
+  // into[j][i] receives peer j's pieces[i] (same size on both sides; sizes may differ between
+  // pieces and ranks; empty pieces are not sent); into[rank] is not touched. Every tensor CPU,
+  // contiguous, of one dtype.
+  virtual void all_gather(const std::vector<std::vector<at::Tensor>>& into,
+                          const std::vector<at::Tensor>& pieces,
+                          std::chrono::milliseconds timeout) = 0;
+
+  // The block exchange under a reduce-scatter: `input` (world * n elements, CPU, contiguous) is
+  // split into `world` blocks of n; block j goes to rank j. The blocks arrive in chunks, in order;
+  // for each chunk, `consume(offset, rows)` gets rows[r] = rank r's chunk of this rank's block
+  // (`offset` elements in, rows[rank] read from `input` where it lies). The rows are valid only
+  // during the call; consume may write the chunk of this rank's own block in `input`.
+  using ChunkConsumer = std::function<void(int64_t offset, const std::vector<at::Tensor>& rows)>;
+  virtual void exchange_blocks(const at::Tensor& input, int64_t n, const ChunkConsumer& consume,
+                               std::chrono::milliseconds timeout) = 0;
+
+  // Makes the running job (if any) and every later one fail soon instead of waiting for their
+  // peers: the owner is being destroyed. Any thread.
+  virtual void abort() {}
+};
+
+}  // namespace fsdp::detail

@@ -1,0 +1,88 @@
+#include <fsdp/error.h>
+#include <fsdp/trace.h>
+
+#include <map>
+#include <mutex>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "failure.h"
+#include "work_impl.h"
+
+namespace fsdp {
+
+// Broken groups (work_impl.h).
+namespace {
+std::mutex g_broken_mu;
+std::map<const c10d::Store*, std::string>& broken_groups() {
+  static auto* groups = new std::map<const c10d::Store*, std::string>();  // never destroyed
+  return *groups;
+}
+void mark_broken(const c10d::Store* group, const std::string& why) {
+  std::lock_guard<std::mutex> lock(g_broken_mu);
+  broken_groups().emplace(group, why);
+}
+}  // namespace
+
+std::string detail::broken_reason(const c10d::Store* group) {
+  std::lock_guard<std::mutex> lock(g_broken_mu);
+  auto it = broken_groups().find(group);
+  return it == broken_groups().end() ? std::string() : it->second;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work
+// ---------------------------------------------------------------------------------------------
+
+void Work::wait() {
+  if (impl_) wait(impl_->timeout);
+}
+
+void Work::wait(std::chrono::milliseconds timeout) {
+  if (!impl_) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->error.empty()) throw CommError(impl_->error);
+  if (impl_->done) return;
+  if (std::string first = detail::broken_reason(impl_->group); !first.empty()) {
+    impl_->done = true;
+    impl_->error =
+        detail::cat(impl_->what, " cannot complete: an earlier collective of this group failed (",
+                    first.substr(0, first.find(':')), "); see that error");
+    throw CommError(impl_->error);
+  }
+  const int64_t start = trace::now_us();
+  struct Account {  // charged however the wait ends
+    Work::Impl& w;
+    int64_t start;
+    ~Account() {
+      const int64_t end = trace::now_us();
+      if (w.stats) w.stats->wait_seconds += (end - start) * 1e-6;
+      trace::complete("wait " + w.op, "wait", start, end - start);
+    }
+  } account{*impl_, start};
+  for (auto& w : impl_->works) {
+    try {
+      w->wait(timeout);
+    } catch (const std::exception& e) {
+      std::string cause = e.what();
+      cause = cause.substr(0, cause.find('\n'));
+      // The collective is lost: waiting again must neither hang nor pass as a success.
+      impl_->done = true;
+      impl_->error =
+          detail::describe_failure(impl_->what, cause, (trace::now_us() - impl_->issued_us) * 1e-6,
+                                   timeout, *impl_->peers, impl_->rank);
+      mark_broken(impl_->group, impl_->error);
+      throw CommError(impl_->error);
+    }
+  }
+  impl_->done = true;
+  if (impl_->finish) impl_->finish();
+}
+
+bool Work::is_completed() const {
+  if (!impl_) return true;
+  for (auto& w : impl_->works)
+    if (!w->isCompleted()) return false;
+  return true;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,41 @@
+// What a Work holds, and the registry of broken groups its waits consult.
+//
+// Broken groups: once a collective of a world (or of a lane split from it) has failed, the group
+// is broken: Gloo cannot abort, so every collective still queued or in flight would wait out its
+// own full timeout, one after the other (an exit took 2-5x the limit). Later waits fail at once
+// instead, and a broken communicator's process group is left undestroyed (its worker threads
+// would be joined mid-collective); the process is expected to exit. Keyed by the world's store,
+// which the world and all its lanes share.
+#pragma once
+
+#include <fsdp/communicator.h>
+
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+struct Work::Impl {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::function<void()> finish;  // local post-processing, run once on the waiting thread
+  std::string what;              // "all_gather of 4096 bytes on 'world' (rank 0 of 2)"
+  std::string op, lane;          // for the timeline
+  std::chrono::milliseconds timeout{0};
+  std::shared_ptr<CommStats> stats;
+  int64_t issued_us = 0;
+  std::shared_ptr<const std::vector<PeerInfo>> peers;
+  int rank = 0;
+  const c10d::Store* group = nullptr;  // the world's store: identifies the world and its lanes
+  std::mutex mu;
+  bool done = false;  // guarded by mu
+  std::string error;  // guarded by mu; set by a failed wait, every later wait rethrows it
+};
+
+namespace detail {
+// Why `group` is broken (the first failure's message), or empty while it is not.
+std::string broken_reason(const c10d::Store* group);
+}  // namespace detail
+
+}  // namespace fsdp
