@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Markdown tables for README.md and docs/performance.md from fsdp-bench's JSON lines (stdin).
+"""Markdown tables for README.md and docs/benchmarks.md from fsdp-bench's JSON lines (stdin).
 
   build/bin/fsdp-bench --compare --nproc 2 | tee compare.jsonl | python3 bench/tables.py
   build/bin/fsdp-bench --comm --nproc 2 --ops all_gather,reduce_scatter | python3 bench/tables.py

@@ -25,7 +25,7 @@ struct NetImpl : torch::nn::Module {
     for (auto& b : blocks) h = b(h);
     return head(h);
   }
-  std::vector<fsdp::Sharded<Block>> blocks;  // was: std::vector<Block>
+  std::vector<fsdp::Sharded<Block>> blocks;  // instead of std::vector<Block>
   torch::nn::Linear head{nullptr};
 };
 TORCH_MODULE(Net);
@@ -33,7 +33,7 @@ TORCH_MODULE(Net);
 int main() try {
   auto world = fsdp::init_process_group();  // torchrun / mpirun / srun / fsdp-run variables
   torch::manual_seed(0);                    // the same initial model on every rank
-  fsdp::Sharded<Net> model(64, 4);          // was: Net model(64, 4);
+  fsdp::Sharded<Net> model(64, 4);          // instead of Net model(64, 4);
   for (auto& block : model->blocks) fsdp::fully_shard(block, world);  // one group per block
   auto root = fsdp::fully_shard(model, world);                        // the rest: the head
   torch::optim::AdamW opt(root.parameters(), torch::optim::AdamWOptions(1e-3));

@@ -30,7 +30,8 @@
 namespace fsdp::detail {
 namespace {
 
-// Will `node` run in the current GraphTask? (graphtask113.md: needed_, not should_execute()).
+// Will `node` run in the current GraphTask? The exec info's needed_ flag says so, not
+// should_execute() (docs/design.md, [Note: the post-backward guarantee]).
 bool will_run(const torch::autograd::Node* node) {
   auto* nig = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (!node || !nig || !nig->count(const_cast<torch::autograd::Node*>(node))) return false;
