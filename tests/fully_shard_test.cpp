@@ -6,6 +6,7 @@
 #include "adversarial.h"
 #include "compat/optim.h"
 #include "core/context.h"
+#include "core/faults.h"
 #include "fsdp_test_util.h"
 
 // A namespace of its own: the unity build compiles this file in one unit with others.
@@ -276,7 +277,7 @@ TEST_P(Memory, ShardsGradsOptimizerStateAreOneNthAndGatheredParamsAreFreed) {
 }
 INSTANTIATE_TEST_SUITE_P(World, Memory, ::testing::Values(1, 2, 4));
 
-// A rank that falls behind (FSDP_FAULT=slow_reduce: every rank but 0 issues each reduce-scatter
+// A rank that falls behind (faults::Faults::slow_reduce: every rank but 0 issues each reduce-scatter
 // that many ms late) must not make the others hold a send buffer per group: before a group takes
 // its send buffer, backward waits (bounded) for the reductions in flight. With reshard after
 // forward, at most three layer-sized buffers are then in use at once (the layer being computed,
@@ -296,7 +297,6 @@ class SlowRank : public ::testing::TestWithParam<SlowRankCase> {};
 TEST_P(SlowRank, BackwardHoldsAtMostThreeLayerBuffersAndGradientsAreRight) {
   const auto c = GetParam();
   RunOptions o;
-  o.env["FSDP_FAULT"] = "slow_reduce:" + std::to_string(c.delay_ms);
   o.env["FSDP_DEBUG"] = "1";
   const int64_t width = 63;
   auto build = [&] {
@@ -311,6 +311,7 @@ TEST_P(SlowRank, BackwardHoldsAtMostThreeLayerBuffersAndGradientsAreRight) {
       2,
       [&](Rank& r) {
         fsdp::Sharded<fsdp::models::MLPStack> m{build()};
+        detail::faults::inject({.slow_reduce = std::chrono::milliseconds(c.delay_ms)});
         for (size_t i = 0; i < m->layers.size(); ++i) {
           ShardOptions lo;
           if (c.keep_last && i + 1 == m->layers.size()) lo.reshard_after_forward = false;

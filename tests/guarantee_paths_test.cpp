@@ -1,6 +1,7 @@
 // The guarantee when ranks take different paths through the same modules, and the root's and a
 // forward's lifecycle around them (issue: agreement on both lanes). fp64 against the unsharded
 // model (mean of every rank's full gradients) at 1e-9, audit on and off, world sizes 2 and 3.
+#include "core/faults.h"
 #include "fsdp_test_util.h"
 
 // A namespace of its own: the unity build compiles this file in one unit with others.
@@ -343,12 +344,12 @@ TEST(ReshardedReads, EachUseNamesTheParameterAndTheFix) {
 // equal size (silently mixed shards otherwise) is reported by name.
 TEST(GatherLaneAudit, CatchesAllGathersOutOfOrder) {
   RunOptions opts;
-  opts.env["FSDP_FAULT"] = "gather_order";
   run_ranks(
       2,
       [&](Rank& r) {
         torch::manual_seed(0);
         fsdp::Sharded<TwoBranch> m{TwoBranch(4, 4)};  // equal padded sizes at world 2
+        detail::faults::inject({.gather_order = true});
         const ShardOptions o = audited();
         for (auto* b : {&m->a1, &m->a2, &m->b1, &m->b2}) fully_shard(*b, r.world(), o);
         fully_shard(m, r.world(), o);

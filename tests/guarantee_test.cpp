@@ -2,6 +2,7 @@
 // equals its rows of the reference (the mean over ranks of per-rank full gradients of an unsharded
 // copy) and that the audit (Final, Once, Agreed, Complete) passes on every rank.
 #include "adversarial.h"
+#include "core/faults.h"
 #include "fsdp_test_util.h"
 
 // A namespace of its own: the unity build compiles this file in one unit with others.
@@ -149,10 +150,10 @@ TEST_P(Guarantee, L_GroupWithNoGradientThisStep) {
 TEST_P(Guarantee, AuditCatchesEarlyReduction) {
   const int world = GetParam();
   RunOptions opts;
-  opts.env["FSDP_FAULT"] = "issue_early";
   run_ranks(
       world,
       [&](Rank& r) {
+        detail::faults::inject({.issue_early = true});
         torch::manual_seed(0);
         fsdp::Sharded<Tied> model{Tied()};
         fully_shard(model->block, r.world(), audited());

@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "core/context.h"
+#include "core/faults.h"
 
 namespace fsdp::detail {
 namespace {
@@ -47,28 +48,6 @@ int count_will_run(const Nodes& nodes, const torch::autograd::Node* first) {
   for (const auto& w : nodes)
     if (auto node = w.lock(); node && (node.get() == first || will_run(node.get()))) ++n;
   return n;
-}
-
-// Fault injection for the tests (FSDP_FAULT=<name>[:<milliseconds>]).
-const std::string& fault_setting() {
-  static const std::string f = [] {
-    const char* v = std::getenv("FSDP_FAULT");
-    return std::string(v ? v : "");
-  }();
-  return f;
-}
-bool fault(const char* name) { return fault_setting() == name; }
-// FSDP_FAULT=slow_reduce:<ms>: every rank but 0 of the reduce lane issues each reduction that
-// late, like a rank that falls behind (the bounded waits' tests).
-std::chrono::milliseconds fault_reduce_delay(int reduce_rank) {
-  const std::string prefix = "slow_reduce:";
-  const auto& f = fault_setting();
-  if (reduce_rank == 0 || f.rfind(prefix, 0) != 0) return std::chrono::milliseconds(0);
-  char* end = nullptr;
-  const long ms = std::strtol(f.c_str() + prefix.size(), &end, 10);
-  FSDP_CHECK(end != f.c_str() + prefix.size() && *end == '\0' && ms >= 0, "FSDP_FAULT='", f,
-             "': expected slow_reduce:<milliseconds>, a whole number >= 0");
-  return std::chrono::milliseconds(ms);
 }
 
 }  // namespace
@@ -145,7 +124,7 @@ void BackwardPass::plan_gathers() {
   for (Group* g : backward_order_)
     if (g->shard_state() == ShardState::kSharded) gather_plan_.push_back(g);
   // Fault injection (audit test): this rank swaps its first two backward all-gathers.
-  if (fault("gather_order") && ctx_.gather_lane().rank() != 0 && gather_plan_.size() >= 2)
+  if (faults::active().gather_order && ctx_.gather_lane().rank() != 0 && gather_plan_.size() >= 2)
     std::swap(gather_plan_[0], gather_plan_[1]);
 }
 
@@ -284,7 +263,7 @@ Group* BackwardPass::needed_after(const Group& g) {
 // ---------------------------------------------------------------------------------------------
 void BackwardPass::try_issue_reductions() {
   while (reduce_cursor_ < reduce_order_.size() &&
-         (fault("issue_early") || slot(*reduce_order_[reduce_cursor_]).grads_pending == 0))
+         (faults::active().issue_early || slot(*reduce_order_[reduce_cursor_]).grads_pending == 0))
     issue(*reduce_order_[reduce_cursor_++]);
 }
 
@@ -297,7 +276,7 @@ void BackwardPass::issue(Group& g) {
   if (!will_reduce(g)) return;
   s.reductions = 1;
   ctx_.agreement().on_reduce(ctx_.index_of(&g), g.flat_numel());
-  std::this_thread::sleep_for(fault_reduce_delay(ctx_.reduce_lane().rank()));
+  if (ctx_.reduce_lane().rank() != 0) std::this_thread::sleep_for(faults::active().slow_reduce);
   reap_reductions(gather_cursor_ >= gather_plan_.size() ? Reap::kAll : before_send_buffer(g));
   in_flight_.push_back(g.issue_reduce_scatter());
   ctx_.log(&g, "reduce-scatter issued");
