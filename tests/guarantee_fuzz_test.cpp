@@ -98,7 +98,7 @@ struct ShardedSide {
         // calls reach forward directly, and the group gathers on first use.
         detail::fully_shard_impl(model->blocks[b].ptr(), p.replicas > 1 ? mesh.shard : r.world(),
                                  p.replicas > 1 ? mesh.replicate : nullptr, options(p, -1),
-                                 /*already_attached=*/false, /*gathers_on_use=*/true);
+                                 detail::CallPath::kGatherOnUse);
       } else if (p.modes[b] == BlockMode::kHolder) {
         shard(model->blocks[b], p.child_reshard[b], p.checkpointed[b]);
       }

@@ -145,11 +145,18 @@ struct ShardInfo {
   bool requires_grad = true;
 };
 
+template <class Holder>
+class Sharded;
+
+namespace detail {
+// fsdp-cpp's own access to the group behind a handle or a holder (not for users).
+struct HandleAccess;
+}  // namespace detail
+
 // Handle returned by fully_shard. Copies share state.
 class FSDPModule {
  public:
   FSDPModule() = default;
-  explicit FSDPModule(std::shared_ptr<detail::Group> g) : group_(std::move(g)) {}
 
   // The local shards of every parameter managed at or below this module (for a root: the whole
   // model), in registration order. Pass these to any torch::optim optimizer.
@@ -190,11 +197,11 @@ class FSDPModule {
   Communicator& communicator() const;  // the ranks sharding the model (HSDP: mesh.shard)
   // HSDP: the ranks holding the same shards (mesh.replicate); null for plain FSDP.
   const std::shared_ptr<Communicator>& replicate_communicator() const;
-  detail::Group* group() const { return group_.get(); }
-  const std::shared_ptr<detail::Group>& shared_group() const { return group_; }
   bool defined() const { return group_ != nullptr; }
 
  private:
+  friend struct detail::HandleAccess;
+  explicit FSDPModule(std::shared_ptr<detail::Group> g) : group_(std::move(g)) {}
   std::shared_ptr<detail::Group> group_;
 };
 
@@ -227,15 +234,28 @@ class Sharded : public Holder {
     }
   }
 
-  // Set by fully_shard.
-  void attach(std::shared_ptr<detail::Group> g) { group_ = std::move(g); }
-  const std::shared_ptr<detail::Group>& fsdp_group() const { return group_; }
+  // Whether fully_shard has sharded this module.
+  bool is_sharded() const { return group_ != nullptr; }
 
  private:
-  std::shared_ptr<detail::Group> group_;
+  friend struct detail::HandleAccess;
+  std::shared_ptr<detail::Group> group_;  // set by fully_shard
 };
 
 namespace detail {
+struct HandleAccess {
+  static FSDPModule make(std::shared_ptr<Group> g) { return FSDPModule(std::move(g)); }
+  static const std::shared_ptr<Group>& group(const FSDPModule& m) { return m.group_; }
+  template <class Holder>
+  static const std::shared_ptr<Group>& group(const Sharded<Holder>& s) {
+    return s.group_;
+  }
+  template <class Holder>
+  static void attach(Sharded<Holder>& s, const FSDPModule& handle) {
+    s.group_ = handle.group_;
+  }
+};
+
 // Throws the error of torch::save on a sharded module (below).
 [[noreturn]] void reject_torch_save(const Group& group);
 }  // namespace detail
@@ -246,17 +266,24 @@ namespace detail {
 template <class Archive, class Holder,
           class = std::enable_if_t<std::is_same_v<Archive, torch::serialize::OutputArchive>>>
 Archive& operator<<(Archive& archive, const Sharded<Holder>& module) {
-  if (module.fsdp_group()) detail::reject_torch_save(*module.fsdp_group());
+  if (module.is_sharded()) detail::reject_torch_save(*detail::HandleAccess::group(module));
   return archive << static_cast<const Holder&>(module);
 }
 
 namespace detail {
-// `gathers_on_use`: a container element (fsdp/containers.h), owned by the registry until a
-// sharded ancestor absorbs it, then by that ancestor's group.
+// How the calls of a module sharded by fully_shard_impl reach its group.
+enum class CallPath : uint8_t {
+  kHolder,  // through its fsdp::Sharded<T> holder, whose operator() runs the group's forward
+  // Directly (a container element, fsdp/containers.h): the group gathers when an operator first
+  // reads its parameters. Owned by the registry until a sharded ancestor absorbs it.
+  kGatherOnUse,
+};
 FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                             std::shared_ptr<Communicator> comm,
                             std::shared_ptr<Communicator> replicate, const ShardOptions& options,
-                            bool already_attached, bool gathers_on_use = false);
+                            CallPath path);
+// Throws the error of a second fully_shard on one module.
+[[noreturn]] void reject_second_fully_shard(const torch::nn::Module& module);
 }  // namespace detail
 
 // Shards `module`'s parameters that no sharded descendant manages. Apply bottom-up. The module must
@@ -264,9 +291,10 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
 template <class Holder>
 FSDPModule fully_shard(Sharded<Holder>& module, std::shared_ptr<Communicator> comm,
                        const ShardOptions& options = {}) {
+  if (module.is_sharded()) detail::reject_second_fully_shard(*module.ptr());
   auto handle = detail::fully_shard_impl(module.ptr(), std::move(comm), nullptr, options,
-                                         module.fsdp_group() != nullptr);
-  module.attach(handle.shared_group());
+                                         detail::CallPath::kHolder);
+  detail::HandleAccess::attach(module, handle);
   return handle;
 }
 
@@ -277,9 +305,10 @@ FSDPModule fully_shard(Sharded<Holder>& module, const DeviceMesh& mesh,
                        const ShardOptions& options = {}) {
   FSDP_CHECK(mesh.shard != nullptr,
              "fully_shard: the DeviceMesh is empty (build it with init_mesh)");
+  if (module.is_sharded()) detail::reject_second_fully_shard(*module.ptr());
   auto handle = detail::fully_shard_impl(module.ptr(), mesh.shard, mesh.replicate, options,
-                                         module.fsdp_group() != nullptr);
-  module.attach(handle.shared_group());
+                                         detail::CallPath::kHolder);
+  detail::HandleAccess::attach(module, handle);
   return handle;
 }
 

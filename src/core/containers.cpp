@@ -41,8 +41,7 @@ std::vector<FSDPModule> fully_shard_elements_impl(
   std::vector<FSDPModule> out;
   for (const auto& e : elements) {
     if (e->parameters(/*recurse=*/true).empty()) continue;
-    out.push_back(fully_shard_impl(e, comm, replicate, options, /*already_attached=*/false,
-                                   /*gathers_on_use=*/true));
+    out.push_back(fully_shard_impl(e, comm, replicate, options, CallPath::kGatherOnUse));
   }
   return out;
 }

@@ -99,12 +99,11 @@ void Context::on_reap_wait_expired(const Group& g, int waited_ms) {
   log(&g, detail::cat("reduce-scatter still in flight after a bounded wait of ", waited_ms, " ms (",
                       reap_wait_expiries_, " of ", kMaxReapWaitExpiries, ")"));
   if (reap_wait_expiries_ == kMaxReapWaitExpiries)
-    std::cerr << "fsdp[rank " << comm_->rank()
-              << "]: warning: reduce-scatters were still in flight "
-              << "after " << kMaxReapWaitExpiries << " bounded waits of " << waited_ms
-              << " ms; backward no longer waits for them before packing the next group's "
-                 "gradients, so more send buffers may be held at once (memory, not results). "
-                 "A rank far slower than the others, or a slow reduce lane, does this.\n";
+    TORCH_WARN("fsdp[rank ", comm_->rank(), "]: reduce-scatters were still in flight after ",
+               kMaxReapWaitExpiries, " bounded waits of ", waited_ms,
+               " ms; backward no longer waits for them before packing the next group's "
+               "gradients, so more send buffers may be held at once (memory, not results). A "
+               "rank far slower than the others, or a slow reduce lane, does this.");
 }
 
 void Context::on_gather_issued(const Group* g) {

@@ -273,15 +273,13 @@ void broadcast_own_buffers(Registry& reg, const torch::nn::Module& module, const
 FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                             std::shared_ptr<Communicator> comm,
                             std::shared_ptr<Communicator> replicate, const ShardOptions& options,
-                            bool already_attached, bool gathers_on_use) {
+                            CallPath path) {
   FSDP_CHECK(module != nullptr, "fully_shard: the module is empty (construct it first)");
   FSDP_CHECK(comm != nullptr, "fully_shard: the communicator is null (call init_process_group)");
   const std::string type = module->name();
   auto& reg = registry();
   std::unique_lock<std::mutex> lock(reg.mu);
-  FSDP_CHECK(!already_attached && !Registry::find(reg.modules, module.get()),
-             "fully_shard was applied twice to module '", type,
-             "': apply it once per module (blocks first, then the root)");
+  if (Registry::find(reg.modules, module.get())) reject_second_fully_shard(*module);
   const ModulePaths paths = module_paths(*module);
   auto mine = own_parameters(reg, *module, paths);
   check_placement(type, *comm, mine);
@@ -301,7 +299,7 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   if (context->groups().size() > 1) group->set_contains_groups();  // it absorbed sharded children
   group->attach_hooks();
   adopt_elements(reg, *group);
-  if (gathers_on_use) {
+  if (path == CallPath::kGatherOnUse) {
     group->set_gathers_on_use();
     reg.unowned_elements.push_back(group);
   }
@@ -312,7 +310,12 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   broadcast_own_buffers(reg, *module, paths, *comm);
   context->log(group.get(), detail::cat("fully_shard: ", group->params().size(), " parameters, ",
                                         group->flat_numel(), " padded elements per rank"));
-  return FSDPModule(group);
+  return HandleAccess::make(group);
+}
+
+void reject_second_fully_shard(const torch::nn::Module& module) {
+  throw Error(cat("fully_shard was applied twice to module '", module.name(),
+                  "': apply it once per module (blocks first, then the root)"));
 }
 
 namespace deferred {

@@ -491,8 +491,8 @@ void Group::abort_forward() noexcept {
     reshard();
     context_->cancel_forward_prefetches();
   } catch (const std::exception& e) {
-    std::cerr << "fsdp: while unwinding the failed forward of '" << name_ << "': " << e.what()
-              << "\n";
+    // The forward's own error is on its way out: this one is only reported.
+    TORCH_WARN("fsdp: while unwinding the failed forward of '", name_, "': ", e.what());
   }
 }
 

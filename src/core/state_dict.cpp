@@ -17,7 +17,7 @@ namespace {
 
 torch::nn::Module& module_of(const FSDPModule& root) {
   FSDP_CHECK(root.defined(), "this FSDPModule handle is empty: use the one fully_shard returned");
-  return *root.group()->module();
+  return *detail::HandleAccess::group(root)->module();
 }
 
 std::string shape_str(at::IntArrayRef s) { return detail::cat(s); }
@@ -118,7 +118,7 @@ std::vector<std::pair<std::string, at::Tensor>> named_buffers(const FSDPModule& 
 
 std::optional<std::string> check_buffers_agree(const FSDPModule& root, const std::string& what) {
   torch::nn::Module& module = module_of(root);
-  if (root.group()->options().broadcast_buffers) return std::nullopt;
+  if (detail::HandleAccess::group(root)->options().broadcast_buffers) return std::nullopt;
   Communicator& comm = root.communicator();
   auto diff = detail::first_differing_buffer(module, comm);
   if (!diff) return std::nullopt;
