@@ -2,7 +2,6 @@
 // What it computes is specified in docs/trainer.md; keep the two in step.
 #include "train/trainer.h"
 
-#include <fsdp/atomic_file.h>
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
@@ -13,6 +12,7 @@
 #include <filesystem>
 #include <new>
 
+#include "checkpoint/atomic_file.h"
 #include "train/generate.h"
 #include "train/launch.h"
 #include "train/metrics.h"
