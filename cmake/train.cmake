@@ -21,7 +21,7 @@ add_library(fsdp_train_base STATIC
 )
 target_include_directories(fsdp_train_base PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
 target_link_libraries(fsdp_train_base
-  PUBLIC fsdp_io nlohmann_json::nlohmann_json
+  PUBLIC fsdp_io fsdp_util nlohmann_json::nlohmann_json
   PRIVATE CLI11::CLI11 PkgConfig::TOMLPP)
 target_compile_definitions(fsdp_train_base PRIVATE FSDP_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 
