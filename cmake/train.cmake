@@ -9,6 +9,8 @@
 #                      <torch/torch.h>.
 add_library(fsdp_train_base STATIC
   src/train/config.cpp
+  src/train/config_file.cpp
+  src/train/config_validate.cpp
   src/train/data.cpp
   src/train/generate.cpp
   src/train/launch.cpp
