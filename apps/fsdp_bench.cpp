@@ -281,6 +281,63 @@ fsdp::bench::ArgsFor args_for(const TrainCli& cli) {
   };
 }
 
+// What the parsed command line asks for: one benchmark, here or through fsdp-run.
+struct Request {
+  bool comm = false, checkpointing = false;
+  int nproc = 0;
+  std::string malloc_policy = "default";
+  fsdp::bench::CommBenchOptions comm_options;
+  TrainCli train;
+};
+
+int run_request(Request& q, int argc, char** argv) {
+  TrainCli& train = q.train;
+  const bool comm = q.comm, checkpointing = q.checkpointing;
+  const int nproc = q.nproc;
+  const std::string& malloc_policy = q.malloc_policy;
+  fsdp::bench::CommBenchOptions& comm_options = q.comm_options;
+  // --malloc steady: the same fixed thresholds in every rank and in the Python peer (the
+  // environment reaches the processes started from here), so that modes are compared on their
+  // code rather than on glibc's allocation history (docs/performance.md, fifth pass).
+  if (malloc_policy == "steady") fsdp::memory::use_steady_malloc();
+  const bool sweep = train.compare || train.memory_scaling || train.max_model;
+  if (comm + checkpointing + !train.mode.empty() + train.compare + train.memory_scaling +
+          train.max_model !=
+      1) {
+    std::cerr << "fsdp-bench: choose exactly one of --comm, --activation-checkpointing, --mode "
+                 "M, --compare, --memory-scaling, --max-model (see --help)\n";
+    return 2;
+  }
+  if (train.options.mixed_precision != "none" && train.mode.empty()) {
+    std::cerr << "fsdp-bench: --mixed-precision " << train.options.mixed_precision
+              << " applies to one fsdp training mode: add --mode fsdp or --mode fsdp-noreshard\n";
+    return 2;
+  }
+  train.options.warmup = comm_options.warmup;  // one --warmup option serves both
+  train.resolve();
+  const bool child = std::getenv(kChildMarker) != nullptr;
+  if (sweep && !child && (nproc > 0 || !train.compare)) {
+    if (train.compare)
+      return fsdp::bench::compare_rounds({nproc, train.rounds, !train.no_torch_ddp},
+                                         args_for(train), bench_launch(), torch_launch(train),
+                                         std::cout, std::cerr);
+    if (train.memory_scaling)
+      return fsdp::bench::memory_scaling(train.worlds, args_for(train), bench_launch(), std::cout,
+                                         std::cerr);
+    FSDP_CHECK(nproc > 0, "--max-model needs --nproc N (the world size to fit)");
+    return fsdp::bench::max_model(nproc, train.memory_mb, args_for(train), bench_launch(),
+                                  std::cout, std::cerr);
+  }
+  FSDP_CHECK(!train.memory_scaling && !train.max_model,
+             "--memory-scaling and --max-model start their own ranks: run them without a "
+             "launcher");
+  if (nproc > 0 && !child) return relaunch(nproc, args_without_nproc(argc, argv));
+  if (comm) return fsdp::bench::run_comm_bench(comm_options);
+  if (checkpointing) return fsdp::bench::run_checkpointing_bench(train.options);
+  if (train.compare) return fsdp::bench::run_train_compare(train.options);
+  return fsdp::bench::run_train_bench(train.options);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -301,67 +358,24 @@ int main(int argc, char** argv) {
       "  fsdp-bench --compare --nproc 2\n"
       "  fsdp-bench --mode fsdp --nproc 2 --trace /tmp/trace   (open rank0.json in Perfetto)\n"
       "  fsdp-run -n 4 -- fsdp-bench --comm"};
-  bool comm = false, checkpointing = false;
-  int nproc = 0;
-  app.add_flag("--comm", comm, "run the communication benchmark");
-  app.add_flag("--activation-checkpointing", checkpointing,
+  Request q;
+  app.add_flag("--comm", q.comm, "run the communication benchmark");
+  app.add_flag("--activation-checkpointing", q.checkpointing,
                "activation memory saved by checkpointing the blocks (the training size options)");
-  std::string malloc_policy = "default";
-  app.add_option("--malloc", malloc_policy,
+  app.add_option("--malloc", q.malloc_policy,
                  "glibc malloc in every rank and peer: default, or steady (fixed mmap and trim "
                  "thresholds: MALLOC_MMAP_THRESHOLD_=32 MiB, MALLOC_TRIM_THRESHOLD_=256 MiB)")
       ->check(CLI::IsMember({"default", "steady"}))
       ->capture_default_str();
-  app.add_option("--nproc", nproc,
+  app.add_option("--nproc", q.nproc,
                  "start this many local ranks through fsdp-run (omit under a launcher)")
       ->check(CLI::Range(1, 64));
-  fsdp::bench::CommBenchOptions comm_options;
-  add_comm_options(app, comm_options);
-  TrainCli train;
-  train.add(app);
+  add_comm_options(app, q.comm_options);
+  q.train.add(app);
   CLI11_PARSE(app, argc, argv);
 
   try {
-    // --malloc steady: the same fixed thresholds in every rank and in the Python peer (the
-    // environment reaches the processes started from here), so that modes are compared on their
-    // code rather than on glibc's allocation history (docs/performance.md, fifth pass).
-    if (malloc_policy == "steady") fsdp::memory::use_steady_malloc();
-    const bool sweep = train.compare || train.memory_scaling || train.max_model;
-    if (comm + checkpointing + !train.mode.empty() + train.compare + train.memory_scaling +
-            train.max_model !=
-        1) {
-      std::cerr << "fsdp-bench: choose exactly one of --comm, --activation-checkpointing, --mode "
-                   "M, --compare, --memory-scaling, --max-model (see --help)\n";
-      return 2;
-    }
-    if (train.options.mixed_precision != "none" && train.mode.empty()) {
-      std::cerr << "fsdp-bench: --mixed-precision " << train.options.mixed_precision
-                << " applies to one fsdp training mode: add --mode fsdp or --mode fsdp-noreshard\n";
-      return 2;
-    }
-    train.options.warmup = comm_options.warmup;  // one --warmup option serves both
-    train.resolve();
-    const bool child = std::getenv(kChildMarker) != nullptr;
-    if (sweep && !child && (nproc > 0 || !train.compare)) {
-      if (train.compare)
-        return fsdp::bench::compare_rounds({nproc, train.rounds, !train.no_torch_ddp},
-                                           args_for(train), bench_launch(), torch_launch(train),
-                                           std::cout, std::cerr);
-      if (train.memory_scaling)
-        return fsdp::bench::memory_scaling(train.worlds, args_for(train), bench_launch(), std::cout,
-                                           std::cerr);
-      FSDP_CHECK(nproc > 0, "--max-model needs --nproc N (the world size to fit)");
-      return fsdp::bench::max_model(nproc, train.memory_mb, args_for(train), bench_launch(),
-                                    std::cout, std::cerr);
-    }
-    FSDP_CHECK(!train.memory_scaling && !train.max_model,
-               "--memory-scaling and --max-model start their own ranks: run them without a "
-               "launcher");
-    if (nproc > 0 && !child) return relaunch(nproc, args_without_nproc(argc, argv));
-    if (comm) return fsdp::bench::run_comm_bench(comm_options);
-    if (checkpointing) return fsdp::bench::run_checkpointing_bench(train.options);
-    if (train.compare) return fsdp::bench::run_train_compare(train.options);
-    return fsdp::bench::run_train_bench(train.options);
+    return run_request(q, argc, argv);
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";
     return 1;

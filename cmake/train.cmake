@@ -9,6 +9,8 @@
 #                      <torch/torch.h>.
 add_library(fsdp_train_base STATIC
   src/train/config.cpp
+  src/train/config_file.cpp
+  src/train/config_validate.cpp
   src/train/data.cpp
   src/train/generate.cpp
   src/train/launch.cpp
@@ -21,7 +23,7 @@ add_library(fsdp_train_base STATIC
 )
 target_include_directories(fsdp_train_base PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
 target_link_libraries(fsdp_train_base
-  PUBLIC fsdp_io nlohmann_json::nlohmann_json
+  PUBLIC fsdp_io fsdp_util nlohmann_json::nlohmann_json
   PRIVATE CLI11::CLI11 PkgConfig::TOMLPP)
 target_compile_definitions(fsdp_train_base PRIVATE FSDP_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 

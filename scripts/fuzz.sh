@@ -15,8 +15,9 @@ TARGETS=("$@")
 CXX="${FUZZ_CXX:-$(command -v clang++-14 || command -v clang++)}"
 OUT=build-fuzz
 mkdir -p "$OUT/findings"
-FLAGS=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Iinclude)
-SRCS=(src/checkpoint/safetensors.cpp src/checkpoint/index.cpp src/checkpoint/strict_json.cpp
+FLAGS=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Iinclude -Isrc)
+SRCS=(src/checkpoint/safetensors_header.cpp src/checkpoint/safetensors_file.cpp
+      src/checkpoint/index.cpp src/checkpoint/strict_json.cpp
       src/checkpoint/hex.cpp src/checkpoint/atomic_file.cpp)
 declare -A SEEDS=([fuzz_safetensors]=fuzz/corpus/safetensors [fuzz_index]=fuzz/corpus/index)
 status=0

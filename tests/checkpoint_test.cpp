@@ -4,7 +4,6 @@
 // independent Python reader on a consolidated file.
 #include <fsdp/checkpoint.h>
 #include <fsdp/fsdp.h>
-#include <fsdp/hex.h>
 #include <fsdp/models/gpt.h>
 #include <fsdp/safetensors_torch.h>
 #include <gtest/gtest.h>
@@ -17,6 +16,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "checkpoint/hex.h"
+#include "checkpoint/test_hooks.h"
 #include "harness.h"
 #include "tiny_gpt.h"
 
@@ -235,10 +236,9 @@ TEST(Checkpoint, InterruptedSaveLeavesPreviousLoadable) {
         auto saved = run.snapshot();
         run.train(r.rank, 1);
         s.step = 2;
-        ::setenv(ck::kFailAfterFilesEnv, "1", 1);
+        ck::test_hooks::fail_next_save_after_files(1);
         expect_error([&] { ck::save(dir, run.root, run.optim.get(), s, *r.world()); },
                      {"interrupted", "step_00000002"});
-        ::unsetenv(ck::kFailAfterFilesEnv);
         r.world()->barrier().wait();
         // The new checkpoint is visibly incomplete, the previous one is the latest.
         EXPECT_TRUE(fs::exists(dir + "/step_00000002/rank0.safetensors"));

@@ -23,3 +23,6 @@ fsdp_model_tests(LABEL comm SOURCES netns_test.cpp)
 fsdp_add_test(slurm_cluster_test LABEL slurm SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/slurm_cluster_test.cpp
               LIBS fsdp_train_base)
 add_dependencies(slurm_cluster_test fsdp-train fsdp-run)
+# Internal helpers: environment variables, the checksum, the pure part of rank agreement.
+fsdp_add_test(util_test LABEL comm PCH core SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/util_test.cpp)
+target_include_directories(util_test PRIVATE ${PROJECT_SOURCE_DIR}/src)

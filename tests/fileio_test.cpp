@@ -1,9 +1,7 @@
 // The checkpoint code's shared helpers: the hex codec (generated round trips, every rejection),
 // strict JSON (duplicate keys, depth, invalid text, by message) and atomic writes (the committed
 // file, nothing left on failure, stale temporaries of dead writers removed, live ones kept).
-#include <fsdp/atomic_file.h>
 #include <fsdp/error.h>
-#include <fsdp/hex.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,6 +11,8 @@
 #include <random>
 #include <sstream>
 
+#include "checkpoint/atomic_file.h"
+#include "checkpoint/hex.h"
 #include "checkpoint/strict_json.h"
 #include "harness.h"
 

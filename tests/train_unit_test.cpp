@@ -1,6 +1,5 @@
 // Unit tests of fsdp-train's torch-free parts: settings (flags, JSON/TOML files, validation), the
 // data order, the learning-rate schedule, metrics CSV and the SVG plot.
-#include <fsdp/atomic_file.h>
 #include <fsdp/checkpoint_index.h>
 #include <fsdp/error.h>
 #include <gtest/gtest.h>
@@ -16,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/atomic_file.h"
 #include "train/config.h"
 #include "train/data.h"
 #include "train/generate.h"

@@ -30,7 +30,7 @@ class Optimizer;
 namespace fsdp::checkpoint {
 
 // Collective: every rank writes DIR/step_<step>/rank<k>.safetensors (params + optimizer state of
-// its shards; rank 0 also the model's buffers, whole, after warning on stderr when they differ
+// its shards; rank 0 also the model's buffers, whole, after a warning (TORCH_WARN) when they differ
 // across ranks: fsdp::check_buffers_agree), rank 0 writes index.json last. Returns the checkpoint
 // directory. `opt` may be null (parameters only). Optimizer state is saved for torch::optim AdamW,
 // Adam and SGD; another optimizer type is an error.
@@ -56,7 +56,8 @@ Scan scan(const std::string& dir);
 
 // scan(dir).latest, after reporting every newer step directory it passes over ("checkpoint
 // 'DIR/step_..' is unusable (reason); falling back to ..."), one line each through `report`
-// (default: stderr). A damaged newest checkpoint is never skipped silently.
+// (default: a warning through TORCH_WARN, on stderr unless a c10 warning handler routes it). A
+// damaged newest checkpoint is never skipped silently.
 std::optional<std::string> latest(const std::string& dir,
                                   const std::function<void(const std::string&)>& report = nullptr);
 
@@ -74,9 +75,9 @@ std::vector<std::string> remove_stale_temporaries(const std::string& dir);
 // Collective: loads `ckpt_dir` (a step_* directory) into the sharded model and optimizer at any
 // world size. Verifies the checksum of every file it reads, dtype/shape against the model, and
 // names missing tensors; restores every buffer (an index without buffers, from before they were
-// saved, leaves them as they are, with a note on rank 0's stderr). With `opt` null the optimizer
-// state is not read. Creates optimizer state entries when the optimizer has none yet. Returns the
-// saved TrainState.
+// saved, leaves them as they are, with a note (TORCH_WARN) on rank 0). With `opt` null the
+// optimizer state is not read. Creates optimizer state entries when the optimizer has none yet.
+// Returns the saved TrainState.
 TrainState load(const std::string& ckpt_dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                 Communicator& comm);
 
@@ -86,13 +87,8 @@ void consolidate(const std::string& ckpt_dir, const std::string& out_file);
 
 // Each rank reads its rows of every parameter from a full safetensors file (e.g. consolidate()'s
 // output, or any file with the model's parameter names and dtypes), and every buffer whole (a file
-// without any of the model's buffers leaves them as they are, with a note on rank 0's stderr).
+// without any of the model's buffers leaves them as they are, with a note (TORCH_WARN) on rank 0).
 // Collective over root.communicator(): a failure on any rank is raised on every rank.
 void init_from(const std::string& file, const FSDPModule& root);
-
-// Test hook simulating a crash between files: with FSDP_CKPT_FAIL_AFTER_FILES=n in the environment,
-// save() lets ranks 0..n-1 write their files, then throws fsdp::Error on every rank before the
-// index is written.
-inline constexpr const char* kFailAfterFilesEnv = "FSDP_CKPT_FAIL_AFTER_FILES";
 
 }  // namespace fsdp::checkpoint

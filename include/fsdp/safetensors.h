@@ -159,7 +159,7 @@ struct TensorView {
   uint64_t bytes = 0;
 };
 
-// Writes `tensors` (in the given order) and `metadata` to `path` atomically (fsdp/atomic_file.h: a
+// Writes `tensors` (in the given order) and `metadata` to `path` atomically (atomic_write: a
 // temporary file in the same directory, fsync, rename over `path`, fsync of the directory).
 // Validates names (unique, non-empty, not "__metadata__"), dtypes and sizes first. Returns the
 // checksums of what it wrote.

@@ -49,8 +49,8 @@ std::vector<std::pair<std::string, at::Tensor>> named_buffers(const FSDPModule& 
 // Collective (one small all-gather, skipped when root was sharded with
 // ShardOptions::broadcast_buffers, whose next forward makes every rank's buffers rank 0's again):
 // compares every buffer's checksum with rank 0's. When some differ, rank 0 writes one warning to
-// stderr naming the first, the rank, `what` (e.g. "checkpoint save keeps rank 0's values") and the
-// fix; returns that buffer's name on every rank, or nullopt when all agree.
+// TORCH_WARN naming the first, the rank, `what` (e.g. "checkpoint save keeps rank 0's values") and
+// the fix; returns that buffer's name on every rank, or nullopt when all agree.
 std::optional<std::string> check_buffers_agree(const FSDPModule& root, const std::string& what);
 
 }  // namespace fsdp

@@ -1,5 +1,6 @@
+#include "checkpoint/atomic_file.h"
+
 #include <fcntl.h>
-#include <fsdp/atomic_file.h>
 #include <fsdp/error.h>
 #include <signal.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include <fsdp/hex.h>
+#include "checkpoint/hex.h"
 
 namespace fsdp::hex {
 namespace {

@@ -1,12 +1,12 @@
 // index.json: validation of untrusted index text, and its serialisation. Torch-free (fuzzed alone).
 #include <fsdp/checkpoint_index.h>
 #include <fsdp/error.h>
-#include <fsdp/hex.h>
 
 #include <algorithm>
 #include <limits>
 #include <set>
 
+#include "checkpoint/hex.h"
 #include "strict_json.h"
 
 namespace fsdp::checkpoint {
@@ -65,24 +65,10 @@ uint64_t get_hex64(const json& v, const std::string& source, const std::string& 
   return *x;
 }
 
-}  // namespace
+constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
 
-std::string rank_file_name(int rank) { return cat("rank", rank, ".safetensors"); }
-
-const IndexEntry* Index::find(const std::string& name) const {
-  auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
-                             [](const IndexEntry& e, const std::string& n) { return e.name < n; });
-  return it != tensors.end() && it->name == name ? &*it : nullptr;
-}
-
-Index parse_index(const std::string& text, const std::string& source) {
-  if (text.size() > kMaxIndexBytes) {
-    fail(source, cat(text.size(), " bytes, over the cap of ", kMaxIndexBytes));
-  }
-  // 16 levels: the trainer's "extra" object nests a little; the schema itself needs 4.
-  json j = detail::parse_json_strict(text, 16, cat("checkpoint index '", source, "'"));
-  if (!j.is_object()) fail(source, "not a JSON object");
-  Index idx;
+// The top-level fields: format, version, world size, sharding, optimizer and the TrainState.
+void parse_header_fields(const json& j, const std::string& source, Index& idx) {
   if (get_str(field(j, "format", source, ""), source, "format") != kFormatName) {
     fail(source, cat("format is not '", kFormatName, "'"));
   }
@@ -103,7 +89,6 @@ Index parse_index(const std::string& text, const std::string& source) {
     fail(source,
          cat("optimizer ", shown(idx.optimizer), " is unknown; expected adamw, adam, sgd or none"));
   }
-  constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
   idx.state.step = get_int(field(j, "step", source, ""), 0, kI64Max, source, "step");
   idx.state.data_position =
       get_int(field(j, "data_position", source, ""), 0, kI64Max, source, "data_position");
@@ -119,109 +104,143 @@ Index parse_index(const std::string& text, const std::string& source) {
   if (get_str(field(j, "checksum", source, ""), source, "checksum") != "xxh64") {
     fail(source, "checksum algorithm is not 'xxh64'");
   }
+}
+
+// files[k]: the rank file's fixed name, its size and its checksums.
+FileEntry parse_file_entry(const json& f, size_t k, const std::string& source) {
+  std::string where = cat("files[", k, "] ");
+  if (!f.is_object()) fail(source, where + "is not an object");
+  FileEntry fe;
+  fe.name = get_str(field(f, "name", source, where), source, where + "name");
+  // A fixed pattern: an index can never name a path outside its directory.
+  if (fe.name != rank_file_name(static_cast<int>(k))) {
+    fail(source, cat(where, "name ", shown(fe.name), " is not '",
+                     rank_file_name(static_cast<int>(k)), "'"));
+  }
+  fe.sums.file_bytes = static_cast<uint64_t>(
+      get_int(field(f, "bytes", source, where), 8, kI64Max, source, where + "bytes"));
+  fe.sums.xxh64 = get_hex64(field(f, "xxh64", source, where), source, where + "xxh64");
+  fe.sums.block_bytes =
+      static_cast<uint64_t>(get_int(field(f, "block_bytes", source, where), 4096, int64_t{1} << 32,
+                                    source, where + "block_bytes"));
+  const json& blocks = field(f, "block_xxh64", source, where);
+  uint64_t want = (fe.sums.file_bytes + fe.sums.block_bytes - 1) / fe.sums.block_bytes;
+  if (!blocks.is_array() || blocks.size() != want) {
+    fail(source, cat(where, "block_xxh64 must list ", want, " checksums for ", fe.sums.file_bytes,
+                     " bytes in blocks of ", fe.sums.block_bytes));
+  }
+  for (const auto& b : blocks)
+    fe.sums.blocks.push_back(get_hex64(b, source, where + "block_xxh64[]"));
+  return fe;
+}
+
+// The pieces of entry `e`: the ranks holding it, and for a row-sharded tensor their rows, which
+// must cover all rows in order.
+void parse_pieces(const json& t, const std::string& name, const std::string& where, int world_size,
+                  const std::string& source, IndexEntry& e) {
+  const json& pieces = field(t, "pieces", source, where);
+  if (!pieces.is_array()) fail_tensor(source, name, "pieces is not an array");
+  int64_t next = 0;
+  for (const auto& p : pieces) {
+    if (!p.is_object()) fail_tensor(source, name, "a piece is not an object");
+    IndexEntry::Piece pc;
+    pc.rank = static_cast<int>(get_int(field(p, "rank", source, where + "piece "), 0,
+                                       world_size - 1, source, where + "piece rank"));
+    if (e.replicated) {
+      pc.row_begin = 0;
+      pc.row_end = e.rows();
+    } else {
+      const json& rows = field(p, "rows", source, where + "piece ");
+      if (!rows.is_array() || rows.size() != 2)
+        fail_tensor(source, name, "piece rows is not [begin, end]");
+      pc.row_begin = get_int(rows[0], 0, e.rows(), source, where + "piece rows[0]");
+      pc.row_end = get_int(rows[1], 0, e.rows(), source, where + "piece rows[1]");
+      if (pc.row_begin != next || pc.row_end <= pc.row_begin) {
+        fail_tensor(source, name,
+                    cat("piece rows [", pc.row_begin, ", ", pc.row_end, ") of rank ", pc.rank,
+                        " do not continue at row ", next,
+                        "; pieces must cover the rows in order without gaps or overlaps"));
+      }
+      next = pc.row_end;
+    }
+    e.pieces.push_back(pc);
+  }
+  if (e.replicated && e.pieces.empty())
+    fail_tensor(source, name, "replicated tensor lists no rank");
+  if (!e.replicated && next != e.rows()) {
+    fail_tensor(source, name,
+                cat("pieces cover rows [0, ", next, ") of ", e.rows(),
+                    "; rows are missing - the checkpoint is incomplete"));
+  }
+}
+
+// tensors[name]: dtype, shape (bounded, no overflow), kind and pieces.
+IndexEntry parse_tensor_entry(const std::string& name, const json& t, int world_size,
+                              const std::string& source) {
+  std::string where = cat("tensor ", shown(name), " ");
+  if (name.empty()) fail(source, "a tensor has an empty name");
+  if (!t.is_object()) fail_tensor(source, name, "is not an object");
+  IndexEntry e;
+  e.name = name;
+  e.dtype = get_str(field(t, "dtype", source, where), source, where + "dtype");
+  if (!safetensors::dtype_size(e.dtype))
+    fail_tensor(source, name, cat("unknown dtype ", shown(e.dtype)));
+  const json& shape = field(t, "shape", source, where);
+  if (!shape.is_array() || shape.size() > 64)
+    fail_tensor(source, name, "shape is not an array of at most 64 sizes");
+  uint64_t numel = 1;
+  for (const auto& d : shape) {
+    int64_t x = get_int(d, 0, kI64Max, source, where + "shape[]");
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(x), &numel)) {
+      fail_tensor(source, name,
+                  cat("shape ", shape.dump(), " has an element count that overflows 64 bits"));
+    }
+    e.global_shape.push_back(x);
+  }
+  uint64_t bytes = 0;
+  if (__builtin_mul_overflow(numel, *safetensors::dtype_size(e.dtype), &bytes) ||
+      bytes > static_cast<uint64_t>(kI64Max)) {
+    fail_tensor(source, name, cat("shape ", shape.dump(), " is too large for its dtype"));
+  }
+  std::string kind = get_str(field(t, "kind", source, where), source, where + "kind");
+  if (kind != "rows" && kind != "replicated")
+    fail_tensor(source, name, cat("kind ", shown(kind), " is not 'rows' or 'replicated'"));
+  e.replicated = kind == "replicated";
+  parse_pieces(t, name, where, world_size, source, e);
+  return e;
+}
+
+}  // namespace
+
+std::string rank_file_name(int rank) { return cat("rank", rank, ".safetensors"); }
+
+const IndexEntry* Index::find(const std::string& name) const {
+  auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
+                             [](const IndexEntry& e, const std::string& n) { return e.name < n; });
+  return it != tensors.end() && it->name == name ? &*it : nullptr;
+}
+
+Index parse_index(const std::string& text, const std::string& source) {
+  if (text.size() > kMaxIndexBytes) {
+    fail(source, cat(text.size(), " bytes, over the cap of ", kMaxIndexBytes));
+  }
+  // 16 levels: the trainer's "extra" object nests a little; the schema itself needs 4.
+  json j = detail::parse_json_strict(text, 16, cat("checkpoint index '", source, "'"));
+  if (!j.is_object()) fail(source, "not a JSON object");
+  Index idx;
+  parse_header_fields(j, source, idx);
 
   const json& files = field(j, "files", source, "");
   if (!files.is_array() || files.size() != static_cast<size_t>(idx.world_size)) {
     fail(source, cat("'files' must list one file per rank (world_size ", idx.world_size, ")"));
   }
-  for (size_t k = 0; k < files.size(); ++k) {
-    const json& f = files[k];
-    std::string where = cat("files[", k, "] ");
-    if (!f.is_object()) fail(source, where + "is not an object");
-    FileEntry fe;
-    fe.name = get_str(field(f, "name", source, where), source, where + "name");
-    // A fixed pattern: an index can never name a path outside its directory.
-    if (fe.name != rank_file_name(static_cast<int>(k))) {
-      fail(source, cat(where, "name ", shown(fe.name), " is not '",
-                       rank_file_name(static_cast<int>(k)), "'"));
-    }
-    fe.sums.file_bytes = static_cast<uint64_t>(
-        get_int(field(f, "bytes", source, where), 8, kI64Max, source, where + "bytes"));
-    fe.sums.xxh64 = get_hex64(field(f, "xxh64", source, where), source, where + "xxh64");
-    fe.sums.block_bytes =
-        static_cast<uint64_t>(get_int(field(f, "block_bytes", source, where), 4096,
-                                      int64_t{1} << 32, source, where + "block_bytes"));
-    const json& blocks = field(f, "block_xxh64", source, where);
-    uint64_t want = (fe.sums.file_bytes + fe.sums.block_bytes - 1) / fe.sums.block_bytes;
-    if (!blocks.is_array() || blocks.size() != want) {
-      fail(source, cat(where, "block_xxh64 must list ", want, " checksums for ", fe.sums.file_bytes,
-                       " bytes in blocks of ", fe.sums.block_bytes));
-    }
-    for (const auto& b : blocks)
-      fe.sums.blocks.push_back(get_hex64(b, source, where + "block_xxh64[]"));
-    idx.files.push_back(std::move(fe));
-  }
+  for (size_t k = 0; k < files.size(); ++k)
+    idx.files.push_back(parse_file_entry(files[k], k, source));
 
   const json& tensors = field(j, "tensors", source, "");
   if (!tensors.is_object()) fail(source, "'tensors' is not an object");
-  for (auto it = tensors.begin(); it != tensors.end(); ++it) {
-    const std::string& name = it.key();
-    const json& t = *it;
-    std::string where = cat("tensor ", shown(name), " ");
-    if (name.empty()) fail(source, "a tensor has an empty name");
-    if (!t.is_object()) fail_tensor(source, name, "is not an object");
-    IndexEntry e;
-    e.name = name;
-    e.dtype = get_str(field(t, "dtype", source, where), source, where + "dtype");
-    if (!safetensors::dtype_size(e.dtype))
-      fail_tensor(source, name, cat("unknown dtype ", shown(e.dtype)));
-    const json& shape = field(t, "shape", source, where);
-    if (!shape.is_array() || shape.size() > 64)
-      fail_tensor(source, name, "shape is not an array of at most 64 sizes");
-    uint64_t numel = 1;
-    for (const auto& d : shape) {
-      int64_t x = get_int(d, 0, kI64Max, source, where + "shape[]");
-      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(x), &numel)) {
-        fail_tensor(source, name,
-                    cat("shape ", shape.dump(), " has an element count that overflows 64 bits"));
-      }
-      e.global_shape.push_back(x);
-    }
-    uint64_t bytes = 0;
-    if (__builtin_mul_overflow(numel, *safetensors::dtype_size(e.dtype), &bytes) ||
-        bytes > static_cast<uint64_t>(kI64Max)) {
-      fail_tensor(source, name, cat("shape ", shape.dump(), " is too large for its dtype"));
-    }
-    std::string kind = get_str(field(t, "kind", source, where), source, where + "kind");
-    if (kind != "rows" && kind != "replicated")
-      fail_tensor(source, name, cat("kind ", shown(kind), " is not 'rows' or 'replicated'"));
-    e.replicated = kind == "replicated";
-    const json& pieces = field(t, "pieces", source, where);
-    if (!pieces.is_array()) fail_tensor(source, name, "pieces is not an array");
-    int64_t next = 0;
-    for (const auto& p : pieces) {
-      if (!p.is_object()) fail_tensor(source, name, "a piece is not an object");
-      IndexEntry::Piece pc;
-      pc.rank = static_cast<int>(get_int(field(p, "rank", source, where + "piece "), 0,
-                                         idx.world_size - 1, source, where + "piece rank"));
-      if (e.replicated) {
-        pc.row_begin = 0;
-        pc.row_end = e.rows();
-      } else {
-        const json& rows = field(p, "rows", source, where + "piece ");
-        if (!rows.is_array() || rows.size() != 2)
-          fail_tensor(source, name, "piece rows is not [begin, end]");
-        pc.row_begin = get_int(rows[0], 0, e.rows(), source, where + "piece rows[0]");
-        pc.row_end = get_int(rows[1], 0, e.rows(), source, where + "piece rows[1]");
-        if (pc.row_begin != next || pc.row_end <= pc.row_begin) {
-          fail_tensor(source, name,
-                      cat("piece rows [", pc.row_begin, ", ", pc.row_end, ") of rank ", pc.rank,
-                          " do not continue at row ", next,
-                          "; pieces must cover the rows in order without gaps or overlaps"));
-        }
-        next = pc.row_end;
-      }
-      e.pieces.push_back(pc);
-    }
-    if (e.replicated && e.pieces.empty())
-      fail_tensor(source, name, "replicated tensor lists no rank");
-    if (!e.replicated && next != e.rows()) {
-      fail_tensor(source, name,
-                  cat("pieces cover rows [0, ", next, ") of ", e.rows(),
-                      "; rows are missing - the checkpoint is incomplete"));
-    }
-    idx.tensors.push_back(std::move(e));
-  }
+  for (auto it = tensors.begin(); it != tensors.end(); ++it)
+    idx.tensors.push_back(parse_tensor_entry(it.key(), *it, idx.world_size, source));
   std::sort(idx.tensors.begin(), idx.tensors.end(),
             [](const IndexEntry& a, const IndexEntry& b) { return a.name < b.name; });
   return idx;

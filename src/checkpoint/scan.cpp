@@ -1,12 +1,13 @@
 // Finding checkpoints in a run directory: defect / scan / latest, retention (keep_last) and the
 // temporaries of killed saves. Local, no collectives, no torch headers beyond checkpoint.h's.
 // Format and the reporting contract: docs/checkpoint.md ("Finding the latest checkpoint").
-#include <fsdp/atomic_file.h>
+#include <c10/util/Exception.h>
 #include <fsdp/checkpoint.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <filesystem>
+
+#include "checkpoint/atomic_file.h"
 
 namespace fsdp::checkpoint {
 
@@ -88,7 +89,7 @@ std::optional<std::string> latest(const std::string& dir,
     if (report) {
       report(line);
     } else {
-      std::fprintf(stderr, "fsdp: warning: %s\n", line.c_str());
+      TORCH_WARN("fsdp: warning: ", line);
     }
   }
   return s.latest;

@@ -14,6 +14,8 @@
 #include <cstring>
 #include <set>
 
+#include "util/env.h"
+
 namespace fsdp::detail {
 
 bool is_loopback(const std::string& host) {
@@ -78,10 +80,7 @@ std::string route_address(const std::string& host) {
 
 std::string advertised_address(const std::string& master_addr,
                                const std::function<const char*(const char*)>& getenv_fn) {
-  auto env = [&](const char* k) -> const char* {
-    const char* v = getenv_fn ? getenv_fn(k) : std::getenv(k);
-    return (v && *v) ? v : nullptr;
-  };
+  auto env = [&](const char* k) { return detail::env_value(k, getenv_fn); };
   for (const char* var : {"FSDP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}) {
     if (const char* name = env(var)) return interface_address(name, var);
   }

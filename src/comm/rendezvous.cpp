@@ -17,20 +17,10 @@
 #include "rendezvous_keys.h"
 #include "signals.h"
 #include "slurm.h"
+#include "util/env.h"
 
 namespace fsdp {
 namespace {
-
-int parse_int(const char* name, const char* value, int lo, int hi) {
-  char* end = nullptr;
-  errno = 0;
-  long v = std::strtol(value, &end, 10);
-  FSDP_CHECK(end != value && *end == '\0' && errno == 0, "environment variable ", name, "='", value,
-             "' is not an integer; set it to a number in ", lo, "..", hi);
-  FSDP_CHECK(v >= lo && v <= hi, "environment variable ", name, "=", v, " is out of range ", lo,
-             "..", hi);
-  return static_cast<int>(v);
-}
 
 // The one rendezvous error, whichever stage failed: the store connection, the check-in of all
 // ranks, or the process group's connections to its peers.
@@ -124,10 +114,7 @@ std::vector<PeerInfo> exchange_peers(c10d::Store& store, const RendezvousInfo& i
 }  // namespace
 
 RendezvousInfo parse_rendezvous_env(const std::function<const char*(const char*)>& getenv_fn) {
-  auto env = [&](const char* k) -> const char* {
-    const char* v = getenv_fn ? getenv_fn(k) : std::getenv(k);
-    return (v && *v) ? v : nullptr;
-  };
+  auto env = [&](const char* k) { return detail::env_value(k, getenv_fn); };
   struct Source {
     const char* name;
     const char* rank;
@@ -147,11 +134,11 @@ RendezvousInfo parse_rendezvous_env(const std::function<const char*(const char*)
     FSDP_CHECK(env(s.rank) && env(s.size), s.name, " launch detected but ",
                env(s.rank) ? s.size : s.rank, " is not set; set both ", s.rank, " and ", s.size);
     info.source = s.name;
-    info.world_size = parse_int(s.size, env(s.size), 1, 1 << 20);
-    info.rank = parse_int(s.rank, env(s.rank), 0, 1 << 20);
+    info.world_size = detail::parse_env_int(s.size, env(s.size), 1, 1 << 20);
+    info.rank = detail::parse_env_int(s.rank, env(s.rank), 0, 1 << 20);
     FSDP_CHECK(info.rank < info.world_size, s.rank, "=", info.rank, " must be less than ", s.size,
                "=", info.world_size);
-    info.local_rank = env(s.local) ? parse_int(s.local, env(s.local), 0, 1 << 20) : 0;
+    info.local_rank = env(s.local) ? detail::parse_env_int(s.local, env(s.local), 0, 1 << 20) : 0;
     break;
   }
   // srun sets ranks but no rendezvous address: derive it from the job (slurm.h) unless given.
@@ -169,7 +156,7 @@ RendezvousInfo parse_rendezvous_env(const std::function<const char*(const char*)
                "machine)");
   }
   if (const char* p = env("MASTER_PORT")) {
-    info.master_port = parse_int("MASTER_PORT", p, 1, 65535);
+    info.master_port = detail::parse_env_int("MASTER_PORT", p, 1, 65535);
     info.master_port_from = "MASTER_PORT";
   } else if (auto port = from_srun ? detail::slurm_master_port(env) : std::nullopt) {
     info.master_port = port->port;
@@ -180,7 +167,7 @@ RendezvousInfo parse_rendezvous_env(const std::function<const char*(const char*)
   if (const char* a = env("TORCHELASTIC_USE_AGENT_STORE"))
     info.agent_store = std::string(a) == "True";
   if (const char* c = env("TORCHELASTIC_RESTART_COUNT"))
-    info.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", c, 0, 1 << 20);
+    info.restart_count = detail::parse_env_int("TORCHELASTIC_RESTART_COUNT", c, 0, 1 << 20);
   return info;
 }
 
@@ -189,13 +176,8 @@ std::chrono::milliseconds resolve_timeout(const std::optional<std::chrono::milli
     FSDP_CHECK(t->count() > 0, "timeout must be positive, got ", t->count(), " ms");
     return *t;
   }
-  if (const char* s = std::getenv("FSDP_TIMEOUT_S"); s && *s) {
-    char* end = nullptr;
-    double v = std::strtod(s, &end);
-    FSDP_CHECK(end != s && *end == '\0' && v > 0, "FSDP_TIMEOUT_S='", s,
-               "' is not a positive number of seconds");
-    return std::chrono::milliseconds(static_cast<int64_t>(v * 1000));
-  }
+  if (auto s = detail::env_positive("FSDP_TIMEOUT_S", "seconds"))
+    return std::chrono::milliseconds(static_cast<int64_t>(*s * 1000));
   return std::chrono::seconds(300);
 }
 

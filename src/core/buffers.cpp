@@ -5,16 +5,16 @@
 #include <fsdp/error.h>
 #include <torch/nn/module.h>
 
-#include <cstring>
-
-#include "core/value_agreement.h"
+#include "comm/rank_agreement.h"
 
 namespace fsdp::detail {
 
 namespace {
 
-int64_t byte_size(const at::Tensor& t) {
-  return t.numel() * static_cast<int64_t>(t.element_size());
+// (nbytes,) uint8: the contiguous bytes of `b`, any dtype (bool included).
+at::Tensor bytes_of(const at::Tensor& b) {
+  at::Tensor flat = b.detach().contiguous().reshape({-1});
+  return flat.scalar_type() == at::kByte ? flat : flat.view(at::kByte);
 }
 
 }  // namespace
@@ -26,38 +26,41 @@ std::vector<std::pair<std::string, at::Tensor>> defined_buffers(const torch::nn:
   return out;
 }
 
-void broadcast_buffers(torch::nn::Module& m, Communicator& c) {
-  if (c.size() == 1) return;
-  const auto buffers = defined_buffers(m);
+void broadcast_buffers(const std::vector<std::pair<std::string, at::Tensor>>& buffers,
+                       Communicator& c) {
+  if (c.size() == 1 || buffers.empty()) return;
+  const at::Device device = buffers.front().second.device();
   int64_t total = 0;
   for (const auto& [name, b] : buffers) {
-    FSDP_CHECK(b.device().is_cpu(), "broadcast_buffers: buffer '", name, "' is on ", b.device(),
-               "; buffers are broadcast from CPU memory (move the module to the CPU)");
-    total += byte_size(b);
+    FSDP_CHECK(b.device() == device, "broadcast_buffers: buffer '", name, "' is on ", b.device(),
+               ", buffer '", buffers.front().first, "' on ", device,
+               "; buffers are broadcast together from one device (move the module to one device)");
+    total += static_cast<int64_t>(b.nbytes());
   }
   if (total == 0) return;
-  // (total bytes,) uint8: every buffer's contiguous bytes, in named_buffers order.
-  at::Tensor flat = at::empty({total}, at::kByte);
-  auto* dst = static_cast<unsigned char*>(flat.data_ptr());
-  int64_t offset = 0;
-  if (c.rank() == 0) {
-    for (const auto& [name, b] : buffers) {
-      at::Tensor src = b.detach().contiguous();
-      std::memcpy(dst + offset, src.data_ptr(), byte_size(src));
-      offset += byte_size(src);
-    }
-  }
+  // (total bytes,) uint8: every buffer's contiguous bytes, in the given order.
+  std::vector<at::Tensor> parts;
+  if (c.rank() == 0)
+    for (const auto& [name, b] : buffers) parts.push_back(bytes_of(b));
+  at::Tensor flat = c.rank() == 0 ? at::cat(parts)
+                                  : at::empty({total}, at::TensorOptions(at::kByte).device(device));
   c.broadcast(flat, 0).wait();
   if (c.rank() == 0) return;
   at::NoGradGuard no_grad;
-  offset = 0;
+  int64_t offset = 0;
   for (const auto& [name, b] : buffers) {
-    const int64_t n = byte_size(b);
-    at::Tensor src = at::empty(b.sizes(), b.options().device(at::kCPU));
-    std::memcpy(src.data_ptr(), dst + offset, n);
-    b.copy_(src);
+    const int64_t n = static_cast<int64_t>(b.nbytes());
+    // A copy at offset 0, so that its bytes may be viewed as any dtype.
+    at::Tensor bytes = flat.narrow(0, offset, n).clone();
+    b.copy_(b.scalar_type() == at::kByte ? bytes.view(b.sizes())
+                                         : bytes.view(b.scalar_type()).view(b.sizes()));
     offset += n;
   }
+}
+
+void broadcast_buffers(torch::nn::Module& m, Communicator& c) {
+  if (c.size() == 1) return;
+  broadcast_buffers(defined_buffers(m), c);
 }
 
 std::optional<BufferDifference> first_differing_buffer(const torch::nn::Module& m,

@@ -20,9 +20,13 @@ namespace fsdp::detail {
 // The defined buffers of `m` and its descendants, by name relative to `m` (named_buffers order).
 std::vector<std::pair<std::string, at::Tensor>> defined_buffers(const torch::nn::Module& m);
 
-// Copies rank 0's buffers into every rank's buffers in place, in one flat broadcast of their bytes
-// (any dtype mix, bool included). No-op at world size 1 or without buffers. REQUIRES: every rank
-// holds the same buffer shapes and dtypes (the same model).
+// Copies rank 0's values of `buffers` into every rank's in place, in one flat broadcast of their
+// bytes (any dtype mix, bool included, contiguous or not). No-op at world size 1 or without
+// buffers. REQUIRES: every rank passes the same shapes and dtypes in the same order (the same
+// model), all on one device.
+void broadcast_buffers(const std::vector<std::pair<std::string, at::Tensor>>& buffers,
+                       Communicator& c);
+// The same for every defined buffer of `m` and its descendants (defined_buffers).
 void broadcast_buffers(torch::nn::Module& m, Communicator& c);
 
 // A buffer whose values differ from rank 0's on some rank.

@@ -11,14 +11,10 @@
 
 #include "core/backward_pass.h"
 #include "core/group.h"
+#include "util/env.h"
 
 namespace fsdp::detail {
 namespace {
-
-bool env_on(const char* k) {
-  const char* v = std::getenv(k);
-  return v && *v && std::string(v) != "0";
-}
 
 // Which context owns the live BackwardPass of each running GraphTask, process-wide: one backward
 // must not run through two roots (see claim_task). Entries live exactly as long as the passes.
@@ -43,8 +39,8 @@ Context::Context(std::shared_ptr<Communicator> comm, std::shared_ptr<Communicato
   gather_lane_ = comm_->lane("fsdp.all_gather");
   reduce_lane_ = comm_->lane("fsdp.reduce_scatter");
   if (replicate_) replicate_lane_ = replicate_->lane("fsdp.replicate");
-  debug_ = env_on("FSDP_DEBUG");
-  audit_.enabled = audit || env_on("FSDP_AUDIT");
+  debug_ = env_flag("FSDP_DEBUG");
+  audit_.enabled = audit || env_flag("FSDP_AUDIT");
   agree_lane_ = comm_->lane("fsdp.agree");
   if (replicate_) replicate_agree_lane_ = replicate_->lane("fsdp.agree");
 }

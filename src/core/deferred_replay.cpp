@@ -18,11 +18,12 @@
 #include <set>
 #include <string>
 
+#include "comm/rank_agreement.h"
 #include "compat.h"
 #include "compat/interception.h"
 #include "core/deferred_init.h"
 #include "core/deferred_recording.h"
-#include "core/value_agreement.h"
+#include "util/checksum.h"
 
 namespace fsdp {
 namespace detail::deferred {
@@ -265,14 +266,15 @@ void Replay::check_agreement() {
     if (std::find(comms.begin(), comms.end(), s.comm) == comms.end()) comms.push_back(s.comm);
   }
   for (Communicator* c : comms) {
-    std::vector<at::Tensor> sums;
+    std::vector<int64_t> sums;
     std::vector<const std::string*> names;
     for (const auto& s : sums_)
       if (s.comm == c) {
-        sums.push_back(at::full({1}, s.checksum, at::kLong));
+        sums.push_back(s.checksum);
         names.push_back(&s.name);
       }
-    if (auto diff = first_value_difference(*c, sums))
+    if (c->size() == 1) continue;
+    if (auto diff = first_difference_from_rank0(all_gather_values(*c, sums)))
       throw Error(
           detail::cat("materialize: parameter '", *names[diff->index],
                       "' has different initial values on rank ", diff->rank,

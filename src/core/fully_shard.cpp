@@ -10,10 +10,12 @@
 #include <set>
 #include <unordered_map>
 
+#include "comm/rank_agreement.h"
+#include "core/buffers.h"
 #include "core/context.h"
 #include "core/deferred_init.h"
 #include "core/group.h"
-#include "core/value_agreement.h"
+#include "util/checksum.h"
 
 namespace fsdp {
 namespace detail {
@@ -56,39 +58,23 @@ void check_same_on_all_ranks(Communicator& comm, const std::string& module,
   if (comm.size() == 1) return;
   std::vector<int64_t> hashes;
   for (const auto& [name, t] : params) {
-    size_t h = std::hash<std::string>{}(name + "|" + describe(t));
-    hashes.push_back(static_cast<int64_t>(h & 0x7fffffffffffffffULL));
+    const std::string text = name + "|" + describe(t);
+    hashes.push_back(static_cast<int64_t>(checksum_bytes(text.data(), text.size()) >> 1));
   }
-  auto mine = at::tensor(std::vector<int64_t>{static_cast<int64_t>(hashes.size())}, at::kLong);
-  auto counts = at::empty({comm.size()}, at::kLong);
-  comm.all_gather(counts, mine).wait();
-  const int64_t common = counts.min().item<int64_t>();
-  auto ours = at::tensor(hashes, at::kLong).narrow(0, 0, common).contiguous();
-  auto theirs = ours.clone();
-  comm.broadcast(theirs, 0).wait();
-  int64_t first = common;
-  for (int64_t i = 0; i < common; ++i)
-    if (ours[i].item<int64_t>() != theirs[i].item<int64_t>()) {
-      first = i;
-      break;
-    }
-  const bool counts_differ = counts.max().item<int64_t>() != common;
-  auto flag = at::tensor(std::vector<int64_t>{first}, at::kLong);
-  auto all = at::empty({comm.size()}, at::kLong);
-  comm.all_gather(all, flag).wait();
-  const int64_t global_first = all.min().item<int64_t>();
-  if (global_first == common && !counts_differ) return;
-  int bad_rank = 0;
-  for (int r = 0; r < comm.size(); ++r)
-    if (all[r].item<int64_t>() == global_first) bad_rank = r;
-  std::string mine_desc = global_first < static_cast<int64_t>(params.size())
-                              ? detail::cat("'", params[global_first].first, "' ",
-                                            describe(params[global_first].second))
-                              : "no such parameter";
+  const auto per_rank = all_gather_values(comm, hashes);
+  const auto diff = first_difference_from_rank0(per_rank);
+  if (!diff) return;
+  const size_t first = diff->index;
+  std::string counts;
+  for (size_t r = 0; r < per_rank.size(); ++r)
+    counts += detail::cat(r ? ", " : "", per_rank[r].size());
+  std::string mine_desc = first < params.size() ? detail::cat("'", params[first].first, "' ",
+                                                              describe(params[first].second))
+                                                : "no such parameter";
   throw Error(detail::cat(
-      "fully_shard(", module, "): the model differs across ranks at parameter #", global_first,
-      " (first seen on rank ", bad_rank, "); on this rank (", comm.rank(), ") it is ", mine_desc,
-      "; parameter counts per rank: ", counts.sizes()[0] ? detail::cat(counts) : "",
+      "fully_shard(", module, "): the model differs across ranks at parameter #", first,
+      " (first seen on rank ", diff->rank, "); on this rank (", comm.rank(), ") it is ", mine_desc,
+      "; parameter counts per rank: ", counts,
       ". Every rank must construct the same model (same config, same parameter shapes) before "
       "fully_shard."));
 }
@@ -248,6 +234,7 @@ void adopt_elements(Registry& reg, Group& group) {
 // Buffers are replicated: rank 0's values win. Sharded children broadcast their own already.
 void broadcast_own_buffers(Registry& reg, const torch::nn::Module& module, const ModulePaths& paths,
                            Communicator& comm) {
+  std::vector<std::pair<std::string, at::Tensor>> own;
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     bool in_child = false;
     for (const auto& [m, path] : paths.path_of)
@@ -255,17 +242,9 @@ void broadcast_own_buffers(Registry& reg, const torch::nn::Module& module, const
     // A buffer built under deferred_init has no values yet: materialize fills it (and compares
     // it across ranks).
     if (in_child || !item.value().defined() || deferred::is_pending(item.value())) continue;
-    at::Tensor b = item.value();
-    at::Tensor wire = b.scalar_type() == at::kBool ? b.view(at::kByte) : b;
-    if (wire.is_contiguous()) {
-      comm.broadcast(wire, 0).wait();
-    } else {
-      auto tmp = wire.contiguous();
-      comm.broadcast(tmp, 0).wait();
-      at::NoGradGuard g;
-      wire.copy_(tmp);
-    }
+    own.emplace_back(item.key(), item.value());
   }
+  broadcast_buffers(own, comm);
 }
 
 }  // namespace

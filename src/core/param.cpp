@@ -3,11 +3,11 @@
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 #include <torch/csrc/autograd/variable.h>
-#include <xxhash.h>
 
 #include "compat.h"
 #include "core/deferred_init.h"
 #include "core/guard.h"
+#include "util/checksum.h"
 
 namespace fsdp::detail {
 
@@ -91,7 +91,7 @@ void ParamState::copy_in_shard(const at::Tensor& dst) {
 uint64_t ParamState::shard_fingerprint() const {
   if (!shard_.device().is_cpu() || !shard_.is_contiguous()) return kNoFingerprint;
   const size_t bytes = static_cast<size_t>(shard_.numel()) * shard_.element_size();
-  const uint64_t h = bytes == 0 ? 1 : XXH3_64bits(shard_.data_ptr(), bytes);
+  const uint64_t h = bytes == 0 ? 1 : checksum_bytes(shard_.data_ptr(), bytes);
   return h == kNoFingerprint ? 1 : h;
 }
 

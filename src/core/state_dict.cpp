@@ -1,10 +1,10 @@
 // Whole-model state: full tensors gathered from the shards, loaded back into them, and the
 // cross-rank agreement of buffers. See include/fsdp/state_dict.h.
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <fsdp/state_dict.h>
 #include <torch/nn/module.h>
 
-#include <iostream>
 #include <map>
 #include <set>
 
@@ -123,14 +123,12 @@ std::optional<std::string> check_buffers_agree(const FSDPModule& root, const std
   auto diff = detail::first_differing_buffer(module, comm);
   if (!diff) return std::nullopt;
   if (comm.rank() == 0)
-    std::cerr << detail::cat(
-                     "fsdp: warning: buffer '", diff->name, "' differs between rank ", diff->rank,
-                     " and rank 0 (", what,
-                     "). Buffers such as BatchNorm running statistics are updated from each "
-                     "rank's own batches and drift apart. Fix: set "
-                     "ShardOptions::broadcast_buffers = true on the root (rank 0's buffers are "
-                     "broadcast at each forward, as DDP does)")
-              << std::endl;
+    TORCH_WARN(detail::cat(
+        "fsdp: warning: buffer '", diff->name, "' differs between rank ", diff->rank,
+        " and rank 0 (", what,
+        "). Buffers such as BatchNorm running statistics are updated from each rank's own batches "
+        "and drift apart. Fix: set ShardOptions::broadcast_buffers = true on the root (rank 0's "
+        "buffers are broadcast at each forward, as DDP does)"));
   return diff->name;
 }
 

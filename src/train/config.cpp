@@ -16,6 +16,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "train/config_file.h"
+
 #ifndef FSDP_SOURCE_DIR
 #define FSDP_SOURCE_DIR "."
 #endif
@@ -27,94 +29,6 @@ namespace {
 std::string normalise_key(std::string key) {
   std::replace(key.begin(), key.end(), '_', '-');
   return key;
-}
-
-std::string format_double(double v) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
-
-std::string file_extension(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  const auto dot = path.find_last_of('.');
-  if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) return "";
-  std::string ext = path.substr(dot + 1);
-  std::transform(ext.begin(), ext.end(), ext.begin(),
-                 [](unsigned char c) { return std::tolower(c); });
-  return ext;
-}
-
-std::string read_text_file(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  FSDP_CHECK(in.good(), what, " '", path, "' cannot be opened (", std::strerror(errno),
-             "); check the path");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// The text CLI11 parses for one JSON setting; throws naming `where` for arrays and objects.
-std::string json_setting_text(const nlohmann::json& value, const std::string& where,
-                              const std::string& key) {
-  if (value.is_string()) return value.get<std::string>();
-  if (value.is_boolean()) return value.get<bool>() ? "true" : "false";
-  if (value.is_number_integer() || value.is_number_unsigned()) return value.dump();
-  if (value.is_number_float()) return format_double(value.get<double>());
-  throw Error(detail::cat(where, ": key '", key, "' has a ", value.type_name(),
-                          " value; every setting is a string, number or boolean"));
-}
-
-// A config file flattened to key -> value text, in file order. Nested tables and arrays are errors:
-// every setting is a scalar.
-std::vector<std::pair<std::string, std::string>> load_config_file(const std::string& path) {
-  const std::string text = read_text_file(path, "config file");
-  const std::string ext = file_extension(path);
-  std::vector<std::pair<std::string, std::string>> out;
-  if (ext == "json") {
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw Error(detail::cat("config file '", path, "' is not valid JSON: ", e.what()));
-    }
-    FSDP_CHECK(j.is_object(), "config file '", path,
-               "' must hold one JSON object of settings, got ", j.type_name());
-    for (const auto& [key, value] : j.items())
-      out.emplace_back(key, json_setting_text(value, "config file '" + path + "'", key));
-  } else if (ext == "toml") {
-    toml::table tbl;
-    try {
-      tbl = toml::parse(text, path);
-    } catch (const toml::parse_error& e) {
-      std::ostringstream os;
-      os << e.description() << " at line " << e.source().begin.line << ", column "
-         << e.source().begin.column;
-      throw Error(detail::cat("config file '", path, "' is not valid TOML: ", os.str()));
-    }
-    for (const auto& [k, node] : tbl) {
-      const std::string key(k.str());
-      std::string v;
-      if (auto s = node.value_exact<std::string>()) {
-        v = *s;
-      } else if (auto b = node.value_exact<bool>()) {
-        v = *b ? "true" : "false";
-      } else if (auto i = node.value_exact<int64_t>()) {
-        v = std::to_string(*i);
-      } else if (auto d = node.value_exact<double>()) {
-        v = format_double(*d);
-      } else {
-        throw Error(detail::cat("config file '", path, "': key '", key,
-                                "' is a table, array or date; every setting is a string, number or "
-                                "boolean"));
-      }
-      out.emplace_back(key, v);
-    }
-  } else {
-    throw Error(detail::cat("config file '", path, "' has extension '.", ext,
-                            "'; expected .json or .toml (the format is chosen by extension)"));
-  }
-  return out;
 }
 
 struct App {
@@ -285,107 +199,6 @@ void apply_config_file(App& a, const std::string& path) {
 
 bool TrainConfig::was_set(const std::string& key) const {
   return std::find(explicit_keys.begin(), explicit_keys.end(), key) != explicit_keys.end();
-}
-
-void TrainConfig::validate() const {
-  auto positive = [](const char* flag, int64_t v, const char* fix) {
-    FSDP_CHECK(v > 0, "--", flag, " is ", v, "; it must be a positive integer (", fix, ")");
-  };
-  positive("nproc", nproc, "e.g. --nproc 2");
-  positive("layers", layers, "e.g. --layers 4");
-  positive("heads", heads, "e.g. --heads 4");
-  positive("width", width, "e.g. --width 128");
-  positive("seq", seq, "e.g. --seq 64");
-  positive("steps", steps, "e.g. --steps 300");
-  positive("batch", batch, "e.g. --batch 16");
-  positive("vocab", vocab, "e.g. --vocab 256");
-  positive("grad-accum", grad_accum, "1 = no accumulation");
-  FSDP_CHECK(std::isfinite(clip) && clip >= 0, "--clip is ", clip,
-             "; it must be a finite gradient norm >= 0 (e.g. --clip 1.0; 0 = no clipping)");
-  FSDP_CHECK(!(activation_checkpointing && no_shard),
-             "--activation-checkpointing applies to the sharded blocks, but --no-shard trains "
-             "the plain model; drop one of the two");
-  FSDP_CHECK(mixed_precision == "none" || mixed_precision == "bf16" || mixed_precision == "fp16",
-             "--mixed-precision is '", mixed_precision, "'; expected bf16, fp16 or none");
-  FSDP_CHECK(
-      mixed_precision != "fp16",
-      "--mixed-precision fp16 computes forward and backward in float16, which LibTorch "
-      "1.13's CPU kernels lack (no Half LayerNorm or matmul; it would work on CUDA); this "
-      "build trains on CPU: use --mixed-precision bf16 (the same bytes on the wire) or none");
-  FSDP_CHECK(!(mixed_precision != "none" && no_shard), "--mixed-precision ", mixed_precision,
-             " is a policy of the sharded model, but --no-shard trains the plain model; drop "
-             "one of the two");
-  FSDP_CHECK(hsdp >= 1, "--hsdp is ", hsdp,
-             "; it must be a positive number of replicas that divides the ranks (1: plain FSDP)");
-  FSDP_CHECK(!(hsdp > 1 && no_shard), "--hsdp ", hsdp,
-             " shards within replicas, but --no-shard trains the plain model in one process; "
-             "drop one of the two");
-  positive("eval-batches", eval_batches, "e.g. --eval-batches 4");
-  FSDP_CHECK(eval_every >= 0, "--eval-every is ", eval_every, "; use 0 (never) or a step count");
-  FSDP_CHECK(keep_last >= 0, "--keep-last is ", keep_last, "; use 0 (keep all) or a count");
-  FSDP_CHECK(val_fraction >= 0 && val_fraction <= 0.5, "--val-fraction is ", val_fraction,
-             "; it must lie in [0, 0.5] (0: no validation split)");
-  FSDP_CHECK(peak_tflops >= 0, "--peak-tflops is ", peak_tflops,
-             "; use 0 (measured) or the peak of one rank");
-  FSDP_CHECK(threads >= 0, "--threads is ", threads, "; use 0 (automatic) or a positive count");
-  FSDP_CHECK(malloc_policy == "steady" || malloc_policy == "default", "--malloc is '",
-             malloc_policy, "'; expected steady or default");
-  FSDP_CHECK(warmup >= 0, "--warmup is ", warmup, "; use 0 (no warmup) or a positive step count");
-  FSDP_CHECK(log_every >= 0, "--log-every is ", log_every,
-             "; use 0 (automatic) or a positive count");
-  FSDP_CHECK(save_every >= 0, "--save-every is ", save_every, "; use 0 (never) or a step count");
-  FSDP_CHECK(sample_tokens >= 0, "--sample-tokens is ", sample_tokens, "; use 0 (none) or a count");
-  FSDP_CHECK(width % heads == 0, "--width ", width, " is not divisible by --heads ", heads,
-             "; each head gets width/heads channels: choose e.g. --width ",
-             (width / heads + 1) * heads, " or --heads that divides ", width);
-  FSDP_CHECK(lr > 0, "--lr is ", lr, "; it must be positive, e.g. --lr 3e-3");
-  FSDP_CHECK(min_lr_ratio >= 0 && min_lr_ratio <= 1, "--min-lr-ratio is ", min_lr_ratio,
-             "; it must lie in [0, 1]");
-  FSDP_CHECK(weight_decay >= 0, "--weight-decay is ", weight_decay, "; it must be >= 0");
-  FSDP_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "--beta1 ", beta1, " / --beta2 ",
-             beta2, ": each must lie in [0, 1)");
-  FSDP_CHECK(eps > 0, "--eps is ", eps, "; it must be positive, e.g. 1e-8");
-  FSDP_CHECK(temperature > 0, "--temperature is ", temperature, "; it must be positive, e.g. 0.8");
-  FSDP_CHECK(data_order == "random" || data_order == "sequential", "--data-order is '", data_order,
-             "'; expected 'random' or 'sequential'");
-  FSDP_CHECK(!(no_shard && was_set("nproc") && nproc != 1),
-             "--no-shard runs one process without "
-             "fsdp-cpp, but --nproc ",
-             nproc, " was given; drop one of the two");
-  FSDP_CHECK(!no_shard || (save_every == 0 && resume.empty() && init_from.empty()),
-             "--no-shard runs plain LibTorch without fsdp-cpp, so it has no sharded checkpoints; "
-             "drop --save-every/--resume/--init-from, or use --nproc 1 for a one-rank sharded run");
-  FSDP_CHECK(resume != "auto" || !run_dir.empty(),
-             "--resume auto continues the run in --run-dir if it holds a checkpoint, else starts "
-             "it there; give --run-dir DIR");
-  if (!resume.empty() && resume != "auto" && !run_dir.empty()) {
-    namespace fs = std::filesystem;
-    const auto norm = [](std::string p) {
-      while (p.size() > 1 && p.back() == '/') p.pop_back();
-      return fs::path(p).lexically_normal().string();
-    };
-    const std::string parent = fs::path(norm(resume)).parent_path().string();
-    FSDP_CHECK(norm(run_dir) == norm(resume) || norm(run_dir) == parent, "--resume '", resume,
-               "' and --run-dir '", run_dir,
-               "' differ; a resumed run continues in its own directory: drop --run-dir");
-  }
-  FSDP_CHECK(resume.empty() || init_from.empty(), "--resume '", resume, "' and --init-from '",
-             init_from, "' both given; a resumed run already has its weights: drop --init-from");
-}
-
-void TrainConfig::validate_world(int world_size) const {
-  FSDP_CHECK(world_size % hsdp == 0, "--hsdp ", hsdp, " does not divide the ", world_size,
-             " ranks; each replica must hold the same number of ranks: choose --hsdp that "
-             "divides ",
-             world_size, " (1: plain FSDP) or an --nproc that is a multiple of ", hsdp);
-  FSDP_CHECK(batch % world_size == 0, "--batch ", batch, " is not divisible by the ", world_size,
-             " ranks; the global batch is split evenly: use a multiple of ", world_size,
-             " (e.g. --batch ", (batch / world_size + 1) * world_size, ") or another --nproc");
-  const int64_t split = world_size * grad_accum;
-  FSDP_CHECK(batch % split == 0, "--batch ", batch, " is not divisible by ", world_size,
-             " ranks x --grad-accum ", grad_accum, " = ", split,
-             " micro-batches; use a multiple of ", split, " (e.g. --batch ",
-             (batch / split + 1) * split, ") or another --grad-accum");
 }
 
 std::string TrainConfig::to_json() const {

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "train/progress.h"
+#include "util/env.h"
 
 namespace fsdp::train {
 namespace {
@@ -33,14 +34,6 @@ void on_stop_signal(int sig) {
 bool path_exists(const std::string& p) {
   struct stat st {};
   return ::stat(p.c_str(), &st) == 0;
-}
-
-int env_int(const char* name) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return 0;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  return (end && *end == '\0' && n > 0 && n < 1 << 20) ? static_cast<int>(n) : 0;
 }
 
 }  // namespace
@@ -83,10 +76,11 @@ std::string default_run_dir() {
 }
 
 int local_ranks(int world_size) {
-  int local = env_int("LOCAL_WORLD_SIZE");
-  if (local == 0) local = env_int("OMPI_COMM_WORLD_LOCAL_SIZE");
-  if (local == 0) local = env_int("SLURM_NTASKS_PER_NODE");
-  return local == 0 ? world_size : local;
+  // Hints from the launcher; anything but a count of ranks is ignored.
+  for (const char* name :
+       {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"})
+    if (auto local = detail::env_int_hint(name, 1, (1 << 20) - 1)) return static_cast<int>(*local);
+  return world_size;
 }
 
 int threads_per_rank(int requested, int world_size) {

@@ -1,6 +1,5 @@
 #include "train/metrics.h"
 
-#include <fsdp/atomic_file.h>
 #include <fsdp/error.h>
 #include <sys/resource.h>
 
@@ -11,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "checkpoint/atomic_file.h"
 #include "train/plot.h"
 
 namespace fsdp::train {

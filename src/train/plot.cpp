@@ -121,74 +121,73 @@ std::string legend(double x, double y,
   return os.str();
 }
 
-}  // namespace
+// The plot area and its scales: steps to x, losses to y (left axis), learning rates to y (right).
+struct Frame {
+  double left = 70, right = 20, top = 40, bottom = 50;
+  double pw = 0, ph = 0;           // plot width and height
+  double x0 = 0, x1 = 1;           // steps
+  double y0 = 0, y1 = 1, lr1 = 1;  // losses; the largest learning rate shown
+  double sx(double x) const { return left + (x - x0) / (x1 - x0) * pw; }
+  double sy(double y) const { return top + (1.0 - (y - y0) / (y1 - y0)) * ph; }
+  double sy_lr(double y) const { return top + (1.0 - y / lr1) * ph; }
+};
 
-std::string loss_curve_svg(const PlotSeries& series, const PlotOptions& o) {
-  const Points pts = finite(series.loss), val = finite(series.val_loss), lr = finite(series.lr);
-  const double left = 70, right = lr.empty() ? 20 : 75, top = o.subtitle.empty() ? 40 : 58,
-               bottom = 50;
-  const double pw = o.width - left - right, ph = o.height - top - bottom;
-  std::ostringstream os;
-  os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << o.width << "\" height=\""
-     << o.height << "\" viewBox=\"0 0 " << o.width << " " << o.height
-     << "\" font-family=\"sans-serif\" font-size=\"12\">\n";
-  os << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  os << "<text x=\"" << o.width / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"16\">"
-     << escape_xml(o.title) << "</text>\n";
-  if (!o.subtitle.empty())
-    os << "<text x=\"" << o.width / 2 << "\" y=\"42\" text-anchor=\"middle\" fill=\"#555\">"
-       << escape_xml(o.subtitle) << "</text>\n";
-  if (pts.empty()) {
-    os << "<text x=\"" << o.width / 2 << "\" y=\"" << o.height / 2
-       << "\" text-anchor=\"middle\">no finite losses recorded</text>\n</svg>\n";
-    return os.str();
-  }
-
-  double x0 = static_cast<double>(pts.front().first), x1 = static_cast<double>(pts.back().first);
-  if (x1 <= x0) x1 = x0 + 1;
-  double y0 = pts.front().second, y1 = y0;
+Frame frame_of(const Points& pts, const Points& val, const Points& lr, const PlotOptions& o) {
+  Frame f;
+  f.right = lr.empty() ? 20 : 75;
+  f.top = o.subtitle.empty() ? 40 : 58;
+  f.pw = o.width - f.left - f.right;
+  f.ph = o.height - f.top - f.bottom;
+  f.x0 = static_cast<double>(pts.front().first);
+  f.x1 = static_cast<double>(pts.back().first);
+  if (f.x1 <= f.x0) f.x1 = f.x0 + 1;
+  f.y0 = f.y1 = pts.front().second;
   for (const Points* s : {&pts, &val})
     for (const auto& p : *s) {
-      y0 = std::min(y0, p.second);
-      y1 = std::max(y1, p.second);
+      f.y0 = std::min(f.y0, p.second);
+      f.y1 = std::max(f.y1, p.second);
     }
-  const double pad = std::max((y1 - y0) * 0.05, 1e-3);
-  y0 = std::max(0.0, y0 - pad);
-  y1 += pad;
+  const double pad = std::max((f.y1 - f.y0) * 0.05, 1e-3);
+  f.y0 = std::max(0.0, f.y0 - pad);
+  f.y1 += pad;
   double lr1 = 0;
   for (const auto& p : lr) lr1 = std::max(lr1, p.second);
-  lr1 = lr1 > 0 ? lr1 * 1.05 : 1.0;
-  auto sx = [&](double x) { return left + (x - x0) / (x1 - x0) * pw; };
-  auto sy = [&](double y) { return top + (1.0 - (y - y0) / (y1 - y0)) * ph; };
-  auto sy_lr = [&](double y) { return top + (1.0 - y / lr1) * ph; };
+  f.lr1 = lr1 > 0 ? lr1 * 1.05 : 1.0;
+  return f;
+}
 
-  // Grid, ticks and labels.
-  for (double t : nice_ticks(y0, y1, 6)) {
-    os << "<line x1=\"" << left << "\" x2=\"" << left + pw << "\" y1=\"" << sy(t) << "\" y2=\""
-       << sy(t) << "\" stroke=\"#e5e5e5\"/>\n";
-    os << "<text x=\"" << left - 6 << "\" y=\"" << sy(t) + 4 << "\" text-anchor=\"end\">" << fmt(t)
-       << "</text>\n";
-  }
-  for (double t : nice_ticks(x0, x1, 8)) {
-    os << "<line x1=\"" << sx(t) << "\" x2=\"" << sx(t) << "\" y1=\"" << top << "\" y2=\""
-       << top + ph << "\" stroke=\"#f0f0f0\"/>\n";
-    os << "<text x=\"" << sx(t) << "\" y=\"" << top + ph + 18 << "\" text-anchor=\"middle\">"
+// Grid, ticks and labels of both axes (the right one only with a learning rate).
+void draw_axes(std::ostringstream& os, const Frame& f, const PlotOptions& o, bool with_lr) {
+  for (double t : nice_ticks(f.y0, f.y1, 6)) {
+    os << "<line x1=\"" << f.left << "\" x2=\"" << f.left + f.pw << "\" y1=\"" << f.sy(t)
+       << "\" y2=\"" << f.sy(t) << "\" stroke=\"#e5e5e5\"/>\n";
+    os << "<text x=\"" << f.left - 6 << "\" y=\"" << f.sy(t) + 4 << "\" text-anchor=\"end\">"
        << fmt(t) << "</text>\n";
   }
-  if (!lr.empty()) {
-    for (double t : nice_ticks(0, lr1, 5))
-      os << "<text x=\"" << left + pw + 6 << "\" y=\"" << sy_lr(t) + 4 << "\" fill=\"#2ca02c\">"
-         << fmt(t) << "</text>\n";
-    os << "<text transform=\"translate(" << o.width - 10 << "," << top + ph / 2
+  for (double t : nice_ticks(f.x0, f.x1, 8)) {
+    os << "<line x1=\"" << f.sx(t) << "\" x2=\"" << f.sx(t) << "\" y1=\"" << f.top << "\" y2=\""
+       << f.top + f.ph << "\" stroke=\"#f0f0f0\"/>\n";
+    os << "<text x=\"" << f.sx(t) << "\" y=\"" << f.top + f.ph + 18 << "\" text-anchor=\"middle\">"
+       << fmt(t) << "</text>\n";
+  }
+  if (with_lr) {
+    for (double t : nice_ticks(0, f.lr1, 5))
+      os << "<text x=\"" << f.left + f.pw + 6 << "\" y=\"" << f.sy_lr(t) + 4
+         << "\" fill=\"#2ca02c\">" << fmt(t) << "</text>\n";
+    os << "<text transform=\"translate(" << o.width - 10 << "," << f.top + f.ph / 2
        << ") rotate(90)\" text-anchor=\"middle\" fill=\"#2ca02c\">learning rate</text>\n";
   }
-  os << "<rect x=\"" << left << "\" y=\"" << top << "\" width=\"" << pw << "\" height=\"" << ph
-     << "\" fill=\"none\" stroke=\"#888\"/>\n";
-  os << "<text x=\"" << left + pw / 2 << "\" y=\"" << o.height - 10
+  os << "<rect x=\"" << f.left << "\" y=\"" << f.top << "\" width=\"" << f.pw << "\" height=\""
+     << f.ph << "\" fill=\"none\" stroke=\"#888\"/>\n";
+  os << "<text x=\"" << f.left + f.pw / 2 << "\" y=\"" << o.height - 10
      << "\" text-anchor=\"middle\">step</text>\n";
-  os << "<text transform=\"translate(16," << top + ph / 2
+  os << "<text transform=\"translate(16," << f.top + f.ph / 2
      << ") rotate(-90)\" text-anchor=\"middle\">loss (cross-entropy, nats per token)</text>\n";
+}
 
+// The curves (raw and smoothed training loss, validation loss, learning rate) and the legend.
+void draw_curves(std::ostringstream& os, const Frame& f, const Points& pts, const Points& val,
+                 const Points& lr, const PlotOptions& o) {
   const int64_t n = static_cast<int64_t>(pts.size());
   const int64_t w = o.smooth_half_width >= 0 ? o.smooth_half_width : n / 50;
   std::vector<double> losses;
@@ -196,16 +195,15 @@ std::string loss_curve_svg(const PlotSeries& series, const PlotOptions& o) {
   const std::vector<double> smooth = centred_mean(losses, w);
   std::vector<std::pair<double, double>> raw_xy, smooth_xy, val_xy, lr_xy;
   for (int64_t i = 0; i < n; ++i) {
-    const double x = sx(static_cast<double>(pts[i].first));
-    raw_xy.emplace_back(x, sy(pts[i].second));
-    smooth_xy.emplace_back(x, sy(smooth[i]));
+    const double x = f.sx(static_cast<double>(pts[i].first));
+    raw_xy.emplace_back(x, f.sy(pts[i].second));
+    smooth_xy.emplace_back(x, f.sy(smooth[i]));
   }
-  for (const auto& p : val) val_xy.emplace_back(sx(static_cast<double>(p.first)), sy(p.second));
-  for (const auto& p : lr) lr_xy.emplace_back(sx(static_cast<double>(p.first)), sy_lr(p.second));
+  for (const auto& p : val) val_xy.emplace_back(f.sx(static_cast<double>(p.first)), f.sy(p.second));
+  for (const auto& p : lr)
+    lr_xy.emplace_back(f.sx(static_cast<double>(p.first)), f.sy_lr(p.second));
   std::vector<std::tuple<std::string, const char*, double, bool>> entries;
-  if (!lr_xy.empty()) {
-    os << polyline(lr_xy, "#2ca02c", 1.2, 0.8, true);
-  }
+  if (!lr_xy.empty()) os << polyline(lr_xy, "#2ca02c", 1.2, 0.8, true);
   os << polyline(raw_xy, "#1f77b4", 1.0, w > 0 ? 0.35 : 1.0, false);
   entries.emplace_back("training loss", "#1f77b4", 1.0, false);
   if (w > 0) {
@@ -222,9 +220,33 @@ std::string loss_curve_svg(const PlotSeries& series, const PlotOptions& o) {
   if (!lr_xy.empty()) entries.emplace_back("learning rate (right axis)", "#2ca02c", 1.2, true);
   std::string final_text = "final loss " + fmt4(pts.back().second);
   if (!val.empty()) final_text += ", validation " + fmt4(val.back().second);
-  os << legend(left + pw - 256, top + 6, entries);
-  os << "<text x=\"" << left + pw - 6 << "\" y=\"" << top + 34 + 18.0 * entries.size()
+  os << legend(f.left + f.pw - 256, f.top + 6, entries);
+  os << "<text x=\"" << f.left + f.pw - 6 << "\" y=\"" << f.top + 34 + 18.0 * entries.size()
      << "\" text-anchor=\"end\" fill=\"#1f77b4\">" << escape_xml(final_text) << "</text>\n";
+}
+
+}  // namespace
+
+std::string loss_curve_svg(const PlotSeries& series, const PlotOptions& o) {
+  const Points pts = finite(series.loss), val = finite(series.val_loss), lr = finite(series.lr);
+  std::ostringstream os;
+  os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << o.width << "\" height=\""
+     << o.height << "\" viewBox=\"0 0 " << o.width << " " << o.height
+     << "\" font-family=\"sans-serif\" font-size=\"12\">\n";
+  os << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  os << "<text x=\"" << o.width / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"16\">"
+     << escape_xml(o.title) << "</text>\n";
+  if (!o.subtitle.empty())
+    os << "<text x=\"" << o.width / 2 << "\" y=\"42\" text-anchor=\"middle\" fill=\"#555\">"
+       << escape_xml(o.subtitle) << "</text>\n";
+  if (pts.empty()) {
+    os << "<text x=\"" << o.width / 2 << "\" y=\"" << o.height / 2
+       << "\" text-anchor=\"middle\">no finite losses recorded</text>\n</svg>\n";
+    return os.str();
+  }
+  const Frame f = frame_of(pts, val, lr, o);
+  draw_axes(os, f, o, !lr.empty());
+  draw_curves(os, f, pts, val, lr, o);
   os << "</svg>\n";
   return os.str();
 }

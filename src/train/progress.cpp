@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "util/env.h"
+
 namespace fsdp::train {
 namespace {
 
@@ -51,7 +53,7 @@ Progress::Progress(bool quiet, int64_t total_steps, int64_t log_every) : total_(
     mode_ = ProgressMode::kNone;
   } else if (::isatty(1)) {
     mode_ = ProgressMode::kInPlace;
-  } else if (const char* v = std::getenv(kTtyEnv); v && std::strcmp(v, "1") == 0) {
+  } else if (detail::env_string(kTtyEnv) == "1") {
     const int fd = ::open("/dev/tty", O_WRONLY | O_CLOEXEC | O_NOCTTY);
     if (fd >= 0) {
       mode_ = ProgressMode::kInPlace;

@@ -2,7 +2,6 @@
 // What it computes is specified in docs/trainer.md; keep the two in step.
 #include "train/trainer.h"
 
-#include <fsdp/atomic_file.h>
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
@@ -13,6 +12,8 @@
 #include <filesystem>
 #include <new>
 
+#include "checkpoint/atomic_file.h"
+#include "comm/rank_agreement.h"
 #include "train/generate.h"
 #include "train/launch.h"
 #include "train/metrics.h"
@@ -33,24 +34,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// Rank 0's string, on every rank (one run directory, one checkpoint for all ranks).
-std::string broadcast_string(Communicator& comm, const std::string& s) {
-  constexpr int64_t kMax = 4096;
-  auto t = torch::zeros({kMax + 1}, torch::kInt64);
-  if (comm.rank() == 0) {
-    FSDP_CHECK(static_cast<int64_t>(s.size()) <= kMax, "path of ", s.size(),
-               " bytes is longer than ", kMax, "; choose a shorter --run-dir");
-    auto a = t.accessor<int64_t, 1>();
-    a[0] = static_cast<int64_t>(s.size());
-    for (size_t i = 0; i < s.size(); ++i) a[i + 1] = static_cast<unsigned char>(s[i]);
-  }
-  comm.broadcast(t, 0).wait();
-  auto a = t.accessor<int64_t, 1>();
-  std::string out(static_cast<size_t>(a[0]), '\0');
-  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(a[i + 1]);
-  return out;
 }
 
 bool is_allocation_failure(const char* what) {
@@ -139,7 +122,7 @@ class Trainer {
                "fsdp-train lacks; rebuild from a checkout that has cmake/checkpoint.cmake");
 #endif
     if (cfg_.run_dir.empty()) cfg_.run_dir = default_run_dir();
-    if (comm_) cfg_.run_dir = broadcast_string(*comm_, cfg_.run_dir);
+    if (comm_) cfg_.run_dir = detail::broadcast_string(*comm_, cfg_.run_dir);
     naming_allocation_failure(
         "building the model",
         detail::cat("--layers ", cfg_.layers, ", --width ", cfg_.width, ", --vocab ", cfg_.vocab),
@@ -169,11 +152,16 @@ class Trainer {
 #if FSDP_TRAIN_HAVE_CHECKPOINT
     if (plan_.from) {
       const ResumePoint& p = *plan_.from;
-      if (comm_) {
-        const std::string chosen = broadcast_string(*comm_, p.checkpoint);
-        FSDP_CHECK(chosen == p.checkpoint, "rank ", rank_, " chose checkpoint '", p.checkpoint,
-                   "' but rank 0 chose '", chosen,
-                   "': the run directory changed while the ranks started; start again");
+      if (comm_) {  // every rank raises when one chose another checkpoint than rank 0
+        const std::string chosen = detail::broadcast_string(*comm_, p.checkpoint);
+        detail::raise_together(
+            *comm_,
+            chosen == p.checkpoint
+                ? std::string()
+                : detail::cat("rank ", rank_, " chose checkpoint '", p.checkpoint,
+                              "' but rank 0 chose '", chosen,
+                              "': the run directory changed while the ranks started; start again"),
+            "resume");
       }
       if (rank_ == 0) {  // also with --quiet: where a run continues from matters
         // One stream, so that the reports come before the fallback in any log.

@@ -6,6 +6,8 @@
 #include <fstream>
 #include <string>
 
+#include "util/env.h"
+
 namespace fsdp::memory {
 namespace {
 double status_mb(const char* key) {
@@ -52,11 +54,11 @@ void use_steady_malloc() {
 }
 
 std::string malloc_settings() {
-  const char* mmap = std::getenv("MALLOC_MMAP_THRESHOLD_");
-  const char* trim = std::getenv("MALLOC_TRIM_THRESHOLD_");
+  const auto mmap = detail::env_string("MALLOC_MMAP_THRESHOLD_");
+  const auto trim = detail::env_string("MALLOC_TRIM_THRESHOLD_");
   if (!mmap && !trim) return "default";
-  return std::string("mmap_threshold=") + (mmap ? mmap : "default") +
-         " trim_threshold=" + (trim ? trim : "default");
+  return "mmap_threshold=" + mmap.value_or("default") +
+         " trim_threshold=" + trim.value_or("default");
 }
 
 }  // namespace fsdp::memory

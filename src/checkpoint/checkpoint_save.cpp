@@ -1,0 +1,249 @@
+// Sharded checkpoints, the writing side: save() (and HSDP's replica 0 writing for all replicas),
+// each rank's file, and rank 0's index, written last.
+// [Note: checkpoint atomicity] Each rank renames its file into place, then rank 0 renames the index
+// last; a step directory without a parseable index is incomplete and latest() reports and skips it.
+// Every step that can fail on one rank ends in agree(), so all ranks raise together instead of one
+// rank waiting in the next collective. Format and schema: docs/checkpoint.md.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <fsdp/checkpoint.h>
+#include <fsdp/safetensors_torch.h>
+#include <fsdp/state_dict.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <utility>
+
+#include "checkpoint/atomic_file.h"
+#include "checkpoint/checkpoint_common.h"
+#include "checkpoint/hex.h"
+#include "checkpoint/optim_state.h"
+#include "checkpoint/test_hooks.h"
+
+namespace fsdp::checkpoint {
+
+namespace fs = std::filesystem;
+namespace st = fsdp::safetensors;
+using detail::cat;
+using json = nlohmann::json;
+using namespace internal;
+
+namespace test_hooks {
+namespace {
+std::optional<int> g_fail_after_files;
+}  // namespace
+void fail_next_save_after_files(int n) { g_fail_after_files = n; }
+std::optional<int> take_fail_after_files() {
+  return std::exchange(g_fail_after_files, std::nullopt);
+}
+}  // namespace test_hooks
+
+namespace {
+
+// What one rank wrote, sent to rank 0 for the index.
+json local_manifest(const std::vector<st::TensorView>& views,
+                    const std::vector<std::pair<int64_t, int64_t>>& rows,
+                    const std::vector<std::vector<int64_t>>& global_shapes,
+                    const std::vector<bool>& replicated, const st::Checksums& sums) {
+  json m;
+  m["bytes"] = sums.file_bytes;
+  m["xxh64"] = hex::encode_u64(sums.xxh64);
+  m["block_bytes"] = sums.block_bytes;
+  json blocks = json::array();
+  for (auto b : sums.blocks) blocks.push_back(hex::encode_u64(b));
+  m["block_xxh64"] = blocks;
+  m["tensors"] = json::array();
+  for (size_t i = 0; i < views.size(); ++i) {
+    m["tensors"].push_back({{"name", views[i].name},
+                            {"dtype", views[i].dtype},
+                            {"shape", global_shapes[i]},
+                            {"replicated", replicated[i]},
+                            {"rows", {rows[i].first, rows[i].second}}});
+  }
+  return m;
+}
+
+Index build_index(const std::vector<std::string>& manifests, const std::string& optimizer,
+                  const TrainState& state, const std::string& ckpt) {
+  Index idx;
+  idx.world_size = static_cast<int>(manifests.size());
+  idx.optimizer = optimizer;
+  idx.state = state;
+  std::map<std::string, IndexEntry> by_name;
+  for (size_t r = 0; r < manifests.size(); ++r) {
+    json m = json::parse(manifests[r]);
+    FileEntry f;
+    f.name = rank_file_name(static_cast<int>(r));
+    f.sums.file_bytes = m["bytes"].get<uint64_t>();
+    f.sums.xxh64 = *hex::decode_u64(m["xxh64"].get<std::string>());
+    f.sums.block_bytes = m["block_bytes"].get<uint64_t>();
+    for (const auto& b : m["block_xxh64"])
+      f.sums.blocks.push_back(*hex::decode_u64(b.get<std::string>()));
+    idx.files.push_back(std::move(f));
+    for (const auto& t : m["tensors"]) {
+      auto name = t["name"].get<std::string>();
+      auto [it, fresh] = by_name.try_emplace(name);
+      IndexEntry& e = it->second;
+      auto shape = t["shape"].get<std::vector<int64_t>>();
+      auto dtype = t["dtype"].get<std::string>();
+      bool repl = t["replicated"].get<bool>();
+      if (fresh) {
+        e.name = name;
+        e.dtype = dtype;
+        e.global_shape = shape;
+        e.replicated = repl;
+      } else if (e.dtype != dtype || e.global_shape != shape || e.replicated != repl) {
+        throw Error(cat("checkpoint save '", ckpt, "': tensor '", name, "' is ", dtype, " ",
+                        shape_str(shape), " on rank ", r, " but ", e.dtype, " ",
+                        shape_str(e.global_shape),
+                        " on a lower rank; every rank must shard the same model"));
+      }
+      IndexEntry::Piece p;
+      p.rank = static_cast<int>(r);
+      p.row_begin = t["rows"][0].get<int64_t>();
+      p.row_end = t["rows"][1].get<int64_t>();
+      e.pieces.push_back(p);
+    }
+  }
+  for (auto& [name, e] : by_name) {
+    if (e.replicated) e.pieces.resize(1);  // any one copy will do; keep the lowest rank's
+    std::sort(e.pieces.begin(), e.pieces.end(),
+              [](const auto& a, const auto& b) { return a.row_begin < b.row_begin; });
+    idx.tensors.push_back(std::move(e));
+  }
+  return idx;
+}
+
+// What one rank writes: its shards' rows (and their optimizer state), and on rank 0 the buffers.
+struct RankFile {
+  std::vector<at::Tensor> keep;  // the host copies the views point into
+  std::vector<st::TensorView> views;
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<bool> replicated;
+
+  void add(const std::string& name, at::Tensor host, std::pair<int64_t, int64_t> r,
+           std::vector<int64_t> shape, bool repl) {
+    keep.push_back(std::move(host));
+    views.push_back(st::view_of(name, keep.back()));
+    rows.push_back(r);
+    shapes.push_back(std::move(shape));
+    replicated.push_back(repl);
+  }
+
+  // A shard's rows under `name`; an empty shard contributes no piece.
+  void add_rows(const std::string& name, const at::Tensor& t, const ShardInfo& info) {
+    at::Tensor c = t.detach().contiguous().cpu();
+    int64_t n = c.dim() == 0 ? 1 : c.size(0);
+    if (n == 0) return;
+    add(name, c, {info.row_offset, info.row_offset + n}, info.global_shape, false);
+  }
+};
+
+RankFile collect(const FSDPModule& root, torch::optim::Optimizer* opt, OptKind kind, int rank) {
+  RankFile out;
+  for (const auto& info : root.shards()) {
+    std::vector<std::pair<std::string, at::Tensor>> state_rows;
+    std::optional<int64_t> step;
+    state_of(opt, kind, info.shard, &state_rows, &step);
+    out.add_rows(info.name, info.shard, info);
+    for (const auto& [suffix, t] : state_rows) out.add_rows(info.name + "::" + suffix, t, info);
+    if (step) out.add(info.name + "::step", at::scalar_tensor(*step, at::kLong), {0, 1}, {}, true);
+  }
+  if (rank == 0) {
+    for (const auto& [name, b] : named_buffers(root))
+      out.add(name, b.detach().contiguous().cpu(), {0, 1}, b.sizes().vec(), true);
+  }
+  return out;
+}
+
+std::string save_shards(const std::string& dir, const FSDPModule& root,
+                        torch::optim::Optimizer* opt, const TrainState& state, Communicator& comm);
+
+}  // namespace
+
+std::string save(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* opt,
+                 const TrainState& state, Communicator& comm) {
+  const auto& replicas = root.replicate_communicator();
+  if (!replicas) return save_shards(dir, root, opt, state, comm);
+  // HSDP: every replica holds the same shards; replica 0 writes them, the others wait for its
+  // outcome (success, or its error), so that no two ranks write one file.
+  FSDP_CHECK(&comm == &root.communicator(),
+             "checkpoint save: under HSDP pass the shard "
+             "communicator (mesh.shard, the one the model is sharded over), not the world");
+  std::string path = dir + "/" + step_dir_name(state.step);
+  std::exception_ptr error;
+  if (replicas->rank() == 0) {
+    try {
+      path = save_shards(dir, root, opt, state, comm);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  auto failed = at::tensor(std::vector<int64_t>{error ? 1 : 0}, at::kLong);
+  replicas->broadcast(failed, 0).wait();
+  if (error) std::rethrow_exception(error);
+  FSDP_CHECK(failed.item<int64_t>() == 0,
+             "checkpoint save: replica 0, which writes for every "
+             "replica under HSDP, failed (its error says why); nothing was saved");
+  return path;
+}
+
+namespace {
+std::string save_shards(const std::string& dir, const FSDPModule& root,
+                        torch::optim::Optimizer* opt, const TrainState& state, Communicator& comm) {
+  OptKind kind = kind_of(opt);
+  FSDP_CHECK(state.step >= 0, "checkpoint save: step ", state.step, " is negative");
+  const std::string ckpt = dir + "/" + step_dir_name(state.step);
+  const int rank = comm.rank();
+
+  // 1. Rank 0 prepares the directory and withdraws an older index of the same step, so that a
+  //    half-rewritten step can never look complete.
+  //    Temporaries of killed saves go too: no rank writes before this step's agreement.
+  agree(comm, rank != 0 ? std::string() : detail::error_of([&] {
+          fs::create_directories(ckpt);
+          fs::remove(fs::path(ckpt) / kIndexFile);
+          remove_stale_temporaries(dir);
+        }),
+        "save");
+
+  // Buffers are saved from rank 0: say so when the ranks' copies differ (collective).
+  check_buffers_agree(root, cat("checkpoint save '", ckpt, "' keeps rank 0's values"));
+
+  // 2. Every rank writes its file.
+  RankFile file;
+  st::Checksums sums;
+  const std::optional<int> fail_after = test_hooks::take_fail_after_files();
+  std::string error = detail::error_of([&] {
+    file = collect(root, opt, kind, rank);
+    if (!fail_after || rank < *fail_after) {
+      sums = st::write(ckpt + "/" + rank_file_name(rank), file.views,
+                       {{"format", "pt"},
+                        {"fsdp_rank", std::to_string(rank)},
+                        {"fsdp_world_size", std::to_string(comm.size())}});
+    }
+  });
+  agree(comm, error, "save");
+  if (fail_after) {
+    throw Error(cat("checkpoint save '", ckpt,
+                    "' interrupted by the test hook fail_next_save_after_files(", *fail_after,
+                    ") after the rank files, before the index"));
+  }
+
+  // 3. Rank 0 writes the index last.
+  auto manifests = detail::all_gather_strings(
+      comm, local_manifest(file.views, file.rows, file.shapes, file.replicated, sums).dump());
+  error = rank != 0 ? std::string() : detail::error_of([&] {
+    Index idx = build_index(manifests, kind_name(kind), state, ckpt);
+    std::string text = index_to_json(idx);
+    parse_index(text, ckpt + "/" + kIndexFile);  // what we write must pass our own validation
+    write_text_atomic(ckpt + "/" + kIndexFile, text);
+  });
+  agree(comm, error, "save");
+  return ckpt;
+}
+}  // namespace
+
+}  // namespace fsdp::checkpoint

@@ -1,0 +1,21 @@
+// The project's one checksum of bytes in memory: XXH3 (64-bit) from libxxhash. Identical bytes give
+// identical sums on every rank and thread count, unlike a floating-point reduction. (The
+// checkpoint files' XXH64 sums are part of their format: include/fsdp/safetensors.h.)
+// Thread-safety: stateless.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fsdp::detail {
+
+// XXH3_64bits of `n` bytes at `data`.
+uint64_t checksum_bytes(const void* data, size_t n);
+
+// The checksum of a tensor's values (its contiguous bytes, copied to host memory when elsewhere),
+// as a non-negative int64 (an element of an int64 tensor on the wire).
+int64_t value_checksum(const at::Tensor& t);
+
+}  // namespace fsdp::detail
