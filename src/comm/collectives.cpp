@@ -15,8 +15,6 @@
 
 namespace fsdp {
 
-using detail::nbytes;
-
 // ---------------------------------------------------------------------------------------------
 // Validation: every check runs on the calling rank before anything is issued.
 // ---------------------------------------------------------------------------------------------
@@ -47,6 +45,9 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op) 
   FSDP_CHECK(a.scalar_type() == b.scalar_type(), op, ": output dtype ", a.scalar_type(),
              " does not match input dtype ", b.scalar_type(), "; both must have the same dtype");
 }
+
+// LibTorch's byte count, signed as the statistics are.
+int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.nbytes()); }
 
 at::Tensor as_wire(const at::Tensor& t, const std::string& backend) {
   auto w = compat::wire_dtype(t.scalar_type(), backend);

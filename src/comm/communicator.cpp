@@ -5,7 +5,6 @@
 #include <fsdp/trace.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <optional>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -15,6 +14,7 @@
 #include "failure.h"
 #include "gloo_exchange.h"
 #include "shm_exchange.h"
+#include "util/env.h"
 #include "work_impl.h"
 
 namespace fsdp {
@@ -78,14 +78,12 @@ namespace {
 
 // FSDP_TRANSPORT, read once per communicator; nullopt: auto.
 std::optional<Transport> requested_transport() {
-  const char* env = std::getenv("FSDP_TRANSPORT");
-  const std::string v = env ? env : "";
-  if (v.empty() || v == "auto") return std::nullopt;
+  const std::string v =
+      detail::env_choice("FSDP_TRANSPORT", {"auto", "shm", "tcp", "collective"}, "auto");
   if (v == "shm") return Transport::kShm;
   if (v == "tcp") return Transport::kTcp;
   if (v == "collective") return Transport::kCollective;
-  throw Error(detail::cat("FSDP_TRANSPORT='", v,
-                          "' is not one of auto, shm, tcp, collective; unset it for auto"));
+  return std::nullopt;
 }
 
 // The first peer on another host than this one, if any.

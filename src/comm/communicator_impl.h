@@ -59,10 +59,5 @@ bool gathers_into_places(const Communicator& c, const std::vector<at::Tensor>& i
 Work all_gather_into(Communicator& c, std::vector<std::vector<at::Tensor>> outputs,
                      std::vector<at::Tensor> inputs);
 
-// Bytes of a tensor's elements.
-inline int64_t nbytes(const at::Tensor& t) {
-  return t.numel() * static_cast<int64_t>(t.element_size());
-}
-
 }  // namespace detail
 }  // namespace fsdp

@@ -284,8 +284,8 @@ std::vector<std::string> lines(const std::string& s) {
 }  // namespace
 
 std::unique_ptr<ShmExchange> ShmExchange::connect(c10d::Store& store, const std::string& key,
-                                                    int rank, int world, bool required,
-                                                    std::chrono::milliseconds timeout) {
+                                                  int rank, int world, bool required,
+                                                  std::chrono::milliseconds timeout) {
   if (world < 2) return nullptr;
   // A generation per rank: the same key may be connected again on one store (a communicator
   // rebuilt under the same name); ranks make their transports in the same order.
@@ -341,11 +341,12 @@ std::unique_ptr<ShmExchange> ShmExchange::connect(c10d::Store& store, const std:
                     " ranks of '", key, "' (", refusal,
                     "); unset FSDP_TRANSPORT (auto) or set FSDP_TRANSPORT=tcp"));
   if (!elsewhere)
-    TORCH_WARN_ONCE("fsdp: the ranks share this host but the shared-memory transport cannot "
-                    "connect them (",
-                    refusal,
-                    "); collectives go over TCP (slower). Set FSDP_TRANSPORT=tcp to choose TCP "
-                    "and silence this.");
+    TORCH_WARN_ONCE(
+        "fsdp: the ranks share this host but the shared-memory transport cannot "
+        "connect them (",
+        refusal,
+        "); collectives go over TCP (slower). Set FSDP_TRANSPORT=tcp to choose TCP "
+        "and silence this.");
   return nullptr;
 }
 
@@ -408,8 +409,8 @@ const SlotTag* next_slot(Channel* ch, uint64_t seq, int64_t total, int64_t done,
 }  // namespace
 
 void ShmExchange::idle(uint32_t seen, const std::vector<int>& waiting_for,
-                        std::chrono::steady_clock::time_point deadline,
-                        std::chrono::milliseconds timeout) {
+                       std::chrono::steady_clock::time_point deadline,
+                       std::chrono::milliseconds timeout) {
   if (aborted_)
     throw CommError("shared-memory exchange: the communicator was destroyed mid-collective");
   const auto now = std::chrono::steady_clock::now();
@@ -437,8 +438,8 @@ void ShmExchange::idle(uint32_t seen, const std::vector<int>& waiting_for,
 }
 
 void ShmExchange::drive(std::vector<Stream>& out,
-                         const std::function<Progress(std::vector<int>&)>& receive,
-                         std::chrono::milliseconds timeout) {
+                        const std::function<Progress(std::vector<int>&)>& receive,
+                        std::chrono::milliseconds timeout) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
   std::vector<int> waiting;  // the ranks this rank still needs, for the messages of idle()
   for (;;) {
@@ -464,8 +465,8 @@ void ShmExchange::drive(std::vector<Stream>& out,
 }
 
 void ShmExchange::all_gather(const std::vector<std::vector<at::Tensor>>& into,
-                              const std::vector<at::Tensor>& pieces,
-                              std::chrono::milliseconds timeout) {
+                             const std::vector<at::Tensor>& pieces,
+                             std::chrono::milliseconds timeout) {
   const uint64_t seq = jobs_++;
   std::vector<Stream> out, in;
   const std::vector<Part> mine = parts_of(pieces);
@@ -502,8 +503,7 @@ void ShmExchange::all_gather(const std::vector<std::vector<at::Tensor>>& into,
   drive(out, receive, timeout);
 }
 
-void ShmExchange::exchange_blocks(const at::Tensor& input, int64_t n,
-                                  const ChunkConsumer& consume,
+void ShmExchange::exchange_blocks(const at::Tensor& input, int64_t n, const ChunkConsumer& consume,
                                   std::chrono::milliseconds timeout) {
   const uint64_t seq = jobs_++;
   const int64_t es = input.element_size();

@@ -21,7 +21,7 @@ void remove_pending(const at::Tensor& t);  // materialised (or its recording dro
 // If `param` is a module parameter that fully_shard manages (it was pending when sharded), copies
 // this rank's rows of `full` (its values, full shape) into the shard and returns the ranks that
 // shard it (to compare the values across them); the full parameter stays without bytes. Null for
-// any other tensor. (Implemented in fully_shard.cpp, which owns the parameter registry.)
+// any other tensor.
 Communicator* deliver_to_shard(const at::Tensor& param, const at::Tensor& full);
 
 }  // namespace fsdp::detail::deferred

@@ -23,6 +23,8 @@
 #include "compat/interception.h"
 #include "core/deferred_init.h"
 #include "core/deferred_recording.h"
+#include "core/group.h"
+#include "core/registry.h"
 #include "util/checksum.h"
 
 namespace fsdp {
@@ -295,6 +297,17 @@ MaterializeReport Replay::run() {
 }
 
 }  // namespace
+
+Communicator* deliver_to_shard(const at::Tensor& param, const at::Tensor& full) {
+  auto g = Registry::instance().group_of(param);
+  if (!g) return nullptr;
+  for (size_t i = 0; i < g->params().size(); ++i)
+    if (g->params()[i].param().unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) {
+      g->materialize_param(i, full);
+      return &g->comm();
+    }
+  return nullptr;
+}
 }  // namespace detail::deferred
 
 MaterializeReport materialize(torch::nn::Module& model) {

@@ -1,0 +1,148 @@
+#include "core/registry.h"
+
+#include <algorithm>
+#include <set>
+
+#include "core/context.h"
+#include "core/deferred_init.h"
+#include "core/group.h"
+
+namespace fsdp::detail {
+
+ModulePaths module_paths(const torch::nn::Module& module) {
+  ModulePaths m;
+  for (const auto& item : module.named_modules("", /*include_self=*/false))
+    if (m.path_of.emplace(item.value().get(), item.key()).second)
+      m.order.push_back(item.value().get());
+  return m;
+}
+
+Registry& Registry::instance() {
+  static Registry r;
+  return r;
+}
+
+template <class K>
+std::shared_ptr<Group> Registry::find(Index<K>& index, const K* key) {
+  auto it = index.find(key);
+  if (it == index.end()) return nullptr;
+  auto g = it->second.lock();
+  if (!g) index.erase(it);
+  return g;
+}
+
+bool Registry::is_sharded(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return find(modules_, &module) != nullptr;
+}
+
+std::shared_ptr<Group> Registry::group_of(const at::Tensor& param) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return find(params_, param.unsafeGetTensorImpl());
+}
+
+NamedTensors Registry::claim_parameters(const torch::nn::Module& module, const ModulePaths& paths) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string type = module.name();
+  NamedTensors mine;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    const auto* impl = item.value().unsafeGetTensorImpl();
+    if (auto owner = find(params_, impl)) {
+      auto p = paths.path_of.find(owner->module());
+      if (p != paths.path_of.end()) {
+        FSDP_CHECK(item.key().rfind(p->second + ".", 0) == 0, "parameter '", item.key(),
+                   "' of module '", type, "' is also a parameter of sharded submodule '", p->second,
+                   "' (", owner->type_name(),
+                   "): a parameter shared by two groups cannot be sharded. Fix: do not "
+                   "fully_shard '",
+                   p->second,
+                   "' separately, so that both uses fall in one group (shard their common parent)");
+        continue;
+      }
+      bool owner_is_ancestor = false;
+      for (const auto& m : owner->module()->modules(/*include_self=*/false))
+        if (m.get() == &module) owner_is_ancestor = true;
+      FSDP_CHECK(!owner_is_ancestor, "fully_shard(", type, ") was called after its parent (",
+                 owner->type_name(),
+                 ") was sharded: apply fully_shard bottom-up, children first, then the parent");
+      throw Error(detail::cat("parameter '", item.key(), "' of module '", type,
+                              "' is already managed by fully_shard on module '", owner->name(),
+                              "' (", owner->type_name(),
+                              "): a parameter shared by two groups cannot be sharded. Fix: shard "
+                              "their common parent only, so that both uses fall in one group"));
+    }
+    if (!seen.insert(impl).second) continue;  // tied within this group: one parameter
+    mine.emplace_back(item.key(), item.value());
+  }
+  return mine;
+}
+
+std::shared_ptr<Context> Registry::absorb_children(const ModulePaths& paths,
+                                                   const std::shared_ptr<Communicator>& comm,
+                                                   const std::shared_ptr<Communicator>& replicate,
+                                                   const ShardOptions& options) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto context = std::make_shared<Context>(comm, replicate, options.audit);
+  std::vector<std::shared_ptr<Context>> absorbed;
+  for (const auto* m : paths.order) {
+    auto g = find(modules_, m);
+    if (!g) continue;
+    auto old = g->shared_context();
+    if (std::find(absorbed.begin(), absorbed.end(), old) == absorbed.end()) absorbed.push_back(old);
+  }
+  for (const auto& old : absorbed) {
+    FSDP_CHECK(old->replicate() == replicate && &old->groups().front()->comm() == comm.get(),
+               "fully_shard: sharded submodule '", paths.path_of.at(old->root()->module()),
+               "' was sharded over a different communicator or mesh than its parent; shard "
+               "every module of a model with the same communicator (or the same DeviceMesh)");
+    if (old->audit().enabled) context->audit().enabled = true;
+    for (Group* g : std::vector<Group*>(old->groups())) {
+      g->set_path(paths.path_of.at(g->module()));
+      g->set_context(context);
+      context->add(g);
+    }
+  }
+  return context;
+}
+
+void Registry::add(const std::shared_ptr<Group>& group) {
+  std::lock_guard<std::mutex> lock(mu_);
+  adopt_elements(*group);
+  if (group->gathers_on_use()) unowned_elements_.push_back(group);
+  modules_[group->module()] = group;
+  for (const auto& p : group->params()) params_[p.param().unsafeGetTensorImpl()] = group;
+}
+
+// The container elements below `group`'s module that no sharded ancestor owned yet become owned
+// by `group` (they live as long as it).
+void Registry::adopt_elements(Group& group) {
+  std::set<const torch::nn::Module*> below;
+  for (const auto& m : group.module()->modules(/*include_self=*/false)) below.insert(m.get());
+  auto& v = unowned_elements_;
+  for (auto it = v.begin(); it != v.end();) {
+    if (below.count((*it)->module())) {
+      group.own(*it);
+      it = v.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+NamedTensors Registry::own_buffers(const torch::nn::Module& module, const ModulePaths& paths) {
+  std::lock_guard<std::mutex> lock(mu_);
+  NamedTensors own;
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    bool in_child = false;
+    for (const auto& [m, path] : paths.path_of)
+      if (find(modules_, m) && item.key().rfind(path + ".", 0) == 0) in_child = true;
+    // A buffer built under deferred_init has no values yet: materialize fills it (and compares
+    // it across ranks).
+    if (in_child || !item.value().defined() || deferred::is_pending(item.value())) continue;
+    own.emplace_back(item.key(), item.value());
+  }
+  return own;
+}
+
+}  // namespace fsdp::detail
