@@ -25,6 +25,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "failure.h"
+#include "shm_segment.h"
 
 namespace fsdp::detail {
 
@@ -35,9 +36,11 @@ struct ShmPart {  // one contiguous piece of a stream
 
 namespace {
 
-constexpr uint64_t kMagic = 0x66736470'73686d31ull;  // "fsdpshm1"
-constexpr int64_t kSlotBytes = ShmExchange::kSlotBytes;
-constexpr int64_t kSlots = ShmExchange::kSlots;
+using shm::Channel;
+using shm::Header;
+using shm::kSlotBytes;
+using shm::kSlots;
+using shm::SlotTag;
 // An idle rank wakes at least this often to check its peers' processes and its deadline.
 constexpr auto kTick = std::chrono::milliseconds(20);
 // How long an idle rank watches its doorbell before it sleeps on it. fsdp-bench --comm at N=4,
@@ -52,65 +55,6 @@ inline void cpu_relax() {
 #else
   std::this_thread::yield();
 #endif
-}
-
-struct alignas(64) Header {
-  uint64_t magic;
-  uint64_t nonce;
-  int32_t world;
-  int32_t owner;
-  alignas(64) std::atomic<uint32_t> bell;  // rung by a peer that filled or freed a slot for owner
-  std::atomic<uint32_t> sleeping;          // 1 while the owner sleeps on bell
-};
-
-struct SlotTag {    // what a filled slot holds
-  uint64_t seq;     // the job
-  uint64_t total;   // bytes of the whole stream
-  uint64_t offset;  // of this piece in the stream
-  uint64_t len;     // bytes in this slot
-};
-
-struct alignas(64) Channel {               // owner -> one peer
-  alignas(64) std::atomic<uint64_t> head;  // slots filled, written by the owner
-  alignas(64) std::atomic<uint64_t> tail;  // slots consumed, written by the peer
-  alignas(64) SlotTag tags[kSlots];
-};
-
-static_assert(std::atomic<uint32_t>::is_always_lock_free &&
-                  std::atomic<uint64_t>::is_always_lock_free,
-              "atomics shared between processes must be lock-free");
-
-int64_t data_offset(int world) {
-  const int64_t meta = sizeof(Header) + static_cast<int64_t>(world) * sizeof(Channel);
-  return (meta + 4095) / 4096 * 4096;
-}
-int64_t segment_bytes(int world) { return data_offset(world) + world * kSlots * kSlotBytes; }
-
-std::string errno_text(const char* call) { return cat(call, ": ", std::strerror(errno)); }
-
-// Which shared-memory and network world this process lives in: ranks agreeing on it share
-// /dev/shm, and are on one host as their addresses see it (two network namespaces on one machine
-// are two hosts to the TCP path, and stay so here).
-std::string identity() {
-  auto link = [](const char* path) {
-    char buf[256] = {0};
-    const ssize_t n = ::readlink(path, buf, sizeof buf - 1);
-    return n > 0 ? std::string(buf, n) : std::string("?");
-  };
-  std::string boot;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
-  return cat(this_host(), " boot ", boot, " ", link("/proc/self/ns/net"), " ",
-             link("/proc/self/ns/mnt"));
-}
-
-void futex_wait(std::atomic<uint32_t>* word, uint32_t seen, std::chrono::milliseconds limit) {
-  timespec ts{static_cast<time_t>(limit.count() / 1000),
-              static_cast<long>((limit.count() % 1000) * 1000000)};
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
-}
-
-void futex_wake(std::atomic<uint32_t>* word) {
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr, nullptr, 0);
 }
 
 // Copies between a stream's parts and one slot, from the stream position `at`.
@@ -150,101 +94,6 @@ int64_t total_of(const std::vector<Part>& parts) {
 }
 
 }  // namespace
-
-// ---------------------------------------------------------------------------------------------
-// Segments
-// ---------------------------------------------------------------------------------------------
-struct ShmExchange::Segment {
-  std::string name;
-  char* base = nullptr;
-  int64_t bytes = 0;
-  int world = 0;
-  bool linked = false;  // this process created it and has not unlinked it yet
-
-  ~Segment() {
-    if (base) ::munmap(base, bytes);
-    unlink();
-  }
-  void unlink() {
-    if (linked) ::shm_unlink(name.c_str());
-    linked = false;
-  }
-  void map(int fd, std::string* why) {
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-      *why = errno_text("mmap");
-    } else {
-      base = static_cast<char*>(p);
-    }
-  }
-  Header* header() const { return reinterpret_cast<Header*>(base); }
-  Channel* channel(int peer) const {
-    return reinterpret_cast<Channel*>(base + sizeof(Header)) + peer;
-  }
-  char* slot(int peer, uint64_t n) const {
-    return base + data_offset(world) +
-           (peer * kSlots + static_cast<int64_t>(n % kSlots)) * kSlotBytes;
-  }
-
-  // A new segment of this rank's, or the reason it could not be made.
-  static std::unique_ptr<Segment> create(int rank, int world, uint64_t nonce, std::string* why) {
-    static std::atomic<int> made{0};
-    auto s = std::make_unique<Segment>();
-    s->name = cat("/fsdp-", ::getpid(), "-", made++, "-", std::hex, nonce);
-    s->world = world;
-    s->bytes = segment_bytes(world);
-    const int fd = ::shm_open(s->name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) {
-      *why = errno_text("shm_open");
-      return nullptr;
-    }
-    s->linked = true;
-    // Reserved now: a full /dev/shm fails here, not as a SIGBUS when a slot is first written.
-    const int err = ::posix_fallocate(fd, 0, s->bytes);
-    if (err == 0) {
-      s->map(fd, why);
-    } else {
-      *why = cat("reserving ", s->bytes, " bytes in /dev/shm: ", std::strerror(err));
-    }
-    ::close(fd);
-    if (!s->base) return nullptr;
-    auto* h = new (s->base) Header{};
-    h->magic = kMagic;
-    h->nonce = nonce;
-    h->world = world;
-    h->owner = rank;
-    for (int j = 0; j < world; ++j) new (s->channel(j)) Channel{};
-    return s;
-  }
-
-  // A peer's segment, or the reason it could not be mapped.
-  static std::unique_ptr<Segment> open(const std::string& name, int owner, int world,
-                                       uint64_t nonce, std::string* why) {
-    auto s = std::make_unique<Segment>();
-    s->name = name;
-    s->world = world;
-    s->bytes = segment_bytes(world);
-    const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
-    if (fd < 0) {
-      *why = errno_text("shm_open");
-      return nullptr;
-    }
-    struct stat st {};
-    if (::fstat(fd, &st) == 0 && st.st_size == s->bytes) {
-      s->map(fd, why);
-    } else {
-      *why = cat("segment ", name, " has the wrong size");
-    }
-    ::close(fd);
-    if (!s->base) return nullptr;
-    const Header* h = s->header();
-    if (h->magic != kMagic || h->nonce != nonce || h->owner != owner || h->world != world) {
-      *why = cat("segment ", name, " is not rank ", owner, "'s");
-      return nullptr;
-    }
-    return s;
-  }
-};
 
 // ---------------------------------------------------------------------------------------------
 // Rendezvous
@@ -297,8 +146,8 @@ std::unique_ptr<ShmExchange> ShmExchange::connect(c10d::Store& store, const std:
   t->seg_.resize(world);
   t->pid_.assign(world, 0);
   std::string why;
-  t->seg_[rank] = Segment::create(rank, world, nonce, &why);
-  const std::string me = identity();
+  t->seg_[rank] = shm::Segment::create(rank, world, nonce, &why);
+  const std::string me = shm::identity();
   set_key(store, cat(base, "/info/", rank),
           t->seg_[rank] ? cat("ok\n", me, "\n", t->seg_[rank]->name, "\n", ::getpid(), "\n", nonce)
                         : cat("fail\n", me, "\n", why));
@@ -325,7 +174,7 @@ std::unique_ptr<ShmExchange> ShmExchange::connect(c10d::Store& store, const std:
     for (int r = 0; r < world && mine == "ok"; ++r) {
       if (r == rank) continue;
       t->pid_[r] = std::stoll(fields[r][3]);
-      t->seg_[r] = Segment::open(fields[r][2], r, world, std::stoull(fields[r][4]), &why);
+      t->seg_[r] = shm::Segment::open(fields[r][2], r, world, std::stoull(fields[r][4]), &why);
       if (!t->seg_[r]) mine = cat("rank ", rank, " could not map rank ", r, "'s segment: ", why);
     }
     set_key(store, cat(base, "/mapped/", rank), mine);
@@ -366,7 +215,7 @@ uint32_t ShmExchange::bell() const { return seg_[rank_]->header()->bell.load(); 
 void ShmExchange::ring(int peer) {
   Header* h = seg_[peer]->header();
   h->bell.fetch_add(1);
-  if (h->sleeping.load()) futex_wake(&h->bell);
+  if (h->sleeping.load()) shm::futex_wake(&h->bell);
 }
 
 bool ShmExchange::send_some(Stream& s) {
@@ -433,7 +282,7 @@ void ShmExchange::idle(uint32_t seen, const std::vector<int>& waiting_for,
     cpu_relax();
   }
   h->sleeping.store(1);
-  futex_wait(&h->bell, seen, kTick);
+  shm::futex_wait(&h->bell, seen, kTick);
   h->sleeping.store(0);
 }
 

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "exchange.h"
+#include "shm_segment.h"
 
 namespace c10d {
 class Store;
@@ -43,8 +44,8 @@ namespace fsdp::detail {
 
 class ShmExchange final : public Exchange {
  public:
-  static constexpr int64_t kSlotBytes = 256 << 10;  // a multiple of every element size
-  static constexpr int64_t kSlots = 4;              // per channel: 1 MiB per peer per transport
+  static constexpr int64_t kSlotBytes = shm::kSlotBytes;
+  static constexpr int64_t kSlots = shm::kSlots;
 
   // Collective over the `world` ranks of a communicator, in the same order on every rank relative
   // to the communicator's other collectives. `key` names the exchange uniquely among those made
@@ -69,8 +70,6 @@ class ShmExchange final : public Exchange {
   // The running job (if any) and every later one fail at their next idle turn (within a tick).
   void abort() override { aborted_ = true; }
 
-  struct Segment;  // a mapped segment (shm_exchange.cpp)
-
  private:
   ShmExchange(int rank, int world);
   struct Stream;
@@ -93,7 +92,7 @@ class ShmExchange final : public Exchange {
   int rank_, world_;
   uint64_t jobs_ = 0;  // the sequence number of the next job
   std::atomic<bool> aborted_{false};
-  std::vector<std::unique_ptr<Segment>> seg_;           // by rank; seg_[rank_] is this rank's own
+  std::vector<std::unique_ptr<shm::Segment>> seg_;      // by rank; seg_[rank_] is this rank's own
   std::vector<int64_t> pid_;                            // by rank
   std::chrono::steady_clock::time_point last_check_{};  // of the peers' processes
 };

@@ -1,0 +1,155 @@
+// Group: its part of a backward (hooks' events, post-backward) and the reduction of its gradients.
+#include "core/group.h"
+
+#include <ATen/ATen.h>
+#include <fsdp/error.h>
+#include <fsdp/trace.h>
+
+#include "core/backward_pass.h"
+#include "core/buffers.h"
+#include "core/context.h"
+
+namespace fsdp::detail {
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------------
+void Group::pre_backward(const torch::autograd::Node* node) {
+  std::lock_guard<std::recursive_mutex> lock(context_->mutex());
+  context_->pass_for_hook(this, node).pre_backward(*this);
+}
+
+void Group::on_grad_ready(size_t i) {
+  std::lock_guard<std::recursive_mutex> lock(context_->mutex());
+  if (auto* pass = context_->current_pass()) {
+    pass->on_grad_ready(*this, i);
+  } else {
+    context_->log(this, detail::cat("gradient of '", params_[i].name(),
+                                    "' outside any sharded backward (kept unsharded)"));
+  }
+}
+
+void Group::on_input_backward() {
+  std::lock_guard<std::recursive_mutex> lock(context_->mutex());
+  if (auto* pass = context_->current_pass()) pass->on_input_backward(*this);
+}
+
+void Group::begin_backward_use() {
+  transition(TrainingState::kPreBackward,
+             {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
+  if (backward_start_us_ < 0 && trace::enabled()) backward_start_us_ = trace::now_us();
+}
+
+void Group::post_backward() {
+  transition(TrainingState::kPostBackward,
+             {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
+  end_backward_span();
+  // [Note: resharding during backward] Its own hooks, gradients and input-side nodes bound every
+  // node that reads a group's parameters only when the nodes between its outputs and inputs are
+  // its own. An element has no output hook or input-side node of its own. A group whose module
+  // contains other sharded modules has nodes that read its parameters (a frozen weight applied
+  // to a child's output, say) and lead to the children's gradients, not to its own inputs or
+  // gradients: they may run after every event of its own. For both, only the final callback is
+  // known to come after all such nodes.
+  if (reshard_after_backward_ && !on_use_ && !contains_groups_) reshard();
+}
+
+void Group::finalize_backward() {
+  end_backward_span();
+  if (handed_send_.defined()) drop_handed_over();  // the backward failed before this reduction
+  if (training_state_ != TrainingState::kForward) training_state_ = TrainingState::kIdle;
+  if (reshard_after_backward_) reshard();
+}
+
+void Group::end_backward_span() {
+  if (backward_start_us_ < 0) return;
+  trace::complete("backward " + name_, "compute", backward_start_us_,
+                  trace::now_us() - backward_start_us_);
+  backward_start_us_ = -1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reduction
+// ---------------------------------------------------------------------------------------------
+namespace {
+// A reduce-scatter's send buffer, (world, S), from the pool.
+at::Tensor acquire_send(Context& ctx, int64_t flat_numel, at::ScalarType dtype) {
+  const int64_t world = ctx.reduce_lane().size();
+  return ctx.pool().acquire(world * flat_numel, dtype).view({world, flat_numel});
+}
+}  // namespace
+
+void Group::hand_over_grad(size_t i) {
+  if (reduces_locally()) {
+    params_[i].move_grad_to_shard(reduce_dtype_);
+    return;
+  }
+  if (!handed_send_.defined()) {
+    handed_send_ = acquire_send(*context_, flat_numel_, reduce_dtype_);
+    handed_.assign(params_.size(), false);
+  }
+  params_[i].pack_grad(handed_send_, offsets_[i]);
+  handed_[i] = true;
+}
+
+PendingReduce Group::issue_reduce_scatter() {
+  PendingReduce p;
+  p.group = this;
+  if (reduces_locally()) {
+    for (auto& param : params_) param.move_grad_to_shard(reduce_dtype_);
+    return p;
+  }
+  // The gradients handed over are packed already; the rest (zeros when missing) now.
+  const bool handed = handed_send_.defined();
+  p.send = handed ? std::move(handed_send_) : acquire_send(*context_, flat_numel_, reduce_dtype_);
+  handed_send_ = at::Tensor();
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!handed || !handed_[i]) params_[i].pack_grad(p.send, offsets_[i]);
+  handed_.clear();
+  // In place: the reduced rows land in this rank's own row of the send buffer.
+  auto& lane = context_->reduce_lane();
+  p.output = p.send.view({-1}).narrow(0, lane.rank() * flat_numel_, flat_numel_);
+  p.work = lane.reduce_scatter(p.output, p.send, ReduceOp::kAvg);
+  return p;
+}
+
+void Group::drop_handed_over() {
+  context_->pool().release(std::move(handed_send_));
+  handed_send_ = at::Tensor();
+  handed_.clear();
+}
+
+bool Group::poll_reduce(PendingReduce& p) {
+  if (!p.output.defined()) return true;  // reduced locally
+  if (!p.replicating) {
+    if (!p.work.is_completed()) return false;
+    if (!context_->replicate_lane()) return true;
+    start_replicate(p);
+  }
+  return p.replicate_work.is_completed();
+}
+
+void Group::start_replicate(PendingReduce& p) {
+  p.work.wait();
+  p.work = Work();
+  p.replicate_work = context_->replicate_lane()->all_reduce(p.output, ReduceOp::kAvg);
+  p.replicating = true;
+}
+
+void Group::finish_reduce(PendingReduce& p) {
+  if (!p.output.defined()) return;  // reduced locally (one rank): nothing was exchanged
+  if (!p.replicating && context_->replicate_lane()) {
+    start_replicate(p);
+  } else if (!p.replicating) {
+    p.work.wait();
+    p.work = Work();
+  }
+  if (p.replicating) p.replicate_work.wait();
+  p.replicate_work = Work();
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].trainable()) params_[i].add_shard_grad(p.output, offsets_[i]);
+  context_->pool().release(p.send.view({-1}));
+  p.output = p.send = at::Tensor();
+}
+
+}  // namespace fsdp::detail

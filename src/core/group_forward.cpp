@@ -1,0 +1,173 @@
+// Group: a forward call (pre-forward gather, inputs, outputs, post-forward reshard).
+#include "core/group.h"
+
+#include <ATen/ATen.h>
+#include <fsdp/error.h>
+#include <fsdp/trace.h>
+
+#include "core/buffers.h"
+#include "core/context.h"
+#include "core/guard.h"
+
+namespace fsdp::detail {
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------------------
+void Group::begin_iteration() {
+  input_nodes_.clear();
+  output_nodes_.clear();
+  forwarded_with_grad_ = false;
+}
+
+void Group::pre_forward() {
+  call_inputs_.clear();
+  if (!context_->in_forward()) context_->advance_epoch();  // a top-level call
+  check_materialized();  // before any state changes: the module stays usable after the error
+  state_before_forward_ = training_state_;
+  transition(TrainingState::kForward,
+             {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
+  context_->on_pre_forward(this);
+  if (is_root() && options_.broadcast_buffers && state_before_forward_ == TrainingState::kIdle)
+    broadcast_buffers_to_all();
+  // Gathered values older than the shards (an optimizer step since the gather, e.g. after an
+  // evaluation forward that kept the root gathered) are dropped and gathered again. Every rank
+  // steps the same shards, so every rank takes the same decision.
+  if (stale()) reshard();
+  if (is_root()) reshard_stale_elements();
+  unshard();
+  context_->prefetch_forward(this);
+  wait_for_unshard();
+  if (at::GradMode::is_enabled()) forwarded_with_grad_ = true;
+  forward_start_us_ = trace::enabled() ? trace::now_us() : -1;
+}
+
+void Group::post_forward(const std::vector<at::Tensor>& outs) {
+  rebase_modified_inputs();
+  if (forward_start_us_ >= 0)
+    trace::complete("forward " + name_, "compute", forward_start_us_,
+                    trace::now_us() - forward_start_us_);
+  std::weak_ptr<Group> self = weak_from_this();
+  for (const auto& out : outs) {
+    if (!out.defined() || !out.requires_grad() || !out.grad_fn()) continue;
+    // The TensorBase form: the hook also fires with an undefined gradient (an output that gets
+    // none while its node runs for another output).
+    const torch::autograd::Node* node = out.grad_fn().get();  // owns the hook: outlives it
+    static_cast<const at::TensorBase&>(out).register_hook(
+        [self, node](const at::TensorBase&) -> at::TensorBase {
+          if (auto g = self.lock()) g->pre_backward(node);
+          return at::TensorBase();
+        });
+    output_nodes_.push_back(out.grad_fn());
+  }
+  context_->on_post_forward(this);
+  transition(state_before_forward_, {TrainingState::kForward});
+  if (resolved_reshard_after_forward() && state_before_forward_ == TrainingState::kIdle) reshard();
+  // Elements gathered on use in a forward without grad mode have no backward to wait for.
+  if (is_root() && !at::GradMode::is_enabled())
+    for (Group* g : context_->groups())
+      if (g->gathers_on_use() && g->training_state() == TrainingState::kIdle) g->reshard();
+  // Every forward of the root ends by checking that the ranks gathered the same groups, before a
+  // backward could reduce into the wrong ones (core/agreement.h).
+  if (is_root() && state_before_forward_ == TrainingState::kIdle) context_->check_agreement();
+  // A top-level call ends its epoch: user code (an optimizer step) may follow.
+  if (state_before_forward_ == TrainingState::kIdle && !context_->in_forward())
+    context_->end_epoch();
+}
+
+void Group::reshard_stale_elements() {
+  // An element kept gathered (set_reshard_after_backward(false), or a forward without backward)
+  // is not gathered again on use, so its values must not be older than its shards: drop them
+  // when an optimizer stepped since. Every rank steps the same shards: the same decision.
+  for (Group* g : context_->groups())
+    if (g->gathers_on_use() && g->stale()) g->reshard();
+}
+
+bool Group::gather_on_use() {
+  if (!on_use_ || !context_->in_forward()) return false;
+  // Inside the root's forward: the forward all-gathers follow the order of first use, which is
+  // the call order of the elements (the same on every rank: the documented requirement).
+  context_->on_pre_forward(this);
+  unshard();
+  context_->prefetch_forward(this);
+  wait_for_unshard();
+  if (at::GradMode::is_enabled()) forwarded_with_grad_ = true;
+  context_->on_post_forward(this);
+  return true;
+}
+
+void Group::abort_forward() noexcept {
+  call_inputs_.clear();
+  try {
+    if (training_state_ == TrainingState::kForward) training_state_ = state_before_forward_;
+    reshard();
+    context_->cancel_forward_prefetches();
+  } catch (const std::exception& e) {
+    // The forward's own error is on its way out: this one is only reported.
+    TORCH_WARN("fsdp: while unwinding the failed forward of '", name_, "': ", e.what());
+  }
+}
+
+at::Tensor Group::wrap_input(const at::Tensor& input) {
+  const auto& mp = options_.mixed_precision;
+  const bool cast = mp.cast_forward_inputs && mp.param_dtype && input.defined() &&
+                    input.is_floating_point() && input.scalar_type() != *mp.param_dtype;
+  const at::Tensor x = cast ? input.to(*mp.param_dtype) : input;
+  if (!x.defined() || !x.requires_grad() || !at::GradMode::is_enabled()) return x;
+  // The same tensor passed twice is one tensor inside forward too: an in-place change through
+  // one argument is seen through the other, with its history.
+  for (const auto& w : call_inputs_)
+    if (w.outer.unsafeGetTensorImpl() == x.unsafeGetTensorImpl()) return w.inner;
+  if (x.is_view()) {
+    auto out = InputViewBackward::apply(c10::make_intrusive<GroupRef>(weak_from_this()), x);
+    input_nodes_.push_back(out.grad_fn());
+    return out;
+  }
+  auto node = compat::make_node<InputBackward>(weak_from_this());
+  node->set_next_edges({torch::autograd::impl::gradient_edge(x)});
+  node->add_input_metadata(x);
+  at::Tensor y = x.variable_data();
+  torch::autograd::impl::set_version_counter(y, torch::autograd::impl::version_counter(x));
+  torch::autograd::impl::set_gradient_edge(y, {node, 0});
+  input_nodes_.push_back(node);
+  call_inputs_.push_back(CallInput{x, y, node.get()});
+  return y;
+}
+
+// [Note: inputs modified in place] An input handed to forward through the input-side node is a
+// separate tensor that shares the caller's storage and version counter. When forward modifies it
+// in place with grad mode on, autograd rebases the history of that tensor only: the caller's
+// tensor holds the new values with its old history, and every later use of it would get the
+// wrong gradient. Without sharding, the in-place op rebases the caller's tensor itself; so does
+// this, once forward returns, by giving it the inner tensor's gradient edge (whose history leads
+// back through the input-side node to the old one). A leaf that requires grad is refused, as
+// LibTorch refuses in-place ops on such leaves without sharding.
+void Group::rebase_modified_inputs() {
+  for (size_t i = 0; i < call_inputs_.size(); ++i) {
+    const CallInput& w = call_inputs_[i];
+    if (w.inner.grad_fn().get() == w.node) continue;  // not modified in place under grad mode
+    FSDP_CHECK(w.outer.grad_fn().get() != nullptr, "sharded module '", name_, "' (", type_name_,
+               ") modified its tensor input #", i,
+               " in place, but that input is a leaf that requires grad (LibTorch refuses in-place "
+               "operations on such a leaf). Fix: pass a copy (x.clone()) or change the module to "
+               "work out of place");
+    torch::autograd::impl::set_gradient_edge(w.outer,
+                                             torch::autograd::impl::gradient_edge(w.inner));
+  }
+  call_inputs_.clear();
+}
+
+void Group::broadcast_buffers_to_all() {
+  // DDP's broadcast_buffers: rank 0's buffers (e.g. BatchNorm running statistics) on every rank,
+  // before each forward of the root. Under HSDP, within the replica, then across replicas.
+  broadcast_buffers(*module_, *comm_);
+  if (context_->replicate()) broadcast_buffers(*module_, *context_->replicate());
+}
+
+at::Tensor Group::cast_output(const at::Tensor& y) const {
+  const auto& to = options_.mixed_precision.output_dtype;
+  if (!to || !y.defined() || !y.is_floating_point() || y.scalar_type() == *to) return y;
+  return y.to(*to);
+}
+
+}  // namespace fsdp::detail

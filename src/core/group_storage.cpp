@@ -1,0 +1,189 @@
+// Group: where the parameters live (shards, the all-gather, the full block) and resharding.
+#include "core/group.h"
+
+#include <ATen/ATen.h>
+#include <fsdp/error.h>
+#include <fsdp/trace.h>
+
+#include "comm/communicator_impl.h"
+#include "core/buffers.h"
+#include "core/context.h"
+#include "core/guard.h"
+
+namespace fsdp::detail {
+
+// ---------------------------------------------------------------------------------------------
+// Storage
+// ---------------------------------------------------------------------------------------------
+void Group::materialize_param(size_t i, const at::Tensor& full) {
+  FSDP_CHECK(shard_state_ == ShardState::kSharded, "materialize: sharded module '", name_,
+             "' is gathered; materialize before the first forward");
+  params_[i].materialize(full);
+}
+
+bool Group::materialized() const {
+  for (const auto& p : params_)
+    if (!p.materialized()) return false;
+  return true;
+}
+
+void Group::check_materialized() const {
+  FSDP_CHECK(materialized(), "sharded module '", name_, "' (", type_name_,
+             ") was built under fsdp::deferred_init and has no values yet. Fix: call "
+             "fsdp::materialize(model) after fully_shard and before the first forward (or "
+             "unshard, state dict or checkpoint save)");
+}
+
+bool Group::gathers_locally() const {
+  if (context_->gather_lane().size() != 1) return false;
+  for (const auto& p : params_)
+    if (p.shard().scalar_type() != p.param().scalar_type()) return false;  // param_dtype's cast
+  return true;
+}
+
+bool Group::sends_in_place() const {
+  if (!flat_shard_.defined()) return false;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!params_[i].shard_is_at(flat_shard_.narrow(0, offsets_[i], params_[i].padded_numel())))
+      return false;
+  return true;
+}
+
+void Group::release_gather(PendingGather& g) {
+  context_->pool().release(std::move(g.recv));
+  if (g.send_pooled) context_->pool().release(std::move(g.send));
+  g = PendingGather();
+}
+
+bool Group::reduces_locally() const {
+  return context_->reduce_lane().size() == 1 && !context_->replicate_lane();
+}
+
+void Group::unshard() {
+  if (shard_state_ != ShardState::kSharded) return;
+  check_materialized();
+  if (gathers_locally()) {
+    // Nothing to exchange: wait_for_unshard lends the shards' bytes. Still GATHERING until then,
+    // so that a prefetch is cancelled like any other.
+    shard_state_ = ShardState::kGathering;
+    gathered_epoch_ = context_->epoch();
+    fingerprinted_ = false;
+    context_->on_gather_issued(this);
+    context_->log(this, "unshard: one rank, no all-gather (SHARDED->GATHERING)");
+    return;
+  }
+  auto& lane = context_->gather_lane();
+  auto& pool = context_->pool();
+  const auto dtype = gather_dtype_;
+  if (sends_in_place()) {
+    gather_.send = flat_shard_;
+    for (auto& p : params_) p.note_sent_in_place();
+  } else {
+    gather_.send = pool.acquire(flat_numel_, dtype);
+    gather_.send_pooled = true;
+    for (size_t i = 0; i < params_.size(); ++i)
+      params_[i].copy_in_shard(gather_.send.narrow(0, offsets_[i], params_[i].padded_numel()));
+  }
+  try {
+    issue_gather(lane, pool);
+  } catch (...) {
+    // Nothing was issued: the buffers taken for it go back to the pool; still SHARDED.
+    if (full_block_.defined()) pool.release(std::exchange(full_block_, at::Tensor()));
+    release_gather(gather_);
+    throw;
+  }
+  shard_state_ = ShardState::kGathering;
+  gathered_epoch_ = context_->epoch();
+  fingerprinted_ = false;
+  context_->on_gather_issued(this);  // the gather buffer is as large as the gathered parameters
+  context_->log(this, "unshard: all-gather issued (SHARDED->GATHERING)");
+}
+
+// The pieces land in the full block where the lane can put them there (point to point on CPU):
+// no gather buffer and no copy-out. Otherwise (a collective backend) into a flat (world, S)
+// buffer that wait_for_unshard copies out.
+void Group::issue_gather(Communicator& lane, BufferPool& pool) {
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i)
+    pieces.push_back(params_[i].rows_to_send(gather_.send, offsets_[i]));
+  if (detail::gathers_into_places(lane, pieces)) {
+    full_block_ = pool.acquire(full_block_numel_, gather_dtype_);
+    std::vector<std::vector<at::Tensor>> places(lane.size());
+    for (int r = 0; r < lane.size(); ++r)
+      for (size_t i = 0; i < params_.size(); ++i)
+        places[r].push_back(params_[i].place_of_rows(full_block_, full_offsets_[i], r));
+    gather_.work = all_gather_into(lane, std::move(places), std::move(pieces));
+    return;
+  }
+  gather_.recv = pool.acquire(lane.size() * flat_numel_, gather_dtype_);
+  gather_.work = lane.all_gather(gather_.recv, gather_.send);
+}
+
+void Group::wait_for_unshard() {
+  if (shard_state_ == ShardState::kSharded) unshard();
+  if (shard_state_ != ShardState::kGathering) return;
+  if (gathers_locally()) {
+    for (auto& p : params_) p.borrow_shard();
+    shard_state_ = ShardState::kUnsharded;
+    context_->log(this,
+                  "wait_for_unshard: the full parameters borrow the shards (GATHERING->UNSHARDED)");
+    return;
+  }
+  gather_.work.wait();
+  if (gather_.recv.defined()) {
+    auto rows = gather_.recv.view({context_->gather_lane().size(), flat_numel_});
+    full_block_ = context_->pool().acquire(full_block_numel_, gather_dtype_);
+    for (size_t i = 0; i < params_.size(); ++i)
+      params_[i].copy_out(rows, offsets_[i], full_block_, full_offsets_[i]);
+  } else {
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].bind_full(full_block_, full_offsets_[i]);
+  }
+  release_gather(gather_);
+  shard_state_ = ShardState::kUnsharded;
+  context_->log(this, "wait_for_unshard: GATHERING->UNSHARDED");
+}
+
+void Group::reshard() {
+  if (shard_state_ == ShardState::kGathering) {
+    // Cancel: the collective has every rank's part in flight, so it is waited, then dropped.
+    PendingGather g = std::move(gather_);
+    gather_ = PendingGather();
+    shard_state_ = ShardState::kSharded;
+    context_->on_resharded(this);
+    g.work.wait();
+    release_gather(g);
+    context_->pool().release(std::move(full_block_));  // gathered into places: not bound yet
+    full_block_ = at::Tensor();
+    context_->log(this, "reshard: gather discarded (GATHERING->SHARDED)");
+    return;
+  }
+  if (shard_state_ != ShardState::kUnsharded) return;
+  for (auto& p : params_) p.free_full();
+  // No parameter points into the block any more (free_full dropped their references). Borrowed
+  // shards (gathers_locally) have no block.
+  context_->pool().release(std::move(full_block_));
+  full_block_ = at::Tensor();
+  shard_state_ = ShardState::kSharded;
+  context_->on_resharded(this);
+  context_->log(this, "reshard: UNSHARDED->SHARDED");
+}
+
+void Group::fingerprint_if_gathered() {
+  if (shard_state_ == ShardState::kSharded || fingerprinted_) return;
+  for (auto& p : params_) p.take_fingerprint();
+  fingerprinted_ = true;
+}
+
+bool Group::stale() {
+  if (shard_state_ == ShardState::kSharded || gathered_epoch_ == context_->epoch()) return false;
+  bool changed = false;
+  for (const auto& p : params_) changed = changed || p.shard_changed_since_gather();
+  // One rank's shard may keep its values where another's change (no rows here, a zero update):
+  // the ranks decide together, since the decision is whether to all-gather again.
+  if (context_->on_any_rank(changed)) return true;
+  gathered_epoch_ = context_->epoch();
+  return false;
+}
+
+}  // namespace fsdp::detail
