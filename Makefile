@@ -30,7 +30,7 @@ JOBS    ?= $(shell nproc)
 CTEST_J ?= 2
 
 .PHONY: all setup setup-test configure build run test test-debian-labels build-cuda sanitize fuzz \
-        format clean check-torch
+        format clean check-torch thread-safety
 
 all: build
 
@@ -56,7 +56,7 @@ build: configure
 run: build
 	$(BUILD)/bin/fsdp-train
 
-test: build setup-test $(if $(filter pip,$(LIBTORCH)),check-torch)
+test: build setup-test $(if $(filter pip,$(LIBTORCH)),check-torch) thread-safety
 	cd $(BUILD) && ctest --output-on-failure -j $(CTEST_J) --timeout 600
 	@$(if $(ALSO_TEST),$(MAKE) --no-print-directory $(ALSO_TEST))
 
@@ -75,6 +75,10 @@ build-cuda:
 	cmake --build build-cuda -j $(JOBS)
 	build-cuda/bin/fsdp-train --steps 3 --layers 1 --width 32 --heads 2 --seq 16 --quiet \
 	  --sample-tokens 0 --run-dir build-cuda/smoke
+
+# clang's thread-safety analysis over the sources that hold annotated locks (src/util/mutex.h).
+thread-safety: configure setup-test
+	scripts/thread_safety.sh $(BUILD)
 
 # A pip build must not have mixed in Debian's LibTorch headers or libraries.
 check-torch: build

@@ -6,7 +6,7 @@
 #   debian: Debian's LibTorch 1.13 (libtorch-dev, with the OpenBLAS it runs best on).
 # --test: what only the test suite uses instead: iproute2 (the two-namespace test); slurmctld,
 #   slurmd, slurm-client, munge (the one-node Slurm cluster that tests/slurm_cluster_test.cpp
-#   starts with its own configuration); for Debian's LibTorch, python3-torch (torchrun and the
+#   starts with its own configuration), clang (make thread-safety); for Debian's LibTorch, python3-torch (torchrun and the
 #   Python DDP peer of the same torch).
 set -euo pipefail
 test=0
@@ -27,7 +27,7 @@ case "$libtorch" in
 esac
 pkgs=(cmake ninja-build g++ lld libgloo-dev libgtest-dev nlohmann-json3-dev libcli11-dev
       libtomlplusplus-dev libxxhash-dev "${torch_pkgs[@]}")
-[ $test = 1 ] && pkgs=(iproute2 slurmctld slurmd slurm-client munge "${test_torch_pkgs[@]}")
+[ $test = 1 ] && pkgs=(iproute2 slurmctld slurmd slurm-client munge clang "${test_torch_pkgs[@]}")
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

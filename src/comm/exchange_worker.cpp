@@ -33,20 +33,22 @@ ExchangeWorker::ExchangeWorker(std::unique_ptr<Exchange> exchange)
     : exchange_(std::move(exchange)) {}
 
 ExchangeWorker::~ExchangeWorker() {
+  std::thread worker;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stopping_ = true;
+    worker = std::move(thread_);
   }
   exchange_->abort();  // a job waiting for its peers ends soon
   cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  if (worker.joinable()) worker.join();
 }
 
 c10::intrusive_ptr<c10d::Work> ExchangeWorker::run(c10d::OpType op,
                                                    std::function<void(Exchange&)> job) {
   auto work = c10::make_intrusive<ExchangeWork>(op);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     queue_.push_back(Job{std::move(job), work});
     if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
   }
@@ -58,8 +60,8 @@ void ExchangeWorker::loop() {
   for (;;) {
     Job job;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      MutexLock lock(mu_);
+      while (!stopping_ && queue_.empty()) cv_.wait(mu_);
       if (queue_.empty()) return;
       job = std::move(queue_.front());
       queue_.pop_front();

@@ -9,11 +9,11 @@
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "exchange.h"
+#include "util/mutex.h"
 
 namespace fsdp::detail {
 
@@ -36,11 +36,11 @@ class ExchangeWorker {
   void loop();
 
   std::unique_ptr<Exchange> exchange_;  // used by the worker's thread only, once jobs run
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Job> queue_;  // guarded by mu_
-  bool stopping_ = false;  // guarded by mu_
-  std::thread thread_;
+  Mutex mu_;
+  std::condition_variable_any cv_;
+  std::deque<Job> queue_ FSDP_GUARDED_BY(mu_);
+  bool stopping_ FSDP_GUARDED_BY(mu_) = false;
+  std::thread thread_ FSDP_GUARDED_BY(mu_);  // started by the first run()
 };
 
 }  // namespace fsdp::detail

@@ -39,7 +39,7 @@ void Work::wait() {
 
 void Work::wait(std::chrono::milliseconds timeout) {
   if (!impl_) return;
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  detail::MutexLock lock(impl_->mu);
   if (!impl_->error.empty()) throw CommError(impl_->error);
   if (impl_->done) return;
   if (std::string first = detail::broken_reason(impl_->group); !first.empty()) {

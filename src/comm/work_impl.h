@@ -11,9 +11,10 @@
 #include <fsdp/communicator.h>
 
 #include <functional>
-#include <mutex>
 #include <string>
 #include <vector>
+
+#include "util/mutex.h"
 
 namespace fsdp {
 
@@ -28,9 +29,9 @@ struct Work::Impl {
   std::shared_ptr<const std::vector<PeerInfo>> peers;
   int rank = 0;
   const c10d::Store* group = nullptr;  // the world's store: identifies the world and its lanes
-  std::mutex mu;
-  bool done = false;  // guarded by mu
-  std::string error;  // guarded by mu; set by a failed wait, every later wait rethrows it
+  detail::Mutex mu;
+  bool done FSDP_GUARDED_BY(mu) = false;
+  std::string error FSDP_GUARDED_BY(mu);  // set by a failed wait; every later wait rethrows it
 };
 
 namespace detail {

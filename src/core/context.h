@@ -3,7 +3,10 @@
 // gathered-memory accounting, the communication buffer pool, the debug log and the audit.
 //
 // Thread-safety: hooks run on the thread that called backward (CPU engine); backward bookkeeping
-// is serialised by mutex().
+// is serialised by mutex(), taken at each entry point (the hooks, the engine's final callback, the
+// forward's calls into the context). It is recursive because one entry point calls another: the
+// final callback (finalize) ends the pass with check_agreement(), which forward paths call on
+// their own too.
 #pragma once
 
 #include <fsdp/communicator.h>

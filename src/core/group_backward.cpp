@@ -1,6 +1,4 @@
 // Group: its part of a backward (hooks' events, post-backward) and the reduction of its gradients.
-#include "core/group.h"
-
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
@@ -8,6 +6,7 @@
 #include "core/backward_pass.h"
 #include "core/buffers.h"
 #include "core/context.h"
+#include "core/group.h"
 
 namespace fsdp::detail {
 
@@ -57,7 +56,9 @@ void Group::post_backward() {
 void Group::finalize_backward() {
   end_backward_span();
   if (handed_send_.defined()) drop_handed_over();  // the backward failed before this reduction
-  if (training_state_ != TrainingState::kForward) training_state_ = TrainingState::kIdle;
+  if (training_state_ != TrainingState::kForward)
+    transition(TrainingState::kIdle,
+               {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
   if (reshard_after_backward_) reshard();
 }
 

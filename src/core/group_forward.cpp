@@ -1,12 +1,11 @@
 // Group: a forward call (pre-forward gather, inputs, outputs, post-forward reshard).
-#include "core/group.h"
-
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
 
 #include "core/buffers.h"
 #include "core/context.h"
+#include "core/group.h"
 #include "core/guard.h"
 
 namespace fsdp::detail {
@@ -99,7 +98,8 @@ bool Group::gather_on_use() {
 void Group::abort_forward() noexcept {
   call_inputs_.clear();
   try {
-    if (training_state_ == TrainingState::kForward) training_state_ = state_before_forward_;
+    if (training_state_ == TrainingState::kForward)
+      transition(state_before_forward_, {TrainingState::kForward});
     reshard();
     context_->cancel_forward_prefetches();
   } catch (const std::exception& e) {

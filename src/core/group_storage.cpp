@@ -1,6 +1,4 @@
 // Group: where the parameters live (shards, the all-gather, the full block) and resharding.
-#include "core/group.h"
-
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
@@ -8,6 +6,7 @@
 #include "comm/communicator_impl.h"
 #include "core/buffers.h"
 #include "core/context.h"
+#include "core/group.h"
 #include "core/guard.h"
 
 namespace fsdp::detail {

@@ -1,5 +1,7 @@
 #include "core/registry.h"
 
+#include <fsdp/error.h>
+
 #include <algorithm>
 #include <set>
 
@@ -32,17 +34,17 @@ std::shared_ptr<Group> Registry::find(Index<K>& index, const K* key) {
 }
 
 bool Registry::is_sharded(const torch::nn::Module& module) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return find(modules_, &module) != nullptr;
 }
 
 std::shared_ptr<Group> Registry::group_of(const at::Tensor& param) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return find(params_, param.unsafeGetTensorImpl());
 }
 
 NamedTensors Registry::claim_parameters(const torch::nn::Module& module, const ModulePaths& paths) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const std::string type = module.name();
   NamedTensors mine;
   std::set<const c10::TensorImpl*> seen;
@@ -82,7 +84,7 @@ std::shared_ptr<Context> Registry::absorb_children(const ModulePaths& paths,
                                                    const std::shared_ptr<Communicator>& comm,
                                                    const std::shared_ptr<Communicator>& replicate,
                                                    const ShardOptions& options) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto context = std::make_shared<Context>(comm, replicate, options.audit);
   std::vector<std::shared_ptr<Context>> absorbed;
   for (const auto* m : paths.order) {
@@ -107,7 +109,7 @@ std::shared_ptr<Context> Registry::absorb_children(const ModulePaths& paths,
 }
 
 void Registry::add(const std::shared_ptr<Group>& group) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   adopt_elements(*group);
   if (group->gathers_on_use()) unowned_elements_.push_back(group);
   modules_[group->module()] = group;
@@ -131,7 +133,7 @@ void Registry::adopt_elements(Group& group) {
 }
 
 NamedTensors Registry::own_buffers(const torch::nn::Module& module, const ModulePaths& paths) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   NamedTensors own;
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     bool in_child = false;

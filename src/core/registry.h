@@ -13,11 +13,12 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include "util/mutex.h"
 
 namespace fsdp {
 class Communicator;
@@ -67,13 +68,13 @@ class Registry {
   template <class K>
   using Index = std::unordered_map<const K*, std::weak_ptr<Group>>;
   template <class K>
-  static std::shared_ptr<Group> find(Index<K>& index, const K* key);  // REQUIRES: mu_
-  void adopt_elements(Group& group);                                  // REQUIRES: mu_
+  static std::shared_ptr<Group> find(Index<K>& index, const K* key);
+  void adopt_elements(Group& group) FSDP_REQUIRES(mu_);
 
-  std::mutex mu_;
-  Index<torch::nn::Module> modules_;                      // guarded by mu_
-  Index<c10::TensorImpl> params_;                         // guarded by mu_
-  std::vector<std::shared_ptr<Group>> unowned_elements_;  // guarded by mu_
+  Mutex mu_;
+  Index<torch::nn::Module> modules_ FSDP_GUARDED_BY(mu_);
+  Index<c10::TensorImpl> params_ FSDP_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Group>> unowned_elements_ FSDP_GUARDED_BY(mu_);
 };
 
 }  // namespace fsdp::detail

@@ -1,0 +1,50 @@
+// A mutex and its scoped lock that clang's thread-safety analysis understands (-Wthread-safety,
+// `make thread-safety`): members marked FSDP_GUARDED_BY(mu) may be touched only with mu held,
+// functions marked FSDP_REQUIRES(mu) only be called with it held. Other compilers see a plain
+// std::mutex and no attributes.
+#pragma once
+
+#include <mutex>
+
+#if defined(__clang__)
+#define FSDP_THREAD_ANNOTATION(x) __attribute__((x))
+#else
+#define FSDP_THREAD_ANNOTATION(x)
+#endif
+
+#define FSDP_CAPABILITY(x) FSDP_THREAD_ANNOTATION(capability(x))
+#define FSDP_SCOPED_CAPABILITY FSDP_THREAD_ANNOTATION(scoped_lockable)
+#define FSDP_GUARDED_BY(x) FSDP_THREAD_ANNOTATION(guarded_by(x))
+#define FSDP_PT_GUARDED_BY(x) FSDP_THREAD_ANNOTATION(pt_guarded_by(x))
+#define FSDP_REQUIRES(...) FSDP_THREAD_ANNOTATION(requires_capability(__VA_ARGS__))
+#define FSDP_EXCLUDES(...) FSDP_THREAD_ANNOTATION(locks_excluded(__VA_ARGS__))
+#define FSDP_ACQUIRE(...) FSDP_THREAD_ANNOTATION(acquire_capability(__VA_ARGS__))
+#define FSDP_RELEASE(...) FSDP_THREAD_ANNOTATION(release_capability(__VA_ARGS__))
+#define FSDP_RETURN_CAPABILITY(x) FSDP_THREAD_ANNOTATION(lock_returned(x))
+#define FSDP_NO_THREAD_SAFETY_ANALYSIS FSDP_THREAD_ANNOTATION(no_thread_safety_analysis)
+
+namespace fsdp::detail {
+
+class FSDP_CAPABILITY("mutex") Mutex {
+ public:
+  void lock() FSDP_ACQUIRE() { mu_.lock(); }
+  void unlock() FSDP_RELEASE() { mu_.unlock(); }
+  // For std::condition_variable, which needs the std::mutex itself.
+  std::mutex& native() { return mu_; }
+
+ private:
+  std::mutex mu_;
+};
+
+class FSDP_SCOPED_CAPABILITY MutexLock {
+ public:
+  explicit MutexLock(Mutex& mu) FSDP_ACQUIRE(mu) : mu_(mu) { mu_.lock(); }
+  ~MutexLock() FSDP_RELEASE() { mu_.unlock(); }
+  MutexLock(const MutexLock&) = delete;
+  MutexLock& operator=(const MutexLock&) = delete;
+
+ private:
+  Mutex& mu_;
+};
+
+}  // namespace fsdp::detail
