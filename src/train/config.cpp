@@ -218,8 +218,9 @@ void add_options(App& a, TrainConfig& c) {
   app.add_option("--malloc", c.malloc_policy,
                  "glibc malloc: steady (fixed thresholds: blocks up to 32 MiB from the heap, which "
                  "keeps up to 256 MiB free; a step reuses its pages instead of faulting in fresh "
-                 "ones) or default (glibc's own, which move with what the process freed)")
-      ->check(CLI::IsMember({"steady", "default"}))
+                 "ones), default (glibc's own, which move with what the process freed) or auto "
+                 "(steady; default in a sanitizer build)")
+      ->check(CLI::IsMember({"auto", "steady", "default"}))
       ->capture_default_str()
       ->group("Processes");
   app.add_flag("--no-shard", c.no_shard,
@@ -328,8 +329,8 @@ void TrainConfig::validate() const {
   FSDP_CHECK(peak_tflops >= 0, "--peak-tflops is ", peak_tflops,
              "; use 0 (measured) or the peak of one rank");
   FSDP_CHECK(threads >= 0, "--threads is ", threads, "; use 0 (automatic) or a positive count");
-  FSDP_CHECK(malloc_policy == "steady" || malloc_policy == "default", "--malloc is '",
-             malloc_policy, "'; expected steady or default");
+  FSDP_CHECK(malloc_policy == "auto" || malloc_policy == "steady" || malloc_policy == "default",
+             "--malloc is '", malloc_policy, "'; expected auto, steady or default");
   FSDP_CHECK(warmup >= 0, "--warmup is ", warmup, "; use 0 (no warmup) or a positive step count");
   FSDP_CHECK(log_every >= 0, "--log-every is ", log_every,
              "; use 0 (automatic) or a positive count");
