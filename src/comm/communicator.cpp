@@ -8,6 +8,7 @@
 #include <mutex>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
 
 #include "compat.h"
 #include "failure.h"
@@ -40,6 +41,13 @@ std::string broken_reason(const c10d::Store* group) {
 void mark_broken(const c10d::Store* group, const std::string& why) {
   std::lock_guard<std::mutex> lock(g_broken_mu);
   broken_groups().emplace(group, why);
+}
+// A broken communicator's process group, never destroyed: held here for the life of the process,
+// where it stays reachable (a released pointer was reported as leaked by LeakSanitizer).
+void keep_undestroyed(c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>();  // never destroyed
+  std::lock_guard<std::mutex> lock(g_broken_mu);
+  kept->push_back(std::move(pg));
 }
 }  // namespace
 
@@ -173,7 +181,7 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
 
 Communicator::~Communicator() {
   // See "Broken groups": joining Gloo's workers mid-collective would wait out their timeouts.
-  if (!broken_reason(store_.get()).empty()) (void)pg_.release();
+  if (!broken_reason(store_.get()).empty()) keep_undestroyed(std::move(pg_));
 }
 
 Work Communicator::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::string op,
