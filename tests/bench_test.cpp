@@ -142,11 +142,14 @@ TEST(BenchActivationCheckpointing, HoldsLessAfterForwardWithTheSameLosses) {
   ASSERT_EQ(lines.size(), 3u) << r.output;
   EXPECT_FALSE(lines[0]["activation_checkpointing"].get<bool>());
   EXPECT_TRUE(lines[1]["activation_checkpointing"].get<bool>());
+  EXPECT_EQ(lines[0]["loss"], lines[1]["loss"]);
+  EXPECT_TRUE(lines[2]["losses_bitwise_equal"].get<bool>());
+  // What is held is glibc malloc's count (mallinfo2), which AddressSanitizer's allocator leaves at
+  // zero: a sanitizer build checks the losses only.
+  if (fsdp::testing::kSanitized) return;
   const double plain = lines[0]["held_after_forward_mb"], ckpt = lines[1]["held_after_forward_mb"];
   EXPECT_GT(plain, 0.5) << r.output;
   EXPECT_LT(ckpt, 0.5 * plain) << r.output;  // the blocks' activations are the bulk
-  EXPECT_EQ(lines[0]["loss"], lines[1]["loss"]);
-  EXPECT_TRUE(lines[2]["losses_bitwise_equal"].get<bool>());
   EXPECT_NEAR(lines[2]["activation_memory_saved_mb"].get<double>(), plain - ckpt, 0.11);
 }
 
