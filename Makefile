@@ -84,11 +84,15 @@ thread-safety: configure setup-test
 check-torch: build
 	scripts/check_torch_single.sh $(BUILD)
 
-# The test suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/.
+# The test suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/, with leak
+# checking (LeakSanitizer at the exit of every process: the test programs, their ranks, the
+# trainer and the benchmark). The programs' --malloc auto is glibc's default there (ASan's
+# allocator takes no thresholds), and the tests that bound resident-set sizes skip.
+SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 sanitize: setup
 	cmake -S . -B build-asan -G Ninja -DFSDP_SANITIZE=ON $(TORCH_CMAKE_ARGS)
 	cmake --build build-asan -j $(JOBS)
-	cd build-asan && ASAN_OPTIONS=detect_leaks=0:new_delete_type_mismatch=0 ctest --output-on-failure -j $(CTEST_J) --timeout 1200
+	cd build-asan && $(SANITIZE_ENV) ctest --output-on-failure -j $(CTEST_J) --timeout 1200
 
 # libFuzzer targets for the checkpoint header and index parsers (clang, ASan+UBSan), in build-fuzz/.
 fuzz:

@@ -19,7 +19,6 @@
 // modes one after another in the same ranks, once, without the Python peer.
 #include <fcntl.h>
 #include <fsdp/error.h>
-#include <fsdp/memory.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -36,6 +35,7 @@
 #include "checkpointing_bench.h"
 #include "comm_bench.h"
 #include "sweeps.h"
+#include "train/malloc.h"
 #include "train_bench.h"
 
 namespace {
@@ -298,8 +298,8 @@ int run_request(Request& q, int argc, char** argv) {
   fsdp::bench::CommBenchOptions& comm_options = q.comm_options;
   // --malloc steady: the same fixed thresholds in every rank and in the Python peer (the
   // environment reaches the processes started from here), so that modes are compared on their
-  // code rather than on glibc's allocation history (docs/performance.md, fifth pass).
-  if (malloc_policy == "steady") fsdp::memory::use_steady_malloc();
+  // code rather than on glibc's allocation history (docs/performance.md, Memory).
+  if (malloc_policy == "steady") fsdp::train::use_steady_malloc();
   const bool sweep = train.compare || train.memory_scaling || train.max_model;
   if (comm + checkpointing + !train.mode.empty() + train.compare + train.memory_scaling +
           train.max_model !=

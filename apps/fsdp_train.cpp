@@ -9,7 +9,6 @@
 //  - --no-shard or --nproc 1: one process.
 #include <fsdp/error.h>
 #include <fsdp/init.h>
-#include <fsdp/memory.h>
 
 #include <cstdio>
 #include <exception>
@@ -19,6 +18,7 @@
 #include "train/config.h"
 #include "train/data.h"
 #include "train/launch.h"
+#include "train/malloc.h"
 #include "train/model_size.h"
 #include "train/resume.h"
 #include "train/trainer.h"
@@ -35,8 +35,9 @@ int run(int argc, char** argv) {
   }
   RunPlan plan = plan_run(*parsed.config);  // with --resume: the checkpoint's settings
   TrainConfig& cfg = plan.cfg;
-  // Before the big allocations; the ranks started below inherit it and apply it again.
-  if (cfg.malloc_policy == "steady") fsdp::memory::use_steady_malloc();
+  // Before the big allocations; the ranks started below inherit it and apply it again. "auto" is
+  // steady, but the default malloc in a sanitizer build (an explicit steady is refused there).
+  if (resolve_malloc_policy(cfg.malloc_policy) == "steady") use_steady_malloc();
   if (cfg.data.empty()) cfg.data = default_data_path();
   const Corpus corpus = Corpus::load(cfg.data, cfg.seq, cfg.vocab);
   split_validation(corpus, cfg.val_fraction, cfg.seq);  // checks the split sizes

@@ -1,6 +1,6 @@
 # fsdp-train, the reference trainer (issues 5, 13, 14; docs/trainer.md).
-#   fsdp_train_base:   settings, data, schedule, metrics, plot, progress, sampling, launching, model
-#                      size and memory bounds, summary. No torch headers: quick to build,
+#   fsdp_train_base:   settings, data, schedule, metrics, plot, progress, sampling, launching,
+#                      --malloc, model size and memory bounds, summary. No torch headers: quick to build,
 #                      unit-tested on its own.
 #   fsdp_train_resume: which checkpoint a run continues from, its settings, retention (reads
 #                      checkpoint indexes; torch-free headers).
@@ -14,6 +14,7 @@ add_library(fsdp_train_base STATIC
   src/train/data.cpp
   src/train/generate.cpp
   src/train/launch.cpp
+  src/train/malloc.cpp
   src/train/metrics.cpp
   src/train/model_size.cpp
   src/train/plot.cpp

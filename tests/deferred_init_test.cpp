@@ -391,8 +391,9 @@ TEST(DeferredInit, PeakIsShardsPlusOneParameter) {
     EXPECT_GE(report.peak_live_bytes, report.largest_tensor_bytes);
     // Dead: each torch::empty and each constructor init (kaiming_uniform_, uniform_, fill_).
     EXPECT_EQ(report.operators_on_scratch, 2 * (depth * 2 + 2));
-    if (can_reset)  // RSS: the shards get their bytes now; slack for the allocator and Gloo
-      EXPECT_LE(peak, (shard_bytes + weight_bytes) / mib + 3.0);
+    // RSS: the shards get their bytes now; slack for the allocator and Gloo. Not bounded in a
+    // sanitizer build (kRssUnderSanitizer); the instrumented peak above still is.
+    if (can_reset && !kSanitized) EXPECT_LE(peak, (shard_bytes + weight_bytes) / mib + 3.0);
     if (verbose())
       std::cout << "rank " << r.rank << ": model " << model_bytes / mib << " MiB, shards "
                 << shard_bytes / mib << " MiB, largest parameter "
@@ -441,6 +442,7 @@ double gpt_build_peak_mb(bool deferred) {
 }
 
 TEST(DeferredInit, GPTBuildPeakRSS) {
+  if (kSanitized) GTEST_SKIP() << kRssUnderSanitizer;
   const double deferred = gpt_build_peak_mb(true);
   const double eager = gpt_build_peak_mb(false);
   if (in_rank_process()) return;

@@ -97,4 +97,16 @@ void expect_error(F&& fn, std::initializer_list<std::string> parts) {
   }
 }
 
+// Built with ASan and UBSan (FSDP_SANITIZE, `make sanitize`). Resident-set sizes mean nothing
+// there: ASan's shadow memory and the freed blocks it quarantines are resident too, so tests that
+// bound them skip (kRssUnderSanitizer says why).
+#ifdef FSDP_SANITIZE
+inline constexpr bool kSanitized = true;
+#else
+inline constexpr bool kSanitized = false;
+#endif
+inline constexpr const char* kRssUnderSanitizer =
+    "resident-set sizes are not this program's memory under AddressSanitizer (its shadow memory "
+    "and quarantine of freed blocks are resident too)";
+
 }  // namespace fsdp::testing

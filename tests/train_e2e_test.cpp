@@ -128,6 +128,28 @@ TEST(TrainE2E, TwoRanksLossFallsAndOutputsExist) {
   EXPECT_LT(rows.back().lr, rows[2].lr);  // cosine decay after warmup
 }
 
+// --malloc auto (the default) is steady, or glibc's default in a sanitizer build, whose allocator
+// takes no thresholds: the run's first line says which. There, an explicit --malloc steady is an
+// error before training starts.
+TEST(TrainE2E, FirstLineNamesTheMallocPolicy) {
+  const auto dir = scratch_dir("malloc");
+  auto argv = tiny(dir, 1);
+  argv.erase(std::find(argv.begin(), argv.end(), "--quiet"));
+  const auto r = run(argv, {"--no-shard", "--sample-tokens", "0", "--peak-tflops", "1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const bool sanitized = fsdp::testing::kSanitized;
+  EXPECT_NE(r.output.find(sanitized ? "malloc default (auto: " : "malloc steady (auto), "),
+            std::string::npos)
+      << r.output;
+  const auto s = run(tiny(scratch_dir("malloc_steady"), 1), {"--no-shard", "--malloc", "steady"});
+  if (!sanitized) {
+    EXPECT_EQ(s.exit_code, 0) << s.output;
+    return;
+  }
+  EXPECT_EQ(s.exit_code, 1) << s.output;
+  EXPECT_NE(s.output.find("--malloc steady) need glibc's malloc"), std::string::npos) << s.output;
+}
+
 TEST(TrainE2E, NoShardMatchesTwoAndThreeRanks) {
   const auto ref_dir = scratch_dir("ref");
   auto r = run(tiny(ref_dir, 8), {"--no-shard"});

@@ -16,9 +16,11 @@
 #include <vector>
 
 #include "checkpoint/atomic_file.h"
+#include "harness.h"
 #include "train/config.h"
 #include "train/data.h"
 #include "train/generate.h"
+#include "train/malloc.h"
 #include "train/metrics.h"
 #include "train/model_size.h"
 #include "train/plot.h"
@@ -101,7 +103,13 @@ TEST(TrainConfig, FlagsOverrideDefaults) {
   EXPECT_NE(bad.message.find("--mixed-precision"), std::string::npos) << bad.message;
   EXPECT_TRUE(r.config->was_set("steps"));
   EXPECT_FALSE(r.config->was_set("batch"));
-  EXPECT_EQ(r.config->malloc_policy, "steady");
+  EXPECT_EQ(r.config->malloc_policy, "auto");
+  // auto: steady, but glibc's default in a sanitizer build (its allocator takes no thresholds).
+  EXPECT_EQ(sanitizer_build(), fsdp::testing::kSanitized);
+  EXPECT_EQ(resolve_malloc_policy("auto"), fsdp::testing::kSanitized ? "default" : "steady");
+  EXPECT_EQ(resolve_malloc_policy("steady"), "steady");
+  EXPECT_EQ(resolve_malloc_policy("default"), "default");
+  EXPECT_EQ(describe_malloc_policy("default"), "default");
   auto d = parse_args({"fsdp-train", "--malloc", "default"});
   ASSERT_TRUE(d.config.has_value()) << d.message;
   EXPECT_EQ(d.config->malloc_policy, "default");

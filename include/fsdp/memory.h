@@ -1,6 +1,6 @@
-// Process memory as the kernel sees it (resident set), for benchmarks and the trainer, and the
-// trainer's malloc settings. Thread-safety: the readers are stateless reads of /proc/self;
-// use_steady_malloc changes process-wide settings (call it at the start of main, before threads).
+// Process memory as the kernel sees it (resident set) and as malloc counts it, for benchmarks and
+// the trainer. Readers only: the library never changes malloc's settings (fsdp-train's and
+// fsdp-bench's --malloc is theirs, src/train/malloc.h). Thread-safety: stateless reads.
 #pragma once
 
 #include <string>
@@ -17,16 +17,8 @@ void trim();
 // MB: live tensors, unlike RSS, which also holds freed pages until trimmed.
 double heap_in_use_mb();
 
-// glibc malloc with fixed thresholds, for training loops (docs/performance.md, fifth pass): blocks
-// up to 32 MiB come from the heap, and the heap's free top is returned to the kernel only beyond
-// 256 MiB. glibc's default thresholds move with the sizes of the blocks a process has freed, so a
-// step's activations and gradients may instead be mapped afresh every step and cost a page fault
-// per 4 KiB. Applies to this process (mallopt) and, through MALLOC_MMAP_THRESHOLD_ and
-// MALLOC_TRIM_THRESHOLD_, to the processes it starts. An application's choice: the library never
-// calls it. Throws fsdp::Error where malloc is not glibc's (it refuses the thresholds).
-void use_steady_malloc();
-// "default", or the thresholds this process's malloc was given through the environment (which
-// use_steady_malloc also sets): "mmap_threshold=... trim_threshold=...".
+// "default", or the thresholds this process's malloc was given through the environment
+// (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_): "mmap_threshold=... trim_threshold=...".
 std::string malloc_settings();
 
 }  // namespace fsdp::memory

@@ -55,7 +55,8 @@ Communicator::~Communicator() {
   impl_->reductions.reset();
   // See "Broken groups" (work_impl.h): joining Gloo's workers mid-collective would wait out
   // their timeouts.
-  if (!detail::broken_reason(impl_->store.get()).empty()) (void)impl_->pg.release();
+  if (!detail::broken_reason(impl_->store.get()).empty())
+    detail::keep_undestroyed(std::move(impl_->pg));
 }
 
 int Communicator::rank() const { return impl_->rank; }

@@ -3,7 +3,9 @@
 
 #include <map>
 #include <mutex>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <vector>
 
 #include "failure.h"
 #include "work_impl.h"
@@ -22,6 +24,12 @@ void mark_broken(const c10d::Store* group, const std::string& why) {
   broken_groups().emplace(group, why);
 }
 }  // namespace
+
+void detail::keep_undestroyed(c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>();  // never destroyed
+  std::lock_guard<std::mutex> lock(g_broken_mu);
+  kept->push_back(std::move(pg));
+}
 
 std::string detail::broken_reason(const c10d::Store* group) {
   std::lock_guard<std::mutex> lock(g_broken_mu);

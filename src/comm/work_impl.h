@@ -37,6 +37,9 @@ struct Work::Impl {
 namespace detail {
 // Why `group` is broken (the first failure's message), or empty while it is not.
 std::string broken_reason(const c10d::Store* group);
+// Keeps a broken communicator's process group for the life of the process, never destroyed (and
+// reachable: a released pointer would be reported as leaked by LeakSanitizer).
+void keep_undestroyed(c10::intrusive_ptr<c10d::ProcessGroup> pg);
 }  // namespace detail
 
 }  // namespace fsdp

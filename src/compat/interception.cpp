@@ -22,6 +22,7 @@
 #include <torch/version.h>
 
 #include <mutex>
+#include <optional>
 
 #if TORCH_VERSION_MAJOR >= 2
 #include <c10/core/impl/PyInterpreterHooks.h>
@@ -169,6 +170,10 @@ c10::intrusive_ptr<c10::TensorImpl> StandIn::detach(const c10::TensorImpl* self)
 struct Pending {
   std::mutex mu;
   std::vector<c10::OperatorName> names;
+  // The listener's registration (install()), held for the life of the process. Kept here, where
+  // it stays reachable: a static pointer of its own that nothing reads was optimised away, and
+  // LeakSanitizer reported the handle as leaked at every exit.
+  std::optional<c10::RegistrationHandleRAII> listening;
 };
 Pending& pending() {
   static auto* p = new Pending();  // never destroyed: the listener may outlive statics
@@ -207,10 +212,11 @@ void install(Handler handler) {
   static std::once_flag once;
   std::call_once(once, [handler] {
     g_handler = handler;
-    // Calls the listener once for every operator defined so far, then for each later one.
-    static auto* listening = new c10::RegistrationHandleRAII(
-        c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<Listener>()));
-    (void)listening;
+    // Calls the listener once for every operator defined so far, then for each later one (it
+    // locks pending().mu: not held here).
+    auto listening =
+        c10::Dispatcher::singleton().addRegistrationListener(std::make_unique<Listener>());
+    pending().listening.emplace(std::move(listening));
     check_interpreter_is_ours();
   });
   FSDP_CHECK(g_handler == handler,

@@ -132,8 +132,9 @@ void add_options(App& a, TrainConfig& c) {
   app.add_option("--malloc", c.malloc_policy,
                  "glibc malloc: steady (fixed thresholds: blocks up to 32 MiB from the heap, which "
                  "keeps up to 256 MiB free; a step reuses its pages instead of faulting in fresh "
-                 "ones) or default (glibc's own, which move with what the process freed)")
-      ->check(CLI::IsMember({"steady", "default"}))
+                 "ones), default (glibc's own, which move with what the process freed) or auto "
+                 "(steady; default in a sanitizer build)")
+      ->check(CLI::IsMember({"auto", "steady", "default"}))
       ->capture_default_str()
       ->group("Processes");
   app.add_flag("--no-shard", c.no_shard,

@@ -18,9 +18,9 @@ struct TrainConfig {
   int nproc = 2;          // local ranks started when no launcher variables are set
   int threads = 0;        // intra-op threads per rank; 0 = cores / local ranks (at least 1)
   bool no_shard = false;  // one process, plain LibTorch (the parity reference)
-  // glibc malloc in every rank: "steady" (fixed thresholds, fsdp::memory::use_steady_malloc) or
-  // "default"
-  std::string malloc_policy = "steady";
+  // glibc malloc in every rank: "steady" (fixed thresholds, train/malloc.h), "default", or "auto"
+  // (steady; default in a sanitizer build, whose allocator has no thresholds)
+  std::string malloc_policy = "auto";
   bool reshard_after_forward = true;      // blocks free gathered parameters after forward
   bool activation_checkpointing = false;  // blocks recompute their activations in backward
   std::string mixed_precision = "none";   // "none", "bf16" (gather and compute) or "fp16" (CUDA)

@@ -82,8 +82,9 @@ void check_policies(const TrainConfig& c) {
   FSDP_CHECK(!(c.hsdp > 1 && c.no_shard), "--hsdp ", c.hsdp,
              " shards within replicas, but --no-shard trains the plain model in one process; "
              "drop one of the two");
-  FSDP_CHECK(c.malloc_policy == "steady" || c.malloc_policy == "default", "--malloc is '",
-             c.malloc_policy, "'; expected steady or default");
+  FSDP_CHECK(
+      c.malloc_policy == "auto" || c.malloc_policy == "steady" || c.malloc_policy == "default",
+      "--malloc is '", c.malloc_policy, "'; expected auto, steady or default");
   FSDP_CHECK(c.data_order == "random" || c.data_order == "sequential", "--data-order is '",
              c.data_order, "'; expected 'random' or 'sequential'");
   FSDP_CHECK(!(c.no_shard && c.was_set("nproc") && c.nproc != 1),

@@ -16,6 +16,7 @@
 #include "comm/rank_agreement.h"
 #include "train/generate.h"
 #include "train/launch.h"
+#include "train/malloc.h"
 #include "train/metrics.h"
 #include "train/model_setup.h"
 #include "train/model_size.h"
@@ -192,14 +193,15 @@ class Trainer {
     if (cfg_.quiet) return;
     std::printf(
         "fsdp-train: %s on %d rank%s, %lld steps, global batch %lld%s, data %s (%lld tokens: "
-        "%lld train, %lld validation; %s order), run dir %s\n",
+        "%lld train, %lld validation; %s order), malloc %s, run dir %s\n",
         model_description(cfg_, model_->parameter_count).c_str(), world_, world_ == 1 ? "" : "s",
         static_cast<long long>(cfg_.steps), static_cast<long long>(cfg_.batch),
         cfg_.grad_accum > 1 ? (" in " + std::to_string(cfg_.grad_accum) + " micro-batches").c_str()
                             : "",
         cfg_.data.c_str(), static_cast<long long>(splits_.first.size() + splits_.second.size()),
         static_cast<long long>(splits_.first.size()), static_cast<long long>(splits_.second.size()),
-        cfg_.data_order.c_str(), cfg_.run_dir.c_str());
+        cfg_.data_order.c_str(), describe_malloc_policy(cfg_.malloc_policy).c_str(),
+        cfg_.run_dir.c_str());
     std::fflush(stdout);
   }
 

@@ -1,4 +1,3 @@
-#include <fsdp/error.h>
 #include <fsdp/memory.h>
 #include <malloc.h>
 
@@ -34,23 +33,6 @@ void trim() { ::malloc_trim(0); }
 double heap_in_use_mb() {
   const struct mallinfo2 m = ::mallinfo2();
   return static_cast<double>(m.uordblks + m.hblkhd) / (1024.0 * 1024.0);
-}
-
-void use_steady_malloc() {
-  bool applied = false;
-#ifdef __GLIBC__
-  constexpr int kMmapThreshold = 32 << 20;  // glibc's largest dynamic threshold
-  constexpr int kTrimThreshold = 256 << 20;
-  applied = ::mallopt(M_MMAP_THRESHOLD, kMmapThreshold) == 1 &&
-            ::mallopt(M_TRIM_THRESHOLD, kTrimThreshold) == 1;
-  if (applied) {
-    ::setenv("MALLOC_MMAP_THRESHOLD_", std::to_string(kMmapThreshold).c_str(), 1);
-    ::setenv("MALLOC_TRIM_THRESHOLD_", std::to_string(kTrimThreshold).c_str(), 1);
-  }
-#endif
-  FSDP_CHECK(applied,
-             "fixed malloc thresholds (--malloc steady) need glibc's malloc, which this "
-             "process does not use; run with --malloc default");
 }
 
 std::string malloc_settings() {
