@@ -125,18 +125,20 @@ void sum_in_rank_order(const at::Tensor& output, const std::vector<at::Tensor>& 
     default:
       break;
   }
-  // Integers sum in int64 (as at::sum does) and wrap to the dtype once at the end.
+  // Integers sum in 64 bits (as at::sum does) and wrap to the dtype once at the end: unsigned, so
+  // that the wrap is defined (a signed overflow would be undefined behaviour); the bits are those
+  // of two's-complement int64 arithmetic.
   FSDP_CHECK(!average, "sum_in_rank_order: an average of ", output.scalar_type(),
              " tensors would be truncated; reduce with a sum and divide, or use a floating dtype");
   switch (output.scalar_type()) {
     case at::kLong:
-      return sum_rows<int64_t, int64_t>(output, rows, false);
+      return sum_rows<int64_t, uint64_t>(output, rows, false);
     case at::kInt:
-      return sum_rows<int32_t, int64_t>(output, rows, false);
+      return sum_rows<int32_t, uint64_t>(output, rows, false);
     case at::kChar:
-      return sum_rows<int8_t, int64_t>(output, rows, false);
+      return sum_rows<int8_t, uint64_t>(output, rows, false);
     case at::kByte:
-      return sum_rows<uint8_t, int64_t>(output, rows, false);
+      return sum_rows<uint8_t, uint64_t>(output, rows, false);
     default:
       FSDP_CHECK(false, "sum_in_rank_order: dtype ", output.scalar_type(),
                  " is not summed here (fp32, fp64, fp16, bf16, 8/32/64-bit ints)");
