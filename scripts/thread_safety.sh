@@ -7,9 +7,15 @@ build=${1:-build}
 cd "$(dirname "$0")/.."
 command -v clang++ > /dev/null || { echo "thread-safety: clang++ is missing (apt-get install clang)"; exit 1; }
 [ -f "$build/compile_commands.json" ] || { echo "thread-safety: $build/compile_commands.json is missing: configure $build first"; exit 1; }
-# The sources that include util/mutex.h or a header that does.
-headers=$(git grep -l '#include "util/mutex.h"' -- src | sed 's|^src/||')
-pattern=$(printf '#include "%s"\\|' util/mutex.h $headers | sed 's/\\|$//')
+# The sources that include util/mutex.h, directly or through other headers of src/.
+headers="util/mutex.h"
+while :; do
+  pattern=$(for h in $headers; do printf '#include ".*%s"\\|' "$(basename "$h")"; done | sed 's/\\|$//')
+  more=$(git grep -l -e "$pattern" -- 'src/*.h' | sed 's|^src/||' | sort -u)
+  all=$(printf '%s\n' $headers $more | sort -u)
+  [ "$all" = "$(printf '%s\n' $headers | sort -u)" ] && break
+  headers=$all
+done
 sources=$(git grep -l -e "$pattern" -- 'src/*.cpp')
 python3 - "$build" $sources <<'PY'
 import json, shlex, subprocess, sys

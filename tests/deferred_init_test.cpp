@@ -409,8 +409,9 @@ TEST(DeferredInit, PeakIsShardsPlusOneParameter) {
 double gpt_build_peak_mb(bool deferred) {
   auto result = run_ranks(2, [deferred](Rank& r) {
     GPTConfig cfg;
-    if (const char* e = std::getenv("FSDP_INIT_GPT"); e && *e)
+    if (const char* e = std::getenv("FSDP_INIT_GPT"); e && *e) {
       ASSERT_EQ(std::sscanf(e, "%ld,%ld", &cfg.n_layer, &cfg.n_embd), 2) << "FSDP_INIT_GPT=" << e;
+    }
     r.world();  // rendezvous before measuring
     fsdp::memory::trim();
     const double before = fsdp::memory::current_rss_mb();
