@@ -277,13 +277,13 @@ TEST_P(Memory, ShardsGradsOptimizerStateAreOneNthAndGatheredParamsAreFreed) {
 }
 INSTANTIATE_TEST_SUITE_P(World, Memory, ::testing::Values(1, 2, 4));
 
-// A rank that falls behind (faults::Faults::slow_reduce: every rank but 0 issues each reduce-scatter
-// that many ms late) must not make the others hold a send buffer per group: before a group takes
-// its send buffer, backward waits (bounded) for the reductions in flight. With reshard after
-// forward, at most three layer-sized buffers are then in use at once (the layer being computed,
-// the next one's all-gather, one reduce-scatter), and the gradients are the unsharded model's.
-// With a delay past the bound (3 s) the wait gives up, says so, and the results are the same.
-// The bound holds too when the last layer keeps its parameters from forward into backward
+// A rank that falls behind (faults::Faults::slow_reduce: every rank but 0 issues each
+// reduce-scatter that many ms late) must not make the others hold a send buffer per group: before a
+// group takes its send buffer, backward waits (bounded) for the reductions in flight. With reshard
+// after forward, at most three layer-sized buffers are then in use at once (the layer being
+// computed, the next one's all-gather, one reduce-scatter), and the gradients are the unsharded
+// model's. With a delay past the bound (3 s) the wait gives up, says so, and the results are the
+// same. The bound holds too when the last layer keeps its parameters from forward into backward
 // (fsdp-train's layout): its reduction is waited for although it has no backward all-gather, and
 // the next layer's all-gather is issued by its pre-backward, not the root's.
 struct SlowRankCase {

@@ -1,11 +1,9 @@
 // The shared-memory transport (src/comm/shm_exchange.h) on real ranks: generated exchanges
 // (every dtype, sizes around and across the slot size, ring wrap-around, several jobs in flight on
 // both lanes at once, in place and not) bitwise against the collective transport of a lane that
-// does not use it; ranks that disagree on a collective's sizes fail naming both streams; the choice of
-// transport by FSDP_TRANSPORT; nothing left in /dev/shm.
+// does not use it; ranks that disagree on a collective's sizes fail naming both streams; the choice
+// of transport by FSDP_TRANSPORT; nothing left in /dev/shm.
 #include "comm/shm_exchange.h"
-
-#include "comm/communicator_impl.h"
 
 #include <ATen/ATen.h>
 #include <dirent.h>
@@ -20,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator_impl.h"
 #include "comm_data.h"
 #include "harness.h"
 
