@@ -23,9 +23,6 @@ class Exchange {
  public:
   virtual ~Exchange() = default;
 
-  // "tcp" or "shm": what fsdp-bench prints as the transport.
-  virtual const char* name() const = 0;
-
   // into[j][i] receives peer j's pieces[i] (same size on both sides; sizes may differ between
   // pieces and ranks; empty pieces are not sent); into[rank] is not touched. Every tensor CPU,
   // contiguous, of one dtype.

@@ -25,8 +25,6 @@ class ExchangeWorker {
   ExchangeWorker(const ExchangeWorker&) = delete;
   ExchangeWorker& operator=(const ExchangeWorker&) = delete;
 
-  const Exchange& exchange() const { return *exchange_; }
-
   // Queues `job` (run on the worker's thread with the exchange); the Work completes when it
   // returns, or fails with what it threw. The thread starts with the first job.
   c10::intrusive_ptr<c10d::Work> run(c10d::OpType op, std::function<void(Exchange&)> job);

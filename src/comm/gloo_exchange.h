@@ -30,7 +30,6 @@ class GlooExchange final : public Exchange {
   static constexpr int64_t kWindowChunks = 4;
 
   GlooExchange(c10::intrusive_ptr<c10d::ProcessGroup> pg, int tag_offset);
-  const char* name() const override { return "tcp"; }
   void all_gather(const std::vector<std::vector<at::Tensor>>& into,
                   const std::vector<at::Tensor>& pieces,
                   std::chrono::milliseconds timeout) override;

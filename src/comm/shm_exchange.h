@@ -60,7 +60,6 @@ class ShmExchange final : public Exchange {
   ShmExchange(const ShmExchange&) = delete;
   ShmExchange& operator=(const ShmExchange&) = delete;
 
-  const char* name() const override { return "shm"; }
   void all_gather(const std::vector<std::vector<at::Tensor>>& into,
                   const std::vector<at::Tensor>& pieces,
                   std::chrono::milliseconds timeout) override;
