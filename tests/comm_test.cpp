@@ -253,6 +253,8 @@ TEST_P(GatherIntoPlacesTest, PiecesLandInTheirPlacesBitwise) {
           detail::all_gather_into(*collective, std::vector<std::vector<at::Tensor>>(r.size), one);
         },
         {"cannot be gathered into their places here", "use all_gather"});
+    // Nothing above communicated on this lane: no rank leaves while a peer still connects it.
+    collective->barrier().wait();
   });
 }
 
