@@ -11,7 +11,8 @@
 // group's participating gradients are final and every group before it was issued. The final
 // callback issues what remains of both, so every rank issues both whole sequences.
 //
-// Thread-safety: every method runs under the Context's mutex, on the backward thread.
+// Thread-safety: reachable only through BackwardPasses, which owns the passes and calls every
+// method with its mutex held.
 #pragma once
 
 #include <cstdint>

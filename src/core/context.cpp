@@ -14,24 +14,6 @@
 #include "util/env.h"
 
 namespace fsdp::detail {
-namespace {
-
-// Which context owns the live BackwardPass of each running GraphTask, process-wide: one backward
-// must not run through two roots (see claim_task). Entries live exactly as long as the passes.
-std::mutex& task_owners_mu() {
-  static std::mutex m;
-  return m;
-}
-std::map<const void*, const Context*>& task_owners() {
-  static auto* m = new std::map<const void*, const Context*>();  // never destroyed
-  return *m;
-}
-void release_task(const void* key) {
-  std::lock_guard<std::mutex> lock(task_owners_mu());
-  task_owners().erase(key);
-}
-
-}  // namespace
 
 Context::Context(std::shared_ptr<Communicator> comm, std::shared_ptr<Communicator> replicate,
                  bool audit)
@@ -45,27 +27,7 @@ Context::Context(std::shared_ptr<Communicator> comm, std::shared_ptr<Communicato
   if (replicate_) replicate_agree_lane_ = replicate_->lane("fsdp.agree");
 }
 
-Context::~Context() {
-  for (const auto& [key, pass] : passes_) release_task(key);
-}
-
-// Two roots in one backward each plan their collectives alone, on the same lanes: their
-// interleaving would follow this rank's hook order, which differs between ranks whose data take
-// different paths, so agreement could not be guaranteed. Typically fully_shard was applied to the
-// blocks but not to the model that holds them (whose own parameters then train unsynchronised).
-void Context::claim_task(const void* key, const Group* g) {
-  std::lock_guard<std::mutex> lock(task_owners_mu());
-  auto [it, fresh] = task_owners().emplace(key, this);
-  if (fresh || it->second == this) return;
-  const Group* other = it->second->root();
-  throw Error(detail::cat(
-      "one backward runs through two separately sharded models: '", g->type_name(), "' and '",
-      other ? other->type_name() : std::string("?"),
-      "' each have their own root, because no fully_shard call covers both. This happens when "
-      "fully_shard is applied to a model's blocks but not to the model itself (whose own "
-      "parameters would then train without gradient synchronisation). Fix: after sharding the "
-      "blocks, call fully_shard on the module that holds them all (the model's root)"));
-}
+Context::~Context() = default;
 
 int Context::index_of(const Group* g) const {
   auto it = std::find(groups_.begin(), groups_.end(), g);
@@ -75,6 +37,7 @@ int Context::index_of(const Group* g) const {
 void Context::add(Group* g) { groups_.push_back(g); }
 
 void Context::remove(Group* g) {
+  EntryLock lock(backward_.mutex());
   auto drop = [g](std::vector<Group*>& v) { v.erase(std::remove(v.begin(), v.end(), g), v.end()); };
   drop(groups_);
   drop(forward_order_);
@@ -127,7 +90,6 @@ bool Context::on_any_rank(bool local) {
 }
 
 void Context::check_agreement() {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
   agreement_.check(*agree_lane_, replicate_agree_lane_.get(), groups_);
 }
 
@@ -146,14 +108,12 @@ bool Context::in_forward() const {
 }
 
 void Context::on_pre_forward(Group* g) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
+  EntryLock lock(backward_.mutex());
   const bool in_backward = torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr;
-  if (!in_backward && !passes_.empty()) {
-    // A backward that threw: the engine skips final callbacks then, so its pass was never
-    // finalised. Its key (the task's address) may be reused by the next task: drop it now.
-    log(g, "dropping the bookkeeping of a backward that did not complete");
-    for (const auto& [key, pass] : passes_) release_task(key);
-    passes_.clear();
+  // A backward that threw: the engine skips final callbacks then, so its pass was never
+  // finalised. Its key (the task's address) may be reused by the next task: drop it now.
+  if (backward_.drop_unfinished()) {
+    log(g, "dropped the bookkeeping of a backward that did not complete");
     backward_done_ = true;
   }
   if (backward_done_ && !in_backward) {
@@ -170,14 +130,14 @@ void Context::on_pre_forward(Group* g) {
 }
 
 void Context::on_post_forward(Group* g) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
+  EntryLock lock(backward_.mutex());
   completion_order_.erase(std::remove(completion_order_.begin(), completion_order_.end(), g),
                           completion_order_.end());
   completion_order_.push_back(g);
 }
 
 void Context::prefetch_forward(Group* g) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
+  EntryLock lock(backward_.mutex());
   std::vector<Group*> targets;
   if (g->forward_prefetch_set()) {
     targets = g->forward_prefetch();
@@ -195,46 +155,15 @@ void Context::prefetch_forward(Group* g) {
 }
 
 void Context::cancel_forward_prefetches() {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
+  EntryLock lock(backward_.mutex());
   for (Group* g : groups_)
     if (g->shard_state() == ShardState::kGathering && g->training_state() == TrainingState::kIdle)
       g->reshard();
 }
 
-// ---------------------------------------------------------------------------------------------
-// Backward
-// ---------------------------------------------------------------------------------------------
-BackwardPass* Context::current_pass() {
-  auto it = passes_.find(torch::autograd::get_current_graph_task_nodes_in_graph());
-  return it == passes_.end() ? nullptr : it->second.get();
-}
-
-BackwardPass& Context::pass_for_hook(Group* g, const torch::autograd::Node* node) {
-  const void* key = torch::autograd::get_current_graph_task_nodes_in_graph();
-  if (auto* pass = current_pass()) return *pass;
-  log(g, "first output hook of this backward");
-  claim_task(key, g);
-  auto pass = std::make_unique<BackwardPass>(*this, key, node);
-  torch::autograd::Engine::get_default_engine().queue_callback([this, key] { finalize(key); });
-  return *passes_.emplace(key, std::move(pass)).first->second;
-}
-
-void Context::finalize(const void* key) {
-  std::lock_guard<std::recursive_mutex> lock(mu_);
-  auto it = passes_.find(key);
-  if (it == passes_.end()) return;
-  std::unique_ptr<BackwardPass> pass = std::move(it->second);
-  passes_.erase(it);
-  release_task(key);
+void Context::on_backward_end() {
   backward_done_ = true;
   ++epoch_;
-  try {
-    pass->finalize();
-  } catch (...) {
-    end_epoch();
-    throw;
-  }
-  end_epoch();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,35 +1,28 @@
 // Context: what spans the groups under one root. The communication lanes, the forward call order
-// of the current iteration, the live BackwardPass of each running backward (one per GraphTask),
-// gathered-memory accounting, the communication buffer pool, the debug log and the audit.
+// of the current iteration, the running backwards (BackwardPasses), gathered-memory accounting,
+// the communication buffer pool, the debug log and the audit.
 //
-// Thread-safety: hooks run on the thread that called backward (CPU engine); backward bookkeeping
-// is serialised by mutex(), taken at each entry point (the hooks, the engine's final callback, the
-// forward's calls into the context). It is recursive because one entry point calls another: the
-// final callback (finalize) ends the pass with check_agreement(), which forward paths call on
-// their own too.
+// Thread-safety: one thread trains a model; backward hooks may run on the engine's threads. The
+// forward entry points below (on_pre_forward, on_post_forward, prefetch_forward,
+// cancel_forward_prefetches) take the backward bookkeeping's mutex, which guards the forward
+// order the passes plan from (core/backward_passes.h).
 #pragma once
 
 #include <fsdp/communicator.h>
 
-#include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "core/agreement.h"
 #include "core/audit.h"
+#include "core/backward_passes.h"
+#include "util/mutex.h"
 
 namespace fsdp::detail {
 
 class Group;
-class BackwardPass;
-}  // namespace fsdp::detail
-namespace torch::autograd {
-struct Node;
-}
-namespace fsdp::detail {
 
 // Reuses the flat communication buffers (all-gather receive, full blocks, reduce-scatter send)
 // across groups and iterations, as a caching allocator would: buffers freed per collective
@@ -78,8 +71,8 @@ class Context {
   // ---- forward ----
   bool in_forward() const;  // a forward of a sharded module of this context is running
   // Starts a new iteration at the first forward after a backward; records the call order.
-  void on_pre_forward(Group* g);
-  void on_post_forward(Group* g);
+  void on_pre_forward(Group* g) FSDP_EXCLUDES(backward_.mutex());
+  void on_post_forward(Group* g) FSDP_EXCLUDES(backward_.mutex());
   // Epochs: a new one begins at every top-level forward call and at the end of every backward,
   // the points between which user code (an optimizer step, a load) may write the shards.
   uint64_t epoch() const { return epoch_; }
@@ -91,18 +84,26 @@ class Context {
   bool on_any_rank(bool local);
   // Issues the all-gather of the group expected to run next (the order recorded in the previous
   // iteration, or the explicit override list). Depends only on call order and settings.
-  void prefetch_forward(Group* g);
-  void cancel_forward_prefetches();  // a forward threw: drop gathers nobody will use
-  // Groups in first pre-forward order of this iteration.
-  const std::vector<Group*>& forward_order() const { return forward_order_; }
-  // Groups by the order in which their (last) forward call of this iteration completed.
-  const std::vector<Group*>& completion_order() const { return completion_order_; }
+  void prefetch_forward(Group* g) FSDP_EXCLUDES(backward_.mutex());
+  // A forward threw: drop gathers nobody will use.
+  void cancel_forward_prefetches() FSDP_EXCLUDES(backward_.mutex());
+  // Groups in first pre-forward order of this iteration. REQUIRES: backward_.mutex() held, or
+  // no backward running (BackwardPass reads it under the mutex, from the hooks).
+  const std::vector<Group*>& forward_order() const FSDP_NO_THREAD_SAFETY_ANALYSIS {
+    return forward_order_;
+  }
+  // Groups by the order in which their (last) forward call of this iteration completed; the
+  // same REQUIRES.
+  const std::vector<Group*>& completion_order() const FSDP_NO_THREAD_SAFETY_ANALYSIS {
+    return completion_order_;
+  }
 
   // ---- backward ----
-  BackwardPass* current_pass();  // of the current GraphTask; null outside a backward
-  // Creates it at the first output hook of a GraphTask (`node`: the node whose hook fires).
-  BackwardPass& pass_for_hook(Group* g, const torch::autograd::Node* node);
-  std::recursive_mutex& mutex() { return mu_; }
+  BackwardPasses& backward() { return backward_; }  // the hooks' entry points
+  // A backward ended (its final callback): the next forward starts a new iteration and epoch.
+  // REQUIRES: backward_.mutex() held (BackwardPasses::finalize holds it; clang cannot tell that
+  // its ctx_.backward_ is itself, hence no annotation).
+  void on_backward_end() FSDP_NO_THREAD_SAFETY_ANALYSIS;
   // Bounded waits for reductions in flight (BackwardPass::reap_reductions): after
   // kMaxReapWaitExpiries of them ran out of time, later passes only poll (a warning says so once).
   static constexpr int kMaxReapWaitExpiries = 3;
@@ -131,18 +132,18 @@ class Context {
   void check_agreement();
 
  private:
-  void finalize(const void* key);
-  void claim_task(const void* key, const Group* g);  // one root per backward (see context.cpp)
-
   std::shared_ptr<Communicator> comm_, gather_lane_, reduce_lane_;
   std::shared_ptr<Communicator> replicate_, replicate_lane_;
   std::vector<Group*> groups_;
-  std::recursive_mutex mu_;
-  std::map<const void*, std::unique_ptr<BackwardPass>> passes_;  // by GraphTask
-  std::vector<Group*> forward_order_;       // groups in first pre-forward order, this iteration
-  std::vector<Group*> last_forward_order_;  // the previous iteration's
-  std::vector<Group*> completion_order_;    // by last completed forward call, this iteration
-  bool backward_done_ = true;               // a forward after this starts a new iteration
+  // Declared before what it guards. Its passes refer to the groups and this context.
+  BackwardPasses backward_{*this};
+  // Groups in first pre-forward order this iteration, and the previous iteration's.
+  std::vector<Group*> forward_order_ FSDP_GUARDED_BY(backward_.mutex());
+  std::vector<Group*> last_forward_order_ FSDP_GUARDED_BY(backward_.mutex());
+  // By last completed forward call, this iteration.
+  std::vector<Group*> completion_order_ FSDP_GUARDED_BY(backward_.mutex());
+  // A forward after this starts a new iteration.
+  bool backward_done_ FSDP_GUARDED_BY(backward_.mutex()) = true;
   int64_t unsharded_bytes_ = 0, peak_unsharded_bytes_ = 0;
   int unsharded_groups_ = 0, peak_unsharded_groups_ = 0;
   bool debug_ = false;

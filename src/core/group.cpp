@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <iostream>
@@ -49,7 +49,7 @@ struct GradReadyHook : torch::autograd::FunctionPostHook {
   GradReadyHook(std::weak_ptr<Group> g, size_t i) : group(std::move(g)), index(i) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list&) override {
-    if (auto g = group.lock()) g->on_grad_ready(index);
+    if (auto g = group.lock()) g->context().backward().on_grad_ready(*g, index);
     return outputs;
   }
   std::weak_ptr<Group> group;
@@ -67,43 +67,6 @@ struct ClearMarkerHook : torch::autograd::FunctionPreHook {
   }
   std::weak_ptr<Group> group;
   size_t index;
-};
-
-// The input-side node of one forward call: identity in backward, run once everything between
-// this call's outputs and this input has run. Marks the call's backward done (for resharding),
-// never triggers reduction. The input it stands for is handed to the module as a new tensor that
-// is not a view and shares the input's storage and version counter, so in-place modification of
-// the input inside forward behaves exactly as without sharding.
-struct InputBackward : torch::autograd::Node {
-  explicit InputBackward(std::weak_ptr<Group> g) : group(std::move(g)) {}
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    if (auto g = group.lock()) g->on_input_backward();
-    return std::move(grads);
-  }
-  std::string name() const override { return "fsdp::InputBackward"; }
-  std::weak_ptr<Group> group;
-};
-
-// For inputs that are themselves views: the same signal through a custom Function (its output
-// is a view of the input, so LibTorch rejects in-place modification of it inside forward rather
-// than losing the view's history).
-struct GroupRef : torch::CustomClassHolder {
-  explicit GroupRef(std::weak_ptr<Group> g) : group(std::move(g)) {}
-  std::weak_ptr<Group> group;
-};
-struct InputViewBackward : torch::autograd::Function<InputViewBackward> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<GroupRef> g,
-                            const at::Tensor& x) {
-    ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(g));
-    ctx->set_materialize_grads(false);
-    return x.view_as(x);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto* ref = static_cast<GroupRef*>(ctx->saved_data["group"].toCapsule().get());
-    if (auto g = ref->group.lock()) g->on_input_backward();
-    return {at::Tensor(), grads[0]};
-  }
 };
 
 }  // namespace

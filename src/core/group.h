@@ -2,7 +2,7 @@
 //
 // A Group owns one all-gather and at most one reduce-scatter per pass, over flat buffers. Its
 // runtime methods appear in the order they run: unshard, wait_for_unshard, reshard; pre_forward,
-// post_forward; pre_backward, on_grad_ready, post_backward, finalize_backward. Which backward a
+// post_forward; begin_backward_use, post_backward, finalize_backward. Which backward a
 // hook belongs to, and when a group may gather, reduce or reshard during it, is decided by that
 // backward's BackwardPass ([Note: agreement on both lanes] in docs/design.md); the Group carries
 // out the decision and keeps its own state (ShardState, TrainingState) with checked transitions.
@@ -10,8 +10,8 @@
 // Ownership points down: handles and Sharded holders own Groups; Groups share their Context; the
 // Context refers back to its groups by raw pointer (each group unregisters itself on destruction).
 // No code outside Group writes a Group's fields.
-// Thread-safety: hooks run on the thread that called backward (CPU engine); the Context
-// serialises backward bookkeeping with a mutex.
+// Thread-safety: hooks run on the engine's threads (the thread that called backward, on CPU);
+// they enter the Context's BackwardPasses, which serialises them (core/backward_passes.h).
 #pragma once
 
 #include <fsdp/communicator.h>
@@ -151,12 +151,7 @@ class Group : public std::enable_shared_from_this<Group> {
   // the group gathers on use and a forward of the root is running.
   bool gather_on_use();
 
-  // ---- backward: each hook is a one-line adapter onto one of these ----
-  // Tensor hook on an output of this group's forward; `node` is the output's grad_fn.
-  void pre_backward(const torch::autograd::Node* node);
-  void on_grad_ready(size_t param_index);  // AccumulateGrad post hook of a parameter
-  void on_input_backward();                // the input-side node of one forward call
-  // Called by the BackwardPass.
+  // ---- backward: the hooks enter context().backward(); its BackwardPass calls these ----
   void begin_backward_use();  // the gathered parameters are needed now (-> kPreBackward)
   void post_backward();       // this backward is done with the group (-> kPostBackward)
   void finalize_backward();   // end of the backward (-> kIdle), reshards if configured

@@ -13,26 +13,6 @@ namespace fsdp::detail {
 // ---------------------------------------------------------------------------------------------
 // Backward
 // ---------------------------------------------------------------------------------------------
-void Group::pre_backward(const torch::autograd::Node* node) {
-  std::lock_guard<std::recursive_mutex> lock(context_->mutex());
-  context_->pass_for_hook(this, node).pre_backward(*this);
-}
-
-void Group::on_grad_ready(size_t i) {
-  std::lock_guard<std::recursive_mutex> lock(context_->mutex());
-  if (auto* pass = context_->current_pass()) {
-    pass->on_grad_ready(*this, i);
-  } else {
-    context_->log(this, detail::cat("gradient of '", params_[i].name(),
-                                    "' outside any sharded backward (kept unsharded)"));
-  }
-}
-
-void Group::on_input_backward() {
-  std::lock_guard<std::recursive_mutex> lock(context_->mutex());
-  if (auto* pass = context_->current_pass()) pass->on_input_backward(*this);
-}
-
 void Group::begin_backward_use() {
   transition(TrainingState::kPreBackward,
              {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});

@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "core/buffers.h"
 #include "core/context.h"
@@ -9,6 +10,46 @@
 #include "core/guard.h"
 
 namespace fsdp::detail {
+namespace {
+
+// The input-side node of one forward call: identity in backward, run once everything between
+// this call's outputs and this input has run. Marks the call's backward done (for resharding),
+// never triggers reduction. The input it stands for is handed to the module as a new tensor that
+// is not a view and shares the input's storage and version counter, so in-place modification of
+// the input inside forward behaves exactly as without sharding.
+struct InputBackward : torch::autograd::Node {
+  explicit InputBackward(std::weak_ptr<Group> g) : group(std::move(g)) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (auto g = group.lock()) g->context().backward().on_input_backward(*g);
+    return std::move(grads);
+  }
+  std::string name() const override { return "fsdp::InputBackward"; }
+  std::weak_ptr<Group> group;
+};
+
+// For inputs that are themselves views: the same signal through a custom Function (its output
+// is a view of the input, so LibTorch rejects in-place modification of it inside forward rather
+// than losing the view's history).
+struct GroupRef : torch::CustomClassHolder {
+  explicit GroupRef(std::weak_ptr<Group> g) : group(std::move(g)) {}
+  std::weak_ptr<Group> group;
+};
+struct InputViewBackward : torch::autograd::Function<InputViewBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<GroupRef> g,
+                            const at::Tensor& x) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(g));
+    ctx->set_materialize_grads(false);
+    return x.view_as(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* ref = static_cast<GroupRef*>(ctx->saved_data["group"].toCapsule().get());
+    if (auto g = ref->group.lock()) g->context().backward().on_input_backward(*g);
+    return {at::Tensor(), grads[0]};
+  }
+};
+
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Forward
@@ -54,7 +95,7 @@ void Group::post_forward(const std::vector<at::Tensor>& outs) {
     const torch::autograd::Node* node = out.grad_fn().get();  // owns the hook: outlives it
     static_cast<const at::TensorBase&>(out).register_hook(
         [self, node](const at::TensorBase&) -> at::TensorBase {
-          if (auto g = self.lock()) g->pre_backward(node);
+          if (auto g = self.lock()) g->context().backward().on_output_hook(*g, node);
           return at::TensorBase();
         });
     output_nodes_.push_back(out.grad_fn());

@@ -4,7 +4,11 @@
 // std::mutex and no attributes.
 #pragma once
 
+#include <atomic>
 #include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
 
 #if defined(__clang__)
 #define FSDP_THREAD_ANNOTATION(x) __attribute__((x))
@@ -36,15 +40,42 @@ class FSDP_CAPABILITY("mutex") Mutex {
   std::mutex mu_;
 };
 
-class FSDP_SCOPED_CAPABILITY MutexLock {
+// A Mutex for entry points that must not nest: locking it again on the thread that holds it
+// throws std::logic_error (which names the mutex) instead of deadlocking, so a call path that
+// re-enters shows up as an error in tests rather than a hang in a training run.
+class FSDP_CAPABILITY("mutex") EntryMutex {
  public:
-  explicit MutexLock(Mutex& mu) FSDP_ACQUIRE(mu) : mu_(mu) { mu_.lock(); }
-  ~MutexLock() FSDP_RELEASE() { mu_.unlock(); }
-  MutexLock(const MutexLock&) = delete;
-  MutexLock& operator=(const MutexLock&) = delete;
+  explicit EntryMutex(const char* name) : name_(name) {}
+  void lock() FSDP_ACQUIRE() {
+    if (owner_.load(std::memory_order_relaxed) == std::this_thread::get_id())
+      throw std::logic_error(std::string("internal error: ") + name_ +
+                             " was entered again on the thread that holds it");
+    mu_.lock();
+    owner_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  }
+  void unlock() FSDP_RELEASE() {
+    owner_.store(std::thread::id(), std::memory_order_relaxed);
+    mu_.unlock();
+  }
 
  private:
-  Mutex& mu_;
+  std::mutex mu_;
+  std::atomic<std::thread::id> owner_{};
+  const char* name_;
 };
+
+template <class M>
+class FSDP_SCOPED_CAPABILITY BasicMutexLock {
+ public:
+  explicit BasicMutexLock(M& mu) FSDP_ACQUIRE(mu) : mu_(mu) { mu_.lock(); }
+  ~BasicMutexLock() FSDP_RELEASE() { mu_.unlock(); }
+  BasicMutexLock(const BasicMutexLock&) = delete;
+  BasicMutexLock& operator=(const BasicMutexLock&) = delete;
+
+ private:
+  M& mu_;
+};
+using MutexLock = BasicMutexLock<Mutex>;
+using EntryLock = BasicMutexLock<EntryMutex>;
 
 }  // namespace fsdp::detail
