@@ -2,7 +2,6 @@
 #include <fsdp/trace.h>
 
 #include <map>
-#include <mutex>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
@@ -12,29 +11,46 @@
 
 namespace fsdp {
 
-// Broken groups (work_impl.h).
+// Broken groups (work_impl.h): process-wide, as the worlds they record are; never destroyed,
+// since the process groups kept here must outlive every static that could still wait on them.
 namespace {
-std::mutex g_broken_mu;
-std::map<const c10d::Store*, std::string>& broken_groups() {
-  static auto* groups = new std::map<const c10d::Store*, std::string>();  // never destroyed
-  return *groups;
-}
+class BrokenGroups {
+ public:
+  static BrokenGroups& get() {
+    static auto* groups = new BrokenGroups();
+    return *groups;
+  }
+  void mark(const c10d::Store* group, const std::string& why) {
+    detail::MutexLock lock(mu_);
+    reasons_.emplace(group, why);
+  }
+  std::string reason(const c10d::Store* group) {
+    detail::MutexLock lock(mu_);
+    auto it = reasons_.find(group);
+    return it == reasons_.end() ? std::string() : it->second;
+  }
+  void keep(c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    detail::MutexLock lock(mu_);
+    kept_.push_back(std::move(pg));
+  }
+
+ private:
+  detail::Mutex mu_;
+  std::map<const c10d::Store*, std::string> reasons_ FSDP_GUARDED_BY(mu_);
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> kept_ FSDP_GUARDED_BY(mu_);
+};
+
 void mark_broken(const c10d::Store* group, const std::string& why) {
-  std::lock_guard<std::mutex> lock(g_broken_mu);
-  broken_groups().emplace(group, why);
+  BrokenGroups::get().mark(group, why);
 }
 }  // namespace
 
 void detail::keep_undestroyed(c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>();  // never destroyed
-  std::lock_guard<std::mutex> lock(g_broken_mu);
-  kept->push_back(std::move(pg));
+  BrokenGroups::get().keep(std::move(pg));
 }
 
 std::string detail::broken_reason(const c10d::Store* group) {
-  std::lock_guard<std::mutex> lock(g_broken_mu);
-  auto it = broken_groups().find(group);
-  return it == broken_groups().end() ? std::string() : it->second;
+  return BrokenGroups::get().reason(group);
 }
 
 // ---------------------------------------------------------------------------------------------

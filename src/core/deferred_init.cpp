@@ -3,10 +3,10 @@
 #include "core/deferred_init.h"
 
 #include <algorithm>
-#include <mutex>
 #include <unordered_map>
 
 #include "core/deferred_recording.h"
+#include "util/mutex.h"
 
 namespace fsdp::detail::deferred {
 namespace {
@@ -18,16 +18,16 @@ WeakStorage weak_of(c10::StorageImpl* impl) {
 }
 
 struct Pending {
-  std::mutex mu;
+  Mutex mu;
   // Keyed by storage: shallow copies made while building (make_variable, detach) and views share
   // it. The weak reference keeps the address from being reused by another storage (a real
   // parameter's) while the entry exists, however long the tensors live.
-  std::unordered_map<const c10::StorageImpl*, WeakStorage> storages;
-  size_t swept_at = 64;
-  std::vector<std::shared_ptr<Recording>> recordings;
+  std::unordered_map<const c10::StorageImpl*, WeakStorage> storages FSDP_GUARDED_BY(mu);
+  size_t swept_at FSDP_GUARDED_BY(mu) = 64;
+  std::vector<std::shared_ptr<Recording>> recordings FSDP_GUARDED_BY(mu);
 
   // Entries whose storage no tensor holds any more can never be asked about again.
-  void sweep() {
+  void sweep() FSDP_REQUIRES(mu) {
     for (auto it = storages.begin(); it != storages.end();)
       it = it->second.expired() ? storages.erase(it) : std::next(it);
     swept_at = std::max<size_t>(64, 2 * storages.size());
@@ -49,7 +49,7 @@ bool is_pending(const at::Tensor& t) {
   const auto* k = key_of(t);
   if (!k) return false;
   auto& p = pending();
-  std::lock_guard<std::mutex> lock(p.mu);
+  MutexLock lock(p.mu);
   return p.storages.count(k) > 0;
 }
 
@@ -57,14 +57,14 @@ void add_pending(const at::Tensor& t) {
   auto* k = key_of(t);
   if (!k) return;
   auto& p = pending();
-  std::lock_guard<std::mutex> lock(p.mu);
+  MutexLock lock(p.mu);
   p.storages.emplace(k, weak_of(k));
   if (p.storages.size() >= p.swept_at) p.sweep();
 }
 
 void remove_pending(const at::Tensor& t) {
   auto& p = pending();
-  std::lock_guard<std::mutex> lock(p.mu);
+  MutexLock lock(p.mu);
   p.storages.erase(key_of(t));
 }
 
@@ -102,20 +102,20 @@ TensorRef Recording::ref_of(const at::Tensor& t, int64_t value) const {
 
 void add_recording(std::shared_ptr<Recording> r) {
   auto& p = pending();
-  std::lock_guard<std::mutex> lock(p.mu);
+  MutexLock lock(p.mu);
   p.recordings.push_back(std::move(r));
 }
 
 void drop_recording(const Recording& r) {
   forget_recording(r);
   auto& p = pending();
-  std::lock_guard<std::mutex> lock(p.mu);
+  MutexLock lock(p.mu);
   for (const auto& [impl, id] : r.by_storage) p.storages.erase(impl);
 }
 
 void forget_recording(const Recording& r) {
   auto& p = pending();
-  std::lock_guard<std::mutex> lock(p.mu);
+  MutexLock lock(p.mu);
   auto& all = p.recordings;
   all.erase(std::remove_if(all.begin(), all.end(), [&](const auto& x) { return x.get() == &r; }),
             all.end());
@@ -123,7 +123,7 @@ void forget_recording(const Recording& r) {
 
 std::shared_ptr<Recording> find_recording(const at::Tensor& t, TensorRef* ref) {
   auto& p = pending();
-  std::lock_guard<std::mutex> lock(p.mu);
+  MutexLock lock(p.mu);
   for (const auto& r : p.recordings) {
     const int64_t v = r->value_of(t);
     if (v >= 0) {

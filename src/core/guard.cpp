@@ -11,6 +11,7 @@
 #include "compat/interception.h"
 #include "core/deferred_init.h"
 #include "core/group.h"
+#include "util/mutex.h"
 
 namespace fsdp::detail::guard {
 namespace {
@@ -21,23 +22,38 @@ struct Entry {
   bool moved_grad = false;  // a moved-gradient marker rather than a resharded parameter
 };
 
-std::mutex& mu() {
-  static std::mutex m;
-  return m;
-}
 // Keyed by storage: detached copies and views (autograd's saved tensors) share it.
 const c10::StorageImpl* key_of(const at::Tensor& t) { return t.storage().unsafeGetStorageImpl(); }
-std::unordered_map<const c10::StorageImpl*, Entry>& entries() {
-  static std::unordered_map<const c10::StorageImpl*, Entry> e;
-  return e;
-}
 
-std::optional<Entry> find(const c10::StorageImpl* impl) {
-  std::lock_guard<std::mutex> lock(mu());
-  auto it = entries().find(impl);
-  if (it == entries().end()) return std::nullopt;
-  return it->second;
-}
+// The guarded storages and what each belongs to. Process-wide, as the interception handler that
+// reads it is (it sees tensors, not roots); groups add and remove their own entries.
+class Entries {
+ public:
+  static Entries& get() {
+    static Entries entries;
+    return entries;
+  }
+  void set(const at::Tensor& t, Entry e) {
+    MutexLock lock(mu_);
+    map_[key_of(t)] = std::move(e);
+  }
+  void erase(const at::Tensor& t) {
+    MutexLock lock(mu_);
+    map_.erase(key_of(t));
+  }
+  std::optional<Entry> find(const c10::StorageImpl* impl) {
+    MutexLock lock(mu_);
+    auto it = map_.find(impl);
+    if (it == map_.end()) return std::nullopt;
+    return it->second;
+  }
+
+ private:
+  Mutex mu_;
+  std::unordered_map<const c10::StorageImpl*, Entry> map_ FSDP_GUARDED_BY(mu_);
+};
+
+std::optional<Entry> find(const c10::StorageImpl* impl) { return Entries::get().find(impl); }
 
 std::string describe(const std::optional<Entry>& e) {
   auto g = e ? e->group.lock() : nullptr;
@@ -142,14 +158,12 @@ void install_once() {
 
 void watch(const at::Tensor& param, std::weak_ptr<Group> group, size_t index) {
   install_once();
-  std::lock_guard<std::mutex> lock(mu());
-  entries()[key_of(param)] = Entry{std::move(group), index};
+  Entries::get().set(param, Entry{std::move(group), index});
 }
 
 void forget(const at::Tensor& param) {
   // The mark stays while the storage is freed: the tensor may outlive its group.
-  std::lock_guard<std::mutex> lock(mu());
-  entries().erase(key_of(param));
+  Entries::get().erase(param);
 }
 
 void set_active(const at::Tensor& param, bool on) { compat::interception::mark(param, on); }
@@ -158,9 +172,8 @@ at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Group> group
   install_once();
   at::Tensor m = compat::storageless_like(param);
   compat::interception::mark(m, true);
-  std::lock_guard<std::mutex> lock(mu());
   // One marker per parameter for the group's life (forget_marker in ~Group): bounded entries.
-  entries()[key_of(m)] = Entry{std::move(group), index, /*moved_grad=*/true};
+  Entries::get().set(m, Entry{std::move(group), index, /*moved_grad=*/true});
   return m;
 }
 
@@ -173,9 +186,6 @@ ScopedInterceptor::ScopedInterceptor(Interceptor f) : fn_(std::move(f)), previou
 
 ScopedInterceptor::~ScopedInterceptor() { t_interceptor = previous_; }
 
-void forget_marker(const at::Tensor& t) {
-  std::lock_guard<std::mutex> lock(mu());
-  entries().erase(key_of(t));
-}
+void forget_marker(const at::Tensor& t) { Entries::get().erase(t); }
 
 }  // namespace fsdp::detail::guard
