@@ -125,6 +125,9 @@ struct Program {
   // The first call's first output enters every loss (so that the loss needs grad). Hand-written
   // programs may leave it out; they must then make the loss depend on a trainable weight.
   bool anchor_loss = true;
+  // The communicator's transport (FSDP_TRANSPORT): "" for the default (shared memory between
+  // local ranks), or "tcp" (Gloo point-to-point), "collective" (Gloo's own collectives).
+  std::string transport;
   std::vector<Iteration> iterations;
 
   std::string describe() const {
@@ -143,7 +146,8 @@ struct Program {
         "], root reshard " + std::to_string(root_reshard) + ", audit " + (audit ? "on" : "off") +
         ", max_unsharded_groups " + std::to_string(max_unsharded_groups) + ", " +
         (optim == Optim::kSGD ? "SGD momentum " + std::to_string(momentum) : std::string("AdamW")) +
-        " wd " + std::to_string(weight_decay) + (mismatch ? ", MISMATCH" : "");
+        " wd " + std::to_string(weight_decay) + (mismatch ? ", MISMATCH" : "") +
+        (transport.empty() ? "" : ", transport " + transport);
     for (size_t i = 0; i < iterations.size(); ++i) {
       const auto& it = iterations[i];
       s += "; it" + std::to_string(i) + ": " + std::to_string(it.micro.size()) + " micro";
@@ -191,6 +195,12 @@ class Drawer {
  private:
   std::mt19937_64 rng_;
 };
+
+// Drawn last, so that a seed's other draws stay what they were before transports were drawn.
+inline std::string draw_transport(Drawer& d) {
+  const int t = d.pick(4);
+  return t < 2 ? std::string() : t == 2 ? "tcp" : "collective";
+}
 
 inline Program make_program(uint64_t seed, int world) {
   Drawer d(seed, world);
@@ -240,6 +250,7 @@ inline Program make_program(uint64_t seed, int world) {
       c.block = (c.block + 1 + d.pick(blocks - 1)) % blocks;
     }
     p.iterations.push_back(it);
+    p.transport = draw_transport(d);
     return p;
   }
   const int iterations = 3 + d.pick(2);
@@ -255,6 +266,7 @@ inline Program make_program(uint64_t seed, int world) {
     it.zero = static_cast<ZeroGrad>(d.pick(3));
     p.iterations.push_back(it);
   }
+  p.transport = draw_transport(d);
   return p;
 }
 

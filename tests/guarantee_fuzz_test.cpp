@@ -1,5 +1,6 @@
 // The guarantee fuzzer: random training programs (tests/fuzz_graph.h) on N ranks against the
-// unsharded model in fp64 at 1e-9. Every loss (training, evaluation and grad-mode forwards alike),
+// unsharded model in fp64 at 1e-9, over a drawn transport (shared memory, Gloo point-to-point or
+// Gloo's own collectives). Every loss (training, evaluation and grad-mode forwards alike),
 // every shard gradient after each synced backward, the clip norm, and every shard after each
 // optimizer step must equal the reference, which runs every rank's micro-batches on one
 // unsharded model, takes the mean over ranks, clips and steps with the same optimizer. A program
@@ -10,6 +11,8 @@
 // FSDP_FUZZ_SEEDS (seeds per launch) and FSDP_FUZZ_FIRST_SEED.
 #include <cstdlib>
 #include <iostream>
+#include <map>
+#include <string>
 
 #include "fsdp_test_util.h"
 #include "fuzz_graph.h"
@@ -79,6 +82,16 @@ struct Reference {
   }
 };
 
+// The communicator over the program's transport: one per transport and rank process, shared by
+// the seeds of one launch (a split per seed would connect again each time).
+std::shared_ptr<Communicator> communicator(Rank& r, const std::string& transport) {
+  if (transport.empty()) return r.world();
+  static std::map<std::string, std::shared_ptr<Communicator>> lanes;
+  auto& c = lanes[transport];
+  if (!c) c = r.lane_over(transport);
+  return c;
+}
+
 // The sharded side of one rank.
 struct ShardedSide {
   fsdp::Sharded<Net> model;
@@ -86,17 +99,19 @@ struct ShardedSide {
   std::unique_ptr<torch::optim::Optimizer> opt;
 
   ShardedSide(const Program& p, Rank& r) : model(Net(p)) {
-    DeviceMesh mesh = p.replicas > 1 ? init_mesh(r.world(), p.replicas) : DeviceMesh{};
+    auto comm = communicator(r, p.transport);
+    ScopedTransport transport(p.transport);  // the mesh's subgroups use it too
+    DeviceMesh mesh = p.replicas > 1 ? init_mesh(comm, p.replicas) : DeviceMesh{};
     auto shard = [&](auto& holder, int reshard, bool checkpointed) {
       ShardOptions o = options(p, reshard);
       o.activation_checkpointing = checkpointed;
-      return p.replicas > 1 ? fully_shard(holder, mesh, o) : fully_shard(holder, r.world(), o);
+      return p.replicas > 1 ? fully_shard(holder, mesh, o) : fully_shard(holder, comm, o);
     };
     for (size_t b = 0; b < model->blocks.size(); ++b) {
       if (p.modes[b] == BlockMode::kOnUse) {
         // What fully_shard_elements does to each element: the holder stays unattached, so its
         // calls reach forward directly, and the group gathers on first use.
-        detail::fully_shard_impl(model->blocks[b].ptr(), p.replicas > 1 ? mesh.shard : r.world(),
+        detail::fully_shard_impl(model->blocks[b].ptr(), p.replicas > 1 ? mesh.shard : comm,
                                  p.replicas > 1 ? mesh.replicate : nullptr, options(p, -1),
                                  detail::CallPath::kGatherOnUse);
       } else if (p.modes[b] == BlockMode::kHolder) {

@@ -65,16 +65,21 @@ std::shared_ptr<Communicator> Rank::world() {
   return world_;
 }
 
+ScopedTransport::ScopedTransport(const std::string& transport) {
+  if (transport.empty()) return;
+  set_ = true;
+  if (const char* v = std::getenv("FSDP_TRANSPORT")) before_ = v;
+  ::setenv("FSDP_TRANSPORT", transport.c_str(), 1);
+}
+
+ScopedTransport::~ScopedTransport() {
+  if (!set_) return;
+  before_ ? ::setenv("FSDP_TRANSPORT", before_->c_str(), 1) : ::unsetenv("FSDP_TRANSPORT");
+}
+
 std::shared_ptr<Communicator> Rank::lane_over(const std::string& transport) {
   auto w = world();
-  struct Restore {  // FSDP_TRANSPORT as it was, however split() ends
-    std::optional<std::string> before;
-    ~Restore() {
-      before ? ::setenv("FSDP_TRANSPORT", before->c_str(), 1) : ::unsetenv("FSDP_TRANSPORT");
-    }
-  } restore;
-  if (const char* v = std::getenv("FSDP_TRANSPORT")) restore.before = v;
-  ::setenv("FSDP_TRANSPORT", transport.c_str(), 1);
+  ScopedTransport scoped(transport);
   return w->split("over-" + transport);
 }
 

@@ -21,6 +21,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace fsdp::testing {
@@ -34,6 +35,20 @@ struct Rank {
   // A new lane of the world whose transport is `transport` (FSDP_TRANSPORT while it is built):
   // "shm", "tcp" or "collective". Collective over the ranks, like Communicator::split.
   std::shared_ptr<Communicator> lane_over(const std::string& transport);
+};
+
+// FSDP_TRANSPORT set to `transport` for the communicators built in its scope (split, subgroup,
+// init_mesh; lanes keep their communicator's), restored after; "" leaves it as it is.
+class ScopedTransport {
+ public:
+  explicit ScopedTransport(const std::string& transport);
+  ~ScopedTransport();
+  ScopedTransport(const ScopedTransport&) = delete;
+  ScopedTransport& operator=(const ScopedTransport&) = delete;
+
+ private:
+  bool set_ = false;
+  std::optional<std::string> before_;
 };
 
 struct RunOptions {

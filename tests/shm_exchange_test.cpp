@@ -218,6 +218,14 @@ TEST(ShmExchange, TheEnvironmentChoosesTheTransport) {
     auto tcp = r.lane_over("tcp");
     EXPECT_EQ(tcp->transport(), Transport::kTcp);
     EXPECT_EQ(r.lane_over("collective")->transport(), Transport::kCollective);
+    // A lane keeps its communicator's transport; split() and subgroup() read the environment.
+    EXPECT_EQ(tcp->lane("fsdp.all_gather")->transport(), Transport::kTcp);
+    EXPECT_EQ(tcp->split("again")->transport(), Transport::kShm);
+    {
+      ScopedTransport scoped("collective");
+      EXPECT_EQ(tcp->subgroup("both", {0, 1})->transport(), Transport::kCollective);
+      EXPECT_EQ(c->lane("kept")->transport(), Transport::kShm);
+    }
     auto out = at::empty({2 * 70000});
     tcp->all_gather(out, at::full({70000}, 1.0 + c->rank())).wait();
     EXPECT_EQ(out[0].item<float>(), 1.0f);

@@ -127,6 +127,8 @@ class Communicator {
   // relative to its other subgroup()/split() calls. Used for HSDP's mesh (fsdp/mesh.h).
   std::shared_ptr<Communicator> subgroup(const std::string& name, const std::vector<int>& ranks);
   // The split named `name`, created on first use and shared afterwards (collective on first use).
+  // Unlike split() and subgroup(), which read FSDP_TRANSPORT when they build their communicator,
+  // a lane keeps the transport this communicator was built with.
   std::shared_ptr<Communicator> lane(const std::string& name);
 
   // The c10d process group underneath, for c10d facilities that take one (e.g. c10d::Reducer);
@@ -140,6 +142,9 @@ class Communicator {
   void reset_stats();
 
   struct Impl;  // src/comm/communicator_impl.h
+  // Internal (split, subgroup, lane): a communicator over `impl`'s process group; connects the
+  // transport impl->requested names.
+  explicit Communicator(std::unique_ptr<Impl> impl);
   Impl& impl() { return *impl_; }
   const Impl& impl() const { return *impl_; }
 

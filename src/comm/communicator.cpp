@@ -31,6 +31,10 @@ const char* to_string(Transport t) {
   return "?";
 }
 
+namespace {
+std::optional<Transport> requested_transport();
+}  // namespace
+
 Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
                            c10::intrusive_ptr<c10d::Store> store, std::string backend,
                            std::chrono::milliseconds timeout, std::string name,
@@ -46,7 +50,12 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
   m.rank = m.pg->getRank();
   m.size = m.pg->getSize();
   m.peers = std::make_shared<const std::vector<PeerInfo>>(std::move(peers));
+  m.requested = requested_transport();
   m.connect_transport();
+}
+
+Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  impl_->connect_transport();
 }
 
 Communicator::~Communicator() {
@@ -77,7 +86,8 @@ const CommStats& Communicator::stats() const { return *impl_->stats; }
 // ---------------------------------------------------------------------------------------------
 namespace {
 
-// FSDP_TRANSPORT, read once per communicator; nullopt: auto.
+// FSDP_TRANSPORT, read when a communicator is constructed from a process group (its lanes,
+// splits and subgroups inherit the choice); nullopt: auto.
 std::optional<Transport> requested_transport() {
   const std::string v =
       detail::env_choice("FSDP_TRANSPORT", {"auto", "shm", "tcp", "collective"}, "auto");
@@ -98,7 +108,6 @@ const PeerInfo* peer_elsewhere(const std::vector<PeerInfo>& peers) {
 }  // namespace
 
 void Communicator::Impl::connect_transport() {
-  const auto requested = requested_transport();
   if (size == 1 || backend != "gloo" || requested == Transport::kCollective) {
     FSDP_CHECK(size == 1 || !requested || requested == Transport::kCollective,
                "FSDP_TRANSPORT=", to_string(*requested),
@@ -179,15 +188,6 @@ Work Communicator::Impl::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> w
 // ---------------------------------------------------------------------------------------------
 // Lanes and subgroups
 // ---------------------------------------------------------------------------------------------
-std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
-  Impl& m = *impl_;
-  std::string prefix = detail::cat(m.name, "/", name, "#", m.splits++);
-  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, m.store);
-  auto pg = compat::make_process_group(store, m.rank, m.size, m.timeout, m.backend, m.bind_host);
-  return std::make_shared<Communicator>(pg, m.store, m.backend, m.timeout, prefix, m.bind_host,
-                                        *m.peers);
-}
-
 namespace {
 std::string bracketed_ranks(const std::vector<int>& ranks) {
   std::string s = "[";
@@ -196,33 +196,54 @@ std::string bracketed_ranks(const std::vector<int>& ranks) {
 }
 }  // namespace
 
+std::shared_ptr<Communicator> Communicator::Impl::child(const std::string& label,
+                                                        const std::vector<int>& ranks,
+                                                        std::optional<Transport> want) {
+  const std::string prefix =
+      detail::cat(name, "/", label, ranks.empty() ? "" : bracketed_ranks(ranks), "#", splits++);
+  auto c = std::make_unique<Impl>();
+  c->rank = rank;
+  c->size = size;
+  std::vector<PeerInfo> sub = *peers;
+  if (!ranks.empty()) {
+    c->rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
+    c->size = static_cast<int>(ranks.size());
+    sub.clear();
+    if (!peers->empty())
+      for (int r : ranks) sub.push_back((*peers)[r]);
+  }
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+  c->pg = compat::make_process_group(prefixed, c->rank, c->size, timeout, backend, bind_host);
+  c->store = store;
+  c->backend = backend;
+  c->timeout = timeout;
+  c->name = prefix;
+  c->bind_host = bind_host;
+  c->peers = std::make_shared<const std::vector<PeerInfo>>(std::move(sub));
+  c->requested = want;
+  return std::make_shared<Communicator>(std::move(c));
+}
+
+std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
+  return impl_->child(name, {}, requested_transport());
+}
+
 std::shared_ptr<Communicator> Communicator::subgroup(const std::string& name,
                                                      const std::vector<int>& ranks) {
   Impl& m = *impl_;
-  auto me = std::find(ranks.begin(), ranks.end(), m.rank);
-  FSDP_CHECK(me != ranks.end(), "subgroup '", name, "': this rank (", m.rank,
-             ") is not in the list ", bracketed_ranks(ranks),
+  FSDP_CHECK(std::find(ranks.begin(), ranks.end(), m.rank) != ranks.end(), "subgroup '", name,
+             "': this rank (", m.rank, ") is not in the list ", bracketed_ranks(ranks),
              "; only the ranks of a subgroup may create it");
   for (size_t i = 0; i < ranks.size(); ++i)
     FSDP_CHECK(ranks[i] >= 0 && ranks[i] < m.size && (i == 0 || ranks[i] > ranks[i - 1]),
                "subgroup '", name, "': ranks ", bracketed_ranks(ranks),
                " must be ascending ranks of the ", m.size, "-rank communicator '", m.name, "'");
-  std::string prefix = detail::cat(m.name, "/", name, bracketed_ranks(ranks), "#", m.splits++);
-  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, m.store);
-  const int sub_rank = static_cast<int>(me - ranks.begin());
-  const int sub_size = static_cast<int>(ranks.size());
-  auto pg =
-      compat::make_process_group(store, sub_rank, sub_size, m.timeout, m.backend, m.bind_host);
-  std::vector<PeerInfo> sub;
-  if (!m.peers->empty())
-    for (int r : ranks) sub.push_back((*m.peers)[r]);
-  return std::make_shared<Communicator>(pg, m.store, m.backend, m.timeout, prefix, m.bind_host,
-                                        std::move(sub));
+  return m.child(name, ranks, requested_transport());
 }
 
 std::shared_ptr<Communicator> Communicator::lane(const std::string& name) {
   auto& slot = impl_->lanes[name];
-  if (!slot) slot = split(name);
+  if (!slot) slot = impl_->child(name, {}, impl_->requested);
   return slot;
 }
 

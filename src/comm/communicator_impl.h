@@ -28,13 +28,21 @@ struct Communicator::Impl {
   std::map<std::string, std::shared_ptr<Communicator>> lanes;
   std::shared_ptr<CommStats> stats = std::make_shared<CommStats>();
   std::shared_ptr<const std::vector<PeerInfo>> peers;
+  // What FSDP_TRANSPORT asked for when this communicator was built, or the one whose lane it is
+  // (null: auto). `transport`: what was connected.
+  std::optional<Transport> requested;
   Transport transport = Transport::kCollective;
   // Under shm and tcp: the all-gathers' worker and the reduce-scatters' (each with its own
   // exchange), so that gathers never queue behind reductions. Null under collective.
   std::unique_ptr<detail::ExchangeWorker> gathers, reductions;
 
-  // Connects the transport FSDP_TRANSPORT asks for (collective over the communicator's ranks).
+  // Connects the transport `requested` asks for (collective over the communicator's ranks).
   void connect_transport();
+  // A new communicator over `ranks` of this one (all of them when empty), on a new process group
+  // named after `label`, with this one's store, backend, timeout and bind host, its own
+  // statistics, and the transport `want` asks for.
+  std::shared_ptr<Communicator> child(const std::string& label, const std::vector<int>& ranks,
+                                      std::optional<Transport> want);
   // Whether a collective on `t` runs on the exchange workers (CPU tensors under shm or tcp).
   bool uses_exchange(const at::Tensor& t) const {
     return gathers != nullptr && (!t.defined() || t.is_cpu());
