@@ -8,20 +8,18 @@
 
 #include "checkpoint/hex.h"
 #include "strict_json.h"
+#include "util/shown.h"
 
 namespace fsdp::checkpoint {
 
 using detail::cat;
+using detail::shown;
 using json = nlohmann::json;
 
 namespace {
 
 [[noreturn]] void fail(const std::string& source, const std::string& what) {
   throw Error(cat("checkpoint index '", source, "': ", what));
-}
-
-std::string shown(const std::string& s) {
-  return s.size() <= 200 ? "'" + s + "'" : "'" + s.substr(0, 200) + "...'";
 }
 
 [[noreturn]] void fail_tensor(const std::string& source, const std::string& name,

@@ -8,13 +8,11 @@
 #include <cstdint>
 #include <string>
 
+#include "util/shown.h"
+
 namespace fsdp::safetensors::internal {
 
-// A name from untrusted bytes, quoted: at most 200 characters of it.
-inline std::string shown(const std::string& s) {
-  if (s.size() <= 200) return "'" + s + "'";
-  return "'" + s.substr(0, 200) + "...' (" + std::to_string(s.size()) + " bytes)";
-}
+using detail::shown;
 
 [[noreturn]] inline void fail(const std::string& source, const std::string& what) {
   throw Error(detail::cat("safetensors file '", source, "': ", what));
