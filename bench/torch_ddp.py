@@ -102,6 +102,7 @@ def peer_args(peer, args, world):
 
 def run_rank(args):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.dont_write_bytecode = True  # no __pycache__ in the source tree
     import fsdp2_peer as peer  # exits with status 3 and a message where torch 2.15 is missing
     torch, dist = peer.torch, peer.dist
     torch.set_num_threads(args.threads)
