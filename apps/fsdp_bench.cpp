@@ -4,8 +4,8 @@
 //
 //   fsdp-bench --comm [--nproc N]            collective bus bandwidth (bench/comm_bench.h)
 //   fsdp-bench --mode M [--nproc N]          GPT training step time of one mode
-//   (bench/train_bench.h) fsdp-bench --compare [--nproc N]         every mode and PyTorch's Python
-//   DDP over --rounds
+//   (bench/train_bench.h) fsdp-bench --compare [--nproc N]         every mode and PyTorch's DDP and
+//   FSDP2 (torch 2.15, bench/torch_ddp.py) over --rounds
 //                                            rounds, then the median ratios (bench/sweeps.h)
 //   fsdp-bench --memory-scaling              peak RSS of fsdp and ddp at N = 1, 2, 4 (--preset mem)
 //   fsdp-bench --max-model --nproc N --memory-mb M   deepest GPT that fits, ddp vs fsdp
@@ -16,7 +16,7 @@
 // every rank's stderr go to stderr. Under a launcher (fsdp-run, torchrun, mpirun, srun) run it
 // without --nproc. --compare --nproc N starts fresh ranks for each mode and round, so that one
 // mode's peak memory and allocator state do not carry into the next; under a launcher it runs the
-// modes one after another in the same ranks, once, without the Python peer.
+// modes one after another in the same ranks, once, without the Python peers.
 #include <fcntl.h>
 #include <fsdp/error.h>
 #include <sys/wait.h>
@@ -39,6 +39,14 @@
 #include "train_bench.h"
 
 namespace {
+
+// The Python of the Python peers: that of the venv scripts/torch_pip.sh makes (torch 2.15), at
+// $TORCH_PIP_VENV where set (the Makefile's variable), else at the Makefile's default.
+std::string default_peer_python() {
+  if (const char* venv = std::getenv("TORCH_PIP_VENV"); venv && *venv)
+    return std::string(venv) + "/bin/python3";
+  return "/opt/fsdp-cpp/torch215/bin/python3";
+}
 
 // Set in the environment of ranks started by relaunch(): they must not relaunch again.
 constexpr const char* kChildMarker = "FSDP_BENCH_CHILD";
@@ -146,11 +154,12 @@ void add_comm_options(CLI::App& app, fsdp::bench::CommBenchOptions& o) {
 struct TrainCli {
   fsdp::bench::TrainBenchOptions options;
   std::string mode;
-  bool compare = false, memory_scaling = false, max_model = false, no_torch_ddp = false;
+  bool compare = false, memory_scaling = false, max_model = false, no_torch_ddp = false,
+       no_fsdp2 = false;
   int rounds = 3;
   double memory_mb = 0;
   std::vector<int> worlds = {1, 2, 4};
-  std::string python = "/usr/bin/python3", torch_ddp_script = FSDP_BENCH_DIR "/torch_ddp.py";
+  std::string python = default_peer_python(), torch_ddp_script = FSDP_BENCH_DIR "/torch_ddp.py";
   CLI::Option* preset_option = nullptr;
   std::vector<std::pair<std::string, CLI::Option*>> sizes;
 
@@ -159,16 +168,21 @@ struct TrainCli {
     auto* g = app.add_option_group("train", "Options of --mode and --compare (GPT training)");
     g->add_option("--mode", mode, "train one mode: local, ddp, fsdp, fsdp-noreshard")
         ->check(CLI::IsMember(fsdp::bench::compare_modes()));
-    g->add_flag(
-        "--compare", compare,
-        "run all four modes and PyTorch's Python DDP, over --rounds rounds, then a summary");
+    g->add_flag("--compare", compare,
+                "run all four modes and PyTorch's DDP and FSDP2 (Python, torch 2.15), over "
+                "--rounds rounds, then a summary");
     g->add_option("--rounds", rounds, "--compare: rounds, the mode order rotated in each")
         ->check(CLI::Range(1, 100))
         ->capture_default_str();
-    g->add_flag("--no-torch-ddp", no_torch_ddp, "--compare: leave out the Python DDP peer");
-    g->add_option("--python", python, "--compare: python3 with torch for bench/torch_ddp.py")
+    g->add_flag("--no-torch-ddp", no_torch_ddp, "--compare: leave out PyTorch's DDP");
+    g->add_flag("--no-fsdp2", no_fsdp2, "--compare: leave out PyTorch's FSDP2");
+    g->add_option("--python", python,
+                  "--compare: python3 with torch 2.15 for the peers, bench/torch_ddp.py "
+                  "(default: $TORCH_PIP_VENV/bin/python3 when set, else scripts/torch_pip.sh's "
+                  "venv)")
         ->capture_default_str();
-    g->add_option("--torch-ddp-script", torch_ddp_script, "--compare: the Python DDP peer")
+    g->add_option("--torch-ddp-script", torch_ddp_script,
+                  "--compare: the Python peers (PyTorch's DDP and FSDP2)")
         ->capture_default_str();
     g->add_flag("--memory-scaling", memory_scaling,
                 "peak RSS of fsdp and ddp at each of --worlds (default --preset mem)");
@@ -199,7 +213,9 @@ struct TrainCli {
     g->add_option("--seed", o.seed, "weights and data seed")->capture_default_str();
     g->add_option("--mixed-precision", o.mixed_precision,
                   "--mode fsdp/fsdp-noreshard: bf16 gathers, computes and reduce-scatters in "
-                  "bfloat16 (half the bytes per step); none: fp32")
+                  "bfloat16 (half the bytes per step); none: fp32. --compare: for fsdp, "
+                  "fsdp-noreshard and PyTorch's FSDP2 (MixedPrecisionPolicy(param_dtype=bf16, "
+                  "reduce_dtype=bf16)); local, ddp and PyTorch's DDP stay fp32")
         ->check(CLI::IsMember({"none", "bf16"}))
         ->capture_default_str();
     g->add_option("--trace", o.trace_dir,
@@ -217,7 +233,8 @@ struct TrainCli {
   }
 
   // The arguments that run `mode` with these options (and `layers` blocks when > 0) in fresh
-  // ranks; for "torch-ddp", those of bench/torch_ddp.py.
+  // ranks; for "torch-ddp" and "fsdp2", those of bench/torch_ddp.py. --mixed-precision applies to
+  // the sharded modes only.
   std::vector<std::string> args_for(const std::string& m, const std::string& trace_dir,
                                     int64_t layers = 0) const {
     auto o = options;
@@ -240,8 +257,11 @@ struct TrainCli {
                                   "--bucket-mb", num(o.bucket_mb),
                                   "--lr",        num(o.lr),
                                   "--seed",      num(o.seed)};
-    if (m == "torch-ddp") {
-      a.erase(a.begin(), a.begin() + 4);  // no --mode, no --preset: sizes are explicit
+    const bool sharded = fsdp::bench::is_sharded(m) || m == "fsdp2";
+    if (sharded && o.mixed_precision != "none")
+      a.insert(a.end(), {"--mixed-precision", o.mixed_precision});
+    if (m == "torch-ddp" || m == "fsdp2") {
+      a[1] = m == "fsdp2" ? "fsdp2" : "ddp";  // bench/torch_ddp.py --mode; sizes are explicit
       return a;
     }
     if (!trace_dir.empty()) a.insert(a.end(), {"--trace", trace_dir});
@@ -257,11 +277,13 @@ fsdp::bench::Launch bench_launch() {
 }
 
 fsdp::bench::Launch torch_launch(const TrainCli& cli) {
-  if (cli.no_torch_ddp) return nullptr;
+  if (cli.no_torch_ddp && cli.no_fsdp2) return nullptr;
   if (::access(cli.python.c_str(), X_OK) != 0 ||
       ::access(cli.torch_ddp_script.c_str(), R_OK) != 0) {
-    std::cerr << "fsdp-bench: --compare: no Python DDP peer (" << cli.python << " or "
-              << cli.torch_ddp_script << " is missing); fsdp_over_torch_ddp is left out\n";
+    std::cerr << "fsdp-bench: --compare: no Python peers (" << cli.python << " or "
+              << cli.torch_ddp_script
+              << " is missing; scripts/torch_pip.sh makes the venv of torch 2.15, or pass "
+                 "--python); fsdp_over_torch_ddp and fsdp_over_fsdp2 are left out\n";
     return nullptr;
   }
   return [&cli](int nproc, const std::vector<std::string>& args, std::vector<std::string>& lines) {
@@ -308,9 +330,10 @@ int run_request(Request& q, int argc, char** argv) {
                  "M, --compare, --memory-scaling, --max-model (see --help)\n";
     return 2;
   }
-  if (train.options.mixed_precision != "none" && train.mode.empty()) {
+  if (train.options.mixed_precision != "none" && train.mode.empty() && !train.compare) {
     std::cerr << "fsdp-bench: --mixed-precision " << train.options.mixed_precision
-              << " applies to one fsdp training mode: add --mode fsdp or --mode fsdp-noreshard\n";
+              << " applies to the fsdp training modes: add --mode fsdp, --mode fsdp-noreshard or "
+                 "--compare\n";
     return 2;
   }
   train.options.warmup = comm_options.warmup;  // one --warmup option serves both
@@ -318,9 +341,9 @@ int run_request(Request& q, int argc, char** argv) {
   const bool child = std::getenv(kChildMarker) != nullptr;
   if (sweep && !child && (nproc > 0 || !train.compare)) {
     if (train.compare)
-      return fsdp::bench::compare_rounds({nproc, train.rounds, !train.no_torch_ddp},
-                                         args_for(train), bench_launch(), torch_launch(train),
-                                         std::cout, std::cerr);
+      return fsdp::bench::compare_rounds(
+          {nproc, train.rounds, !train.no_torch_ddp, !train.no_fsdp2}, args_for(train),
+          bench_launch(), torch_launch(train), std::cout, std::cerr);
     if (train.memory_scaling)
       return fsdp::bench::memory_scaling(train.worlds, args_for(train), bench_launch(), std::cout,
                                          std::cerr);
@@ -347,8 +370,9 @@ int main(int argc, char** argv) {
       "MiB),\n"
       "              one JSON object per line and size on stdout (nccl-tests conventions).\n"
       "  --mode M    GPT training with AdamW: local, ddp, fsdp or fsdp-noreshard; one JSON line.\n"
-      "  --compare   all four modes and PyTorch's Python DDP, one JSON line each, over --rounds\n"
-      "              rounds; then a summary line with the median ratios and their ranges.\n"
+      "  --compare   all four modes and PyTorch's DDP and FSDP2 (torch 2.15), one JSON line each,\n"
+      "              over --rounds rounds; then a summary line with the median ratios and their\n"
+      "              ranges (--mixed-precision bf16: fsdp, fsdp-noreshard and FSDP2 in bf16).\n"
       "  --memory-scaling   fsdp and ddp peak RSS at N=1,2,4 beside 16P/N (--preset mem).\n"
       "  --max-model --nproc N --memory-mb M   deepest GPT that fits M MB per rank, ddp vs fsdp.\n"
       "  --activation-checkpointing   fsdp GPT training without and with checkpointed blocks:\n"

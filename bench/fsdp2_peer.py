@@ -50,20 +50,24 @@ import contextlib
 import json
 import math
 import os
-import resource
 import sys
 import time
 import warnings
 
 # This venv has no NumPy, which fsdp2_peer does not use; torch warns about it on import.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
+try:
+    import torch  # noqa: E402
+    import torch.distributed as dist  # noqa: E402
+    import torch.nn as nn  # noqa: E402
+    import torch.nn.functional as F  # noqa: E402
+    from safetensors import safe_open  # noqa: E402
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+    from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
+except ImportError as e:  # bench/torch_ddp.py (fsdp-bench --compare) reports status 3
+    print(f"fsdp2_peer: {sys.executable} lacks torch 2.15's FSDP2 or safetensors ({e}); "
+          "run scripts/torch_pip.sh and use its venv's python", file=sys.stderr)
+    sys.exit(3)
 
 PRESETS = {  # sizes; a `per_rank` batch is multiplied by the world size
     "train": dict(layers=4, heads=4, width=128, seq=64, batch=16),
@@ -80,6 +84,11 @@ def parse_args(argv):
     p.add_argument("--mode", choices=["fsdp2", "ddp"], default="fsdp2")
     p.add_argument("--preset", choices=sorted(PRESETS), default="train")
     p.add_argument("--init", help="full safetensors file of the initial weights")
+    p.add_argument("--init-draws", choices=["peer", "libtorch"], default="peer",
+                   help="without --init: GPT-2's initialisation from --seed on a generator of its "
+                        "own (peer), or drawn as LibTorch's eager build draws it (libtorch: "
+                        "fsdp-bench's and fsdp-train's initial weights, bit for bit)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="--mode ddp: bucket size in MiB")
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--json", help="write the results here (rank 0)")
@@ -197,9 +206,27 @@ def load_weights(model, args):
                 sys.exit(f"fsdp2_peer: {args.init} lacks {', '.join(missing)}; pass a file of "
                          "this model's settings (--layers/--width/...)")
             fill(model, lambda name, shape: f.get_tensor(name))
+    elif args.init_draws == "libtorch":
+        replay_constructor_draws(model, args.seed)
+        fill(model, lambda name, shape: initial_value(name, shape, args.layers,
+                                                      torch.default_generator))
     else:
         gen = torch.Generator().manual_seed(args.seed)
         fill(model, lambda name, shape: initial_value(name, shape, args.layers, gen))
+
+
+def replay_constructor_draws(model, seed):
+    """torch::manual_seed(seed), then the draws of the modules' constructors in their order
+    (Embedding: normal; Linear: Kaiming-uniform weight, uniform bias), one throwaway module at a
+    time: the global generator then stands where GPTImpl::init_weights starts drawing, as in
+    fsdp-cpp's eager build (and its deferred_init, which replays the same draws). The draws of
+    init_weights follow in initial_value's order (that of named_parameters)."""
+    torch.manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            nn.Embedding(m.num_embeddings, m.embedding_dim)
+        elif isinstance(m, nn.Linear):
+            nn.Linear(m.in_features, m.out_features)
 
 
 def fill(model, full_of):
@@ -234,7 +261,7 @@ def build(args, rank, world):
     else:
         model = GPT(*dims)
         load_weights(model, args)
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     adamw = torch.optim.AdamW if args.adamw == "torch" else LibTorchAdamW
@@ -336,7 +363,25 @@ def rss_mb():
 
 
 def peak_rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """VmHWM: the high-water mark since the last reset_peak_rss() (fsdp::memory::peak_rss_mb)."""
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024.0
+
+
+def reset_peak_rss():
+    """Resets VmHWM to the current RSS (Linux clear_refs), as fsdp::memory::reset_peak_rss."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def training_memory_start():
+    """The RSS just before the model is built, with the high-water mark reset there: training
+    memory is then peak_rss_mb() minus it (the definition of every fsdp-bench mode)."""
+    reset_peak_rss()
+    return rss_mb()
 
 
 def train_step(args, model, wrapped, opt, stream, s, rank, world):
@@ -391,7 +436,7 @@ def main(argv):
     val = Stream(val_tokens, "sequential", args.seed, args.seq, args.batch) \
         if len(val_tokens) > 0 else None
 
-    rss_before = rss_mb()
+    rss_before = training_memory_start()
     model, wrapped, opt = build(args, rank, world)
     dist.barrier()
     out = dict(mode=args.mode, world=world, torch_version=torch.__version__,

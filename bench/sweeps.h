@@ -2,7 +2,7 @@
 // (a Launch) that prints one JSON line per mode; these functions choose the runs, interleave them
 // and reduce their lines (docs/performance.md).
 //
-//   compare_rounds   --compare: every mode (and PyTorch's Python DDP, bench/torch_ddp.py) in
+//   compare_rounds   --compare: every mode (and PyTorch's DDP and FSDP2, bench/torch_ddp.py) in
 //                    each of R rounds, the order rotated per round; the median ratio over rounds
 //                    with its [min, max]
 //   memory_scaling   --memory-scaling: peak RSS per rank of fsdp and ddp at N = 1, 2, 4 beside
@@ -24,7 +24,8 @@ namespace fsdp::bench {
 using Launch =
     std::function<int(int nproc, const std::vector<std::string>& args, std::vector<std::string>&)>;
 // The command-line arguments of one run of `mode` ("local", "ddp", "fsdp", "fsdp-noreshard", or
-// "torch-ddp" for the Python peer) with `layers` blocks (0: the configured depth) and `trace`.
+// "torch-ddp" and "fsdp2" for the Python peers) with `layers` blocks (0: the configured depth) and
+// `trace`.
 using ArgsFor = std::function<std::vector<std::string>(const std::string& mode, int64_t layers)>;
 
 // The 1-, 5- and 15-minute load averages (/proc/loadavg), reported beside every figure.
@@ -33,11 +34,13 @@ std::vector<double> load_average();
 struct CompareSpec {
   int nproc = 2;
   int rounds = 3;
-  bool torch_ddp = true;  // also run the Python peer (when `torch_launch` is set)
+  bool torch_ddp = true;  // also run PyTorch's DDP (when `torch_launch` is set)
+  bool fsdp2 = true;      // also run PyTorch's FSDP2 (when `torch_launch` is set)
 };
 
 // --compare over rounds: prints every run's line as it comes, then the summary JSON line. A
 // failed fsdp-bench run fails the comparison; a failed Python peer is reported and left out.
+// `torch_launch` runs the Python peers (bench/torch_ddp.py), null: none.
 int compare_rounds(const CompareSpec& spec, const ArgsFor& args_for, const Launch& launch,
                    const Launch& torch_launch, std::ostream& out, std::ostream& err);
 

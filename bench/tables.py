@@ -6,7 +6,10 @@
 
 Understands the mode lines and the summary of --compare (per mode: the median over rounds of each
 round's figures; ratios: median [min, max] over rounds), the rows of --memory-scaling and
---max-model, and --comm's bandwidth and ratio lines. Standard library only.
+--max-model, and --comm's bandwidth and ratio lines. Several --compare runs may follow each other
+on stdin (N=2 and 4, fp32 and bf16): each summary closes its run, one pair of tables per run.
+The Python peers (`torch-ddp`, `fsdp2`) do not measure exposed communication or bytes: "n/a".
+Standard library only.
 """
 import json
 import statistics
@@ -17,6 +20,28 @@ def fmt(x, nd=2):
     return f"{x:.{nd}f}"
 
 
+def median_of(runs, key, scale=1.0, nd=2):
+    """The median over rounds of `key`, or n/a where the mode does not report it."""
+    values = [r[key] / scale for r in runs if key in r]
+    return fmt(statistics.median(values), nd) if values else "n/a"
+
+
+def mode_table(modes):
+    print("| mode | step s, median of rounds [min, max of rounds] | tokens/s/rank | exposed comm s/step"
+          " | MB sent/step | training memory MB | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|")
+    for m, runs in modes.items():
+        med = [r["step_s_median"] for r in runs]
+        mp = runs[0].get("mixed_precision", "none")
+        label = f"`{m}`" + (f" ({mp})" if mp != "none" else "")
+        print(f"| {label} | {fmt(statistics.median(med))} [{fmt(min(med))}, {fmt(max(med))}] | "
+              f"{median_of(runs, 'tokens_per_s_per_rank', nd=1)} | "
+              f"{median_of(runs, 'exposed_comm_s', nd=3)} | "
+              f"{median_of(runs, 'bytes_sent_per_step', 1e6, 1)} | "
+              f"{median_of(runs, 'train_memory_mb', nd=0)} | {median_of(runs, 'peak_rss_mb', nd=0)} |")
+    print()
+
+
 def main():
     modes, summaries, comm, ratios = {}, [], {}, {}
     for line in sys.stdin:
@@ -25,28 +50,21 @@ def main():
             continue
         j = json.loads(line)
         if "summary" in j:
-            summaries.append(j)
+            summaries.append((j, modes))
+            modes = {}  # the next run's
         elif "mode" in j:
             modes.setdefault(j["mode"], []).append(j)
         elif "ratio" in j:
             ratios[(j["world"], j["bytes"])] = j
         elif "op" in j:
             comm[(j["world"], j["bytes"], j["op"])] = j
-    if modes and any(s["summary"] == "compare" for s in summaries):
-        print("| mode | step s, median of rounds [min, max of rounds] | tokens/s/rank | exposed comm s/step"
-              " | MB sent/step | peak RSS MB |")
-        print("|---|---|---|---|---|---|")
-        for m, runs in modes.items():
-            med = [r["step_s_median"] for r in runs]
-            print(f"| `{m}` | {fmt(statistics.median(med))} [{fmt(min(med))}, {fmt(max(med))}] | "
-                  f"{fmt(statistics.median(r['tokens_per_s_per_rank'] for r in runs), 1)} | "
-                  f"{fmt(statistics.median(r.get('exposed_comm_s', 0) for r in runs), 3)} | "
-                  f"{fmt(statistics.median(r.get('bytes_sent_per_step', 0) for r in runs) / 1e6, 1)} | "
-                  f"{fmt(statistics.median(r['peak_rss_mb'] for r in runs), 0)} |")
-        print()
-    for s in summaries:
+    for s, run_modes in summaries:
         if s["summary"] == "compare":
-            print(f"| ratio (N={s['world']}, {s['rounds']} rounds) | median [min, max] | target |")
+            if run_modes:
+                mode_table(run_modes)
+            mp = s.get("mixed_precision", "none")
+            print(f"| ratio (N={s['world']}, {s['preset']} preset, {'fp32' if mp == 'none' else mp}, "
+                  f"{s['rounds']} rounds) | median [min, max] | target |")
             print("|---|---|---|")
             targets = {k.split("<=")[0]: (k.split("<=")[1], v) for k, v in s["targets_met"].items()}
             for k, v in s.items():

@@ -1,23 +1,35 @@
 #!/usr/bin/python3
-"""PyTorch's own DDP on fsdp-bench's GPT: the peer baseline of `fsdp-bench --compare` (issue 12).
+"""PyTorch's own DDP or FSDP2 on fsdp-bench's GPT: the peers of `fsdp-bench --compare` (issues 12, 30).
 
-Same model (src/models/gpt.cpp: pre-LN GPT-2 blocks, tied head, GPT-2 initialisation, drawn in the
-same order from the same seed), same synthetic batches (make_batch in bench/train_bench.cpp), AdamW,
-Gloo, one intra-op thread per rank, torch.nn.parallel.DistributedDataParallel with the same bucket
-size. Rank 0 prints one JSON line with the keys of fsdp-bench's modes (mode "torch-ddp").
+Rank 0 prints one JSON line with the keys of fsdp-bench's modes (mode "torch-ddp" or "fsdp2").
+The model, its layout and AdamW are bench/fsdp2_peer.py's (the same GPT as src/models/gpt.cpp, its
+Linear layers computed as LibTorch's C++ frontend does; FSDP2: fully_shard on every block, the last
+not resharded after forward, then the root; DDP: DistributedDataParallel with --bucket-mb buckets;
+AdamW with fsdp-train's betas and weight decay on the 2-D weights only), with fsdp-bench's initial
+weights bit for bit (`--init-draws libtorch`: torch.manual_seed, the constructors' draws, then
+GPTImpl::init_weights). This file adds what fsdp-bench measures: its synthetic batches (make_batch
+in bench/train_bench.cpp), a constant learning rate, --warmup untimed steps then --steps timed ones,
+one intra-op thread per rank, Gloo.
 
-  /usr/bin/python3 bench/torch_ddp.py --nproc 2 [--layers 8 --width 512 --heads 8 --seq 256 --batch 2 ...]
+  /opt/fsdp-cpp/torch215/bin/python3 bench/torch_ddp.py --nproc 2 [--mode ddp|fsdp2]
+      [--layers 8 --width 512 --heads 8 --seq 256 --batch 2 --mixed-precision none|bf16 ...]
 
+--batch is rows per rank, --warmup untimed steps (fsdp-bench's meanings). --mixed-precision bf16
+(FSDP2 only) is MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16), the root's output fp32.
 With --nproc it starts the ranks itself with the env:// variables (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT; torchrun 1.13 fails on Python 3.11), on a free loopback port. Needs python3-torch;
-exits with status 3 and a message when torch cannot be imported.
+MASTER_PORT) on a free loopback port. Needs torch 2.15 (scripts/torch_pip.sh's venv); exits with
+status 3 and a message when it cannot import it.
+
+Training memory, as in every fsdp-bench mode: the peak resident set (VmHWM, reset just before the
+model is built) minus the resident set just before the model is built, the worst rank.
+Not measured here: exposed communication and bytes sent (no hook into DDP's or FSDP2's
+collectives), so those keys are absent.
 """
 import argparse
 import json
-import math
 import os
-import resource
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -26,6 +38,9 @@ import time
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=0, help="start this many local ranks")
+    p.add_argument("--mode", choices=["ddp", "fsdp2"], default="ddp")
+    p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
+    p.add_argument("--preset", default="default", help="reported only: sizes are explicit")
     for name, default in [("layers", 8), ("width", 512), ("heads", 8), ("seq", 256), ("batch", 2),
                           ("steps", 5), ("warmup", 2), ("threads", 1)]:
         p.add_argument("--" + name, type=int, default=default)
@@ -67,57 +82,6 @@ def launch(args, argv):
     return status
 
 
-def build_gpt(torch, args):
-    nn, F = torch.nn, torch.nn.functional
-    C, H, L = args.width, args.heads, args.layers
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln_1 = nn.LayerNorm(C)
-            self.c_attn = nn.Linear(C, 3 * C)
-            self.c_proj = nn.Linear(C, C)
-            self.ln_2 = nn.LayerNorm(C)
-            self.c_fc = nn.Linear(C, 4 * C)
-            self.mlp_proj = nn.Linear(4 * C, C)
-
-        def forward(self, x):  # (B, T, C) -> (B, T, C)
-            B, T, _ = x.shape
-            q, k, v = (t.view(B, T, H, C // H).transpose(1, 2)
-                       for t in self.c_attn(self.ln_1(x)).split(C, dim=2))
-            att = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(C // H))
-            mask = torch.ones(T, T, dtype=torch.bool).triu(1)
-            att = torch.softmax(att.masked_fill(mask, float("-inf")), -1)
-            y = att.matmul(v).transpose(1, 2).contiguous().view(B, T, C)
-            h = x + self.c_proj(y)
-            return h + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = nn.Embedding(256, C)
-            self.wpe = nn.Embedding(args.seq, C)
-            self.h = nn.ModuleList([Block() for _ in range(L)])
-            self.ln_f = nn.LayerNorm(C)
-            with torch.no_grad():  # GPTImpl::init_weights, same order of draws
-                std, proj_std = 0.02, 0.02 / math.sqrt(2.0 * L)
-                self.wte.weight.normal_(0.0, std)
-                self.wpe.weight.normal_(0.0, std)
-                for b in self.h:
-                    for lin in (b.c_attn, b.c_proj, b.c_fc, b.mlp_proj):
-                        lin.weight.normal_(0.0, proj_std if lin in (b.c_proj, b.mlp_proj) else std)
-                        lin.bias.zero_()
-
-        def forward(self, idx, targets):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-            for b in self.h:
-                x = b(x)
-            logits = self.ln_f(x).matmul(self.wte.weight.t())
-            return F.cross_entropy(logits.view(-1, 256), targets.reshape(-1))
-
-    return GPT()
-
-
 def make_batch(torch, args, step, rank):
     """bench/train_bench.cpp make_batch: a function of (seed, step, rank) only."""
     g = torch.Generator().manual_seed(
@@ -126,27 +90,34 @@ def make_batch(torch, args, step, rank):
     return tokens[:, :args.seq].contiguous(), tokens[:, 1:].contiguous()
 
 
+def peer_args(peer, args, world):
+    """bench/fsdp2_peer.py's settings for this run (its defaults: fsdp-train's AdamW)."""
+    return peer.parse_args([
+        "--mode", args.mode, "--mixed-precision", args.mixed_precision, "--init-draws", "libtorch",
+        "--layers", str(args.layers), "--width", str(args.width), "--heads", str(args.heads),
+        "--seq", str(args.seq), "--batch", str(args.batch * world), "--lr", repr(args.lr),
+        "--seed", str(args.seed), "--threads", str(args.threads),
+        "--bucket-mb", repr(args.bucket_mb)])
+
+
 def run_rank(args):
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError as e:
-        print(f"torch_ddp.py: cannot import torch ({e}); install python3-torch", file=sys.stderr)
-        return 3
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+    import fsdp2_peer as peer  # exits with status 3 and a message where torch 2.15 is missing
+    torch, dist = peer.torch, peer.dist
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method="env://")
     rank, ws = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)
-    model = build_gpt(torch, args)
-    params = sum(p.numel() for p in model.parameters())
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
+    pargs = peer_args(peer, args, ws)
+    rss_before = peer.training_memory_start()
+    model, wrapped, opt = peer.build(pargs, rank, ws)
+    params = sum(p.numel() for p in model.parameters())  # global shapes under FSDP2 (DTensor)
     dist.barrier()
     step_s, losses = [], []
     for s in range(args.warmup + args.steps):
         x, y = make_batch(torch, args, s, rank)
         t0 = time.perf_counter()
-        loss = ddp(x, y)
+        loss = peer.loss_of(wrapped, x, y, pargs.vocab)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -160,27 +131,33 @@ def run_rank(args):
     loss_t = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(loss_t)
     loss_t /= ws
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0],
-                        dtype=torch.float64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    mem = torch.tensor([peer.peak_rss_mb(), peer.peak_rss_mb() - rss_before], dtype=torch.float64)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     if rank == 0:
-        med = times.median().item() if len(step_s) % 2 else times.sort().values[
-            len(step_s) // 2 - 1:len(step_s) // 2 + 1].mean().item()
+        med = statistics.median(times.tolist())
         print(json.dumps({
-            "mode": "torch-ddp", "world": ws, "step_s_median": round(med, 4),
-            "step_s_min": round(times.min().item(), 4), "step_s_max": round(times.max().item(), 4),
+            "mode": "fsdp2" if args.mode == "fsdp2" else "torch-ddp", "world": ws,
+            "step_s_median": round(med, 4), "step_s_min": round(times.min().item(), 4),
+            "step_s_max": round(times.max().item(), 4),
             "tokens_per_s_per_rank": round(args.batch * args.seq / med, 1),
-            "peak_rss_mb": round(peak.item(), 1), "loss": round(loss_t[-1].item(), 6),
-            "loss_step1": loss_t[0].item(), "params": params, "layers": args.layers,
-            "width": args.width, "seq": args.seq, "batch": args.batch, "threads": args.threads,
-            "steps": args.steps, "torch_version": torch.__version__}), flush=True)
+            "peak_rss_mb": round(mem[0].item(), 1), "train_memory_mb": round(mem[1].item(), 1),
+            "loss": round(loss_t[-1].item(), 6), "loss_step1": loss_t[0].item(), "params": params,
+            "mixed_precision": args.mixed_precision, "preset": args.preset,
+            "layers": args.layers, "width": args.width, "seq": args.seq, "batch": args.batch,
+            "threads": args.threads, "steps": args.steps,
+            "torch_version": torch.__version__}), flush=True)
+    # As bench/fsdp2_peer.py: leave without the process group's teardown, which torch 2.15's Gloo
+    # group has aborted in once after every result was out.
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv):
     args = parse_args(argv)
+    if args.mode == "ddp" and args.mixed_precision != "none":
+        sys.exit("torch_ddp.py: --mixed-precision bf16 is FSDP2's policy; use --mode fsdp2")
     if args.nproc > 0 and "RANK" not in os.environ:
         return launch(args, argv)
     return run_rank(args)

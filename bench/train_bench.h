@@ -11,6 +11,10 @@
 //   fsdp-noreshard  the same without resharding the blocks after forward (ZeRO-2-like)
 //   (--mixed-precision bf16: the fsdp modes gather and reduce-scatter in bf16, half the bytes)
 //
+// Training memory (train_memory_mb, every mode): the peak resident set from just before the model
+// is built minus the resident set there, the worst rank; the Python peers (bench/torch_ddp.py)
+// report the same. peak_rss_mb is the high-water mark of the training steps alone (absolute).
+//
 // Every mode uses AdamW, the same initial weights (one seed) and the same synthetic token batches,
 // so all four see the same loss at step 1, and ddp and the fsdp modes the same losses throughout
 // (up to float summation order). Rank 0 prints one JSON line per mode (keys in TrainResult order);
@@ -54,6 +58,9 @@ void apply_preset(TrainBenchOptions& options, const std::vector<std::string>& ex
 // The modes --compare runs, in order.
 const std::vector<std::string>& compare_modes();
 
+// Whether `mode` shards (fsdp, fsdp-noreshard): the modes --mixed-precision applies to.
+bool is_sharded(const std::string& mode);
+
 // Runs one mode on the ranks of the current launch; rank 0 prints its JSON line. Returns the exit
 // code.
 int run_train_bench(const TrainBenchOptions& options);
@@ -64,9 +71,10 @@ int run_train_bench(const TrainBenchOptions& options);
 int run_train_compare(TrainBenchOptions options);
 
 // From the JSON lines of the four modes: the summary JSON line (fsdp_over_local, fsdp_over_ddp,
-// noreshard_over_ddp, fsdp_mem_over_ddp, bytes ratios, checks). Writes a "WARNING" line to
-// `warnings` for every cross-mode check that fails (step-1 losses differ, final losses of ddp and
-// fsdp differ, bytes off the volume model). Throws fsdp::Error when a mode's line is missing.
+// noreshard_over_ddp, fsdp_mem_over_ddp on train_memory_mb, bytes ratios, checks). Writes a
+// "WARNING" line to `warnings` for every cross-mode check that fails (step-1 losses differ, final
+// losses of ddp and fsdp differ, bytes off the volume model). Throws fsdp::Error when a mode's line
+// is missing.
 std::string summarize_compare(const std::vector<std::string>& json_lines, std::ostream& warnings);
 
 }  // namespace fsdp::bench

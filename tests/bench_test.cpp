@@ -1,6 +1,7 @@
 // End-to-end tests of fsdp-bench's training modes on a tiny GPT: the --compare lines carry every
 // key with sane values, the bytes follow the volume model (fsdp ~1.5x ddp, noreshard ~1x), the
-// modes agree on the loss, --trace writes per-rank Chrome traces with the expected spans, and
+// modes agree on the loss, PyTorch's FSDP2 and DDP peers start from fsdp's and ddp's step-1 loss,
+// --trace writes per-rank Chrome traces with the expected spans, and
 // --activation-checkpointing holds less after forward with the same losses.
 // Timings are not asserted: this machine is shared.
 #include <gtest/gtest.h>
@@ -57,6 +58,17 @@ std::vector<json> json_lines(const std::string& out) {
   return lines;
 }
 
+// --compare's output: the line of each mode (the last one printed) and the summary line.
+std::pair<std::map<std::string, json>, json> compare_lines(const std::string& out) {
+  std::map<std::string, json> modes;
+  json summary;
+  for (auto& j : json_lines(out)) {
+    if (j.contains("mode")) modes[j["mode"]] = j;
+    if (j.contains("summary")) summary = j;
+  }
+  return {modes, summary};
+}
+
 std::string scratch_dir(const std::string& name) {
   const std::string d =
       ::testing::TempDir() + "fsdp_bench_test_" + std::to_string(::getpid()) + "_" + name;
@@ -68,12 +80,7 @@ TEST(BenchCompare, PrintsEveryModeAndASaneSummary) {
   auto r =
       fsdp::testing::run_process(tiny({"--compare", "--rounds", "2"}), std::chrono::seconds(240));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  std::map<std::string, json> modes;
-  json summary;
-  for (auto& j : json_lines(r.output)) {
-    if (j.contains("mode")) modes[j["mode"]] = j;
-    if (j.contains("summary")) summary = j;
-  }
+  auto [modes, summary] = compare_lines(r.output);
   for (const char* m : {"local", "ddp", "fsdp", "fsdp-noreshard"}) {
     ASSERT_TRUE(modes.count(m)) << "no line for " << m << "\n" << r.output;
     const json& j = modes[m];
@@ -131,6 +138,104 @@ TEST(BenchCompare, PrintsEveryModeAndASaneSummary) {
   EXPECT_EQ(summary["loadavg_start"].size(), 3u) << summary.dump();
   EXPECT_TRUE(summary["checks_passed"].get<bool>()) << r.output;
   EXPECT_EQ(r.output.find("WARNING"), std::string::npos) << r.output;
+}
+
+// PyTorch's own FSDP2 and DDP (torch 2.15, bench/torch_ddp.py under FSDP_PEER_PYTHON) beside the
+// four modes (issue 30): the same model and batches as fsdp and ddp, the training memory of every
+// mode, and the summary's ratios against them with their targets. `precision` "bf16": fsdp,
+// fsdp-noreshard and FSDP2 in bf16, the others fp32.
+void compare_with_pytorch_peers(const std::string& precision) {
+  ASSERT_EQ(::access(FSDP_PEER_PYTHON, X_OK), 0)
+      << FSDP_PEER_PYTHON << " is missing: run scripts/torch_pip.sh (torch 2.15), or configure "
+      << "with -DFSDP_PEER_PYTHON=<python with torch 2.15>";
+  std::vector<std::string> argv = {fsdp::testing::bin_dir() + "/fsdp-bench",
+                                   "--compare",
+                                   "--python",
+                                   FSDP_PEER_PYTHON,
+                                   "--mixed-precision",
+                                   precision,
+                                   "--layers",
+                                   "1",
+                                   "--width",
+                                   "32",
+                                   "--heads",
+                                   "2",
+                                   "--seq",
+                                   "16",
+                                   "--steps",
+                                   "2",
+                                   "--warmup",
+                                   "1",
+                                   "--rounds",
+                                   "1",
+                                   "--nproc",
+                                   "2"};
+  auto r = fsdp::testing::run_process(argv, std::chrono::seconds(240));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto [modes, summary] = compare_lines(r.output);
+  for (const char* m : {"local", "ddp", "fsdp", "fsdp-noreshard", "torch-ddp", "fsdp2"}) {
+    ASSERT_TRUE(modes.count(m)) << "no line for " << m << "\n" << r.output;
+    const json& j = modes[m];
+    for (const char* key : {"world", "step_s_median", "step_s_min", "step_s_max",
+                            "tokens_per_s_per_rank", "train_memory_mb", "loss", "loss_step1"})
+      EXPECT_TRUE(j.contains(key)) << m << " lacks " << key << ": " << j.dump();
+    EXPECT_EQ(j["world"], 2) << j.dump();
+    EXPECT_GT(j["step_s_median"].get<double>(), 0) << j.dump();
+    EXPECT_GT(j["train_memory_mb"].get<double>(), 0) << j.dump();
+    const bool bf16 =
+        precision == "bf16" && (std::string(m) == "fsdp" || std::string(m) == "fsdp-noreshard" ||
+                                std::string(m) == "fsdp2");
+    EXPECT_EQ(j.value("mixed_precision", ""), bf16 ? "bf16" : "none") << j.dump();
+  }
+  EXPECT_EQ(modes["fsdp2"]["params"], modes["fsdp"]["params"]);
+  // The same weights on the same batches in the same precision: equal step-1 losses (bitwise here,
+  // one LibTorch). 1e-6 relative tells another model apart: the same GPT drawn from its own
+  // generator (bench/fsdp2_peer.py's default) starts 3e-3 away.
+  auto same = [&](const char* peer, const char* ours) {
+    const double a = modes[peer]["loss_step1"], b = modes[ours]["loss_step1"];
+    EXPECT_NEAR(a, b, 1e-6 * std::abs(b)) << peer << " against " << ours << "\n" << r.output;
+  };
+  same("fsdp2", "fsdp");
+  same("torch-ddp", "ddp");
+  if (precision == "bf16") {  // bf16 did apply: its step 1 is not fp32's (6.5e-5 apart here)
+    EXPECT_GT(std::abs(modes["fsdp2"]["loss_step1"].get<double>() -
+                       modes["ddp"]["loss_step1"].get<double>()),
+              1e-6)
+        << r.output;
+  }
+  ASSERT_FALSE(summary.is_null()) << r.output;
+  EXPECT_EQ(summary["mixed_precision"], precision) << summary.dump();
+  for (const std::string key :
+       {"fsdp_over_fsdp2", "fsdp_mem_over_fsdp2", "noreshard_over_fsdp2", "fsdp_over_torch_ddp",
+        "fsdp_mem_over_torch_ddp", "fsdp_over_local"}) {
+    ASSERT_TRUE(summary.contains(key)) << key << ": " << summary.dump();
+    const double v = summary[key].get<double>();
+    EXPECT_GT(v, 0) << key << ": " << summary.dump();
+    EXPECT_EQ(summary[key + "_range"][0].get<double>(), v) << key << " (one round)";
+  }
+  for (const char* t : {"fsdp_over_fsdp2<=0.65", "fsdp_over_local<=1.05",
+                        "fsdp_over_torch_ddp<=0.92", "fsdp_mem_over_fsdp2<=0.75"})
+    EXPECT_TRUE(summary["targets_met"].contains(t)) << t << ": " << summary.dump();
+  EXPECT_TRUE(summary["checks_passed"].get<bool>()) << r.output;
+  EXPECT_EQ(r.output.find("WARNING"), std::string::npos) << r.output;
+}
+
+TEST(BenchCompare, RunsPyTorchFsdp2AndDdpOnTheSameModel) { compare_with_pytorch_peers("none"); }
+
+TEST(BenchCompare, RunsPyTorchFsdp2InBf16AgainstFsdpInBf16) { compare_with_pytorch_peers("bf16"); }
+
+// Without a Python of torch 2.15 the comparison still runs, says so and leaves the peers' ratios
+// out.
+TEST(BenchCompare, LeavesThePeersOutWithoutTheirPython) {
+  auto argv = tiny({"--compare", "--rounds", "1", "--python", "/nonexistent/python3"});
+  auto r = fsdp::testing::run_process(argv, std::chrono::seconds(240));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("no Python peers (/nonexistent/python3"), std::string::npos) << r.output;
+  const json summary = compare_lines(r.output).second;
+  ASSERT_FALSE(summary.is_null()) << r.output;
+  EXPECT_FALSE(summary.contains("fsdp_over_fsdp2")) << summary.dump();
+  EXPECT_FALSE(summary.contains("fsdp_over_torch_ddp")) << summary.dump();
+  EXPECT_TRUE(summary.contains("fsdp_over_local")) << summary.dump();
 }
 
 // --activation-checkpointing: both variants, less held after forward, the same losses.
