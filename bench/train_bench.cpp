@@ -178,35 +178,24 @@ void check_options(const TrainBenchOptions& o) {
              "; use --mode fsdp or fsdp-noreshard");
 }
 
-// Runs one mode on `comm`'s ranks; returns rank 0's JSON line (empty on other ranks).
-std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communicator>& comm) {
-  check_options(o);
-  const int ws = comm->size(), rank = comm->rank();
-  // Training memory (every mode, and the Python peers, bench/fsdp2_peer.py): the peak resident
-  // set from here on minus the resident set here, just before the model is built.
-  memory::reset_peak_rss();
-  const double rss_before_build_mb = memory::current_rss_mb();
-  auto t = build_trainer(o, comm);
-  if (rank == 0)
-    std::cerr << "fsdp-bench: " << o.mode << " on " << ws << " rank(s), GPT " << o.layers << "x"
-              << o.width << " (" << t->params / 1e6 << " M parameters), batch " << o.batch << "x"
-              << o.seq << " per rank, " << o.threads << " thread(s) per rank, " << o.warmup << "+"
-              << o.steps << " steps\n";
+// What the timed loop of one mode measured on this rank.
+struct StepRecord {
+  std::vector<double> step_s, losses;   // per timed step; per step, warm-up included
+  std::array<double, 3> phase_peaks{};  // peak RSS in forward, backward, optimizer step
+  double reducer_exposed_s = 0;         // ddp: c10d::Reducer's collectives bypass the communicator
+  double faults_per_step = 0;           // minor page faults per timed step
+};
 
-  const int total = o.warmup + o.steps;
-  std::vector<double> step_s, losses;
+// The warm-up and timed steps of one mode.
+StepRecord run_steps(const TrainBenchOptions& o, Trainer& t, Communicator& comm) {
+  const int total = o.warmup + o.steps, rank = comm.rank();
+  StepRecord r;
   PhaseMemory rss;                   // where in the step the peak comes from
-  double reducer_exposed_s = 0;      // ddp: c10d::Reducer's collectives bypass the communicator
   int64_t faults_at_warmup_end = 0;  // minor page faults of this process when timing starts
-  const double build_peak_mb = memory::peak_rss_mb();  // building (and sharding) the model
-  memory::trim();
-  comm->barrier().wait();
-  // Peak memory of training itself, not of building the full model before sharding it.
-  memory::reset_peak_rss();
   for (int s = 0; s < total; ++s) {
     if (s == o.warmup) {
-      comm->barrier().wait();
-      comm->reset_stats();
+      comm.barrier().wait();
+      comm.reset_stats();
       faults_at_warmup_end = minor_page_faults();
       if (!o.trace_dir.empty()) trace::enable(true);
     }
@@ -216,119 +205,174 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
     {
       trace::Span span("model.forward", "step");
       rss.enter(PhaseMemory::kForward);
-      if (t->reducer) t->reducer->before_forward();
+      if (t.reducer) t.reducer->before_forward();
       // fsdp-train's loss (src/train/trainer.cpp): cross-entropy of the root's output, fp32 logits
       // also under bf16 (the root's output_dtype), as the FSDP2 peer computes it.
-      loss = torch::nn::functional::cross_entropy(t->gpt(x).view({-1, kVocab}), y.reshape({-1}));
+      loss = torch::nn::functional::cross_entropy(t.gpt(x).view({-1, kVocab}), y.reshape({-1}));
     }
     {
       trace::Span span("model.backward", "step");
       rss.enter(PhaseMemory::kBackward);
-      if (t->reducer) t->reducer->before_backward();
+      if (t.reducer) t.reducer->before_backward();
       loss.backward();
-      if (t->reducer && s >= o.warmup) reducer_exposed_s += t->reducer->after_backward();
+      if (t.reducer && s >= o.warmup) r.reducer_exposed_s += t.reducer->after_backward();
     }
     {
       trace::Span span("optimizer.step", "step");
       rss.enter(PhaseMemory::kStep);
-      t->opt->step();
+      t.opt->step();
     }
-    clear_grads(*t->opt);
+    clear_grads(*t.opt);
     rss.enter(PhaseMemory::kOther);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-    losses.push_back(loss.item<double>());
-    if (s >= o.warmup) step_s.push_back(dt);
+    r.losses.push_back(loss.item<double>());
+    if (s >= o.warmup) r.step_s.push_back(dt);
   }
   trace::enable(false);
-  const auto phase_peaks = rss.stop();
+  r.phase_peaks = rss.stop();
+  r.faults_per_step = static_cast<double>(minor_page_faults() - faults_at_warmup_end) / o.steps;
+  return r;
+}
+
+// The per-rank figures every mode reports, gathered: one row per rank, columns as in kFigures.
+enum Figure {
+  kExposed,
+  kBytes,
+  kCollectives,
+  kPeakRss,
+  kPeakForward,
+  kPeakBackward,
+  kPeakStep,
+  kPeakBuild,
+  kBuffers,
+  kFaults,
+  kTrainMemory,
+  kFigures
+};
+
+// The bytes one step of `o.mode` should send by the ring model: all-reduce 2(N-1)/N of the
+// buffer, all-gather and reduce-scatter (N-1)/N each. fsdp gathers every group in forward, the
+// blocks but the last again in backward (the root and the last block are kept), and
+// reduce-scatters everything once; padding to N rows adds a little. With bf16 the fsdp modes
+// gather and reduce-scatter 2-byte elements (the reduce-scatter's default reduce_dtype is the
+// param_dtype); ddp stays fp32.
+double bytes_model(const TrainBenchOptions& o, const Trainer& t, int ws) {
+  const double elem = o.mixed_precision == "bf16" ? 2.0 : 4.0;
+  const double f = ws > 1 ? (ws - 1.0) / ws * elem : 0.0;
+  if (o.mode == "ddp") return 2.0 * t.params * f;  // elem is 4 here (check_options)
+  if (o.mode == "fsdp") return (2.0 * t.params + t.regathered_params) * f;
+  if (o.mode == "fsdp-noreshard") return 2.0 * t.params * f;
+  return 0;
+}
+
+// Rank 0's JSON line of one mode: `step` the slowest rank's time per step, `loss_mean` the mean
+// loss over ranks per step, `mean` and `max` over ranks of each Figure.
+std::string mode_line(const TrainBenchOptions& o, const Trainer& t, const Communicator& comm,
+                      const std::vector<double>& step, const at::Tensor& loss_mean,
+                      const at::Tensor& mean, const at::Tensor& max) {
+  auto fig = [](const at::Tensor& v, Figure f) { return v[f].item<double>(); };
+  const double med = median(step);
+  ordered_json j;
+  j["mode"] = o.mode;
+  j["world"] = comm.size();
+  j["step_s_median"] = round_to(med, 1e4);
+  j["step_s_min"] = round_to(*std::min_element(step.begin(), step.end()), 1e4);
+  j["step_s_max"] = round_to(*std::max_element(step.begin(), step.end()), 1e4);
+  j["tokens_per_s_per_rank"] = round_to(o.batch * o.seq / med, 10);
+  j["exposed_comm_s"] = round_to(fig(mean, kExposed), 1e4);
+  j["bytes_sent_per_step"] = static_cast<int64_t>(std::llround(fig(mean, kBytes)));
+  j["peak_rss_mb"] = round_to(fig(max, kPeakRss), 10);
+  // Peak RSS since just before the model was built, minus the RSS then; the worst rank.
+  j["train_memory_mb"] = round_to(fig(max, kTrainMemory), 10);
+  j["loss"] = round_to(loss_mean[o.warmup + o.steps - 1].item<double>(), 1e6);
+  // Extras for the cross-mode checks and the tables.
+  j["loss_step1"] = loss_mean[0].item<double>();
+  j["rss_peak_forward_mb"] = round_to(fig(max, kPeakForward), 10);
+  j["rss_peak_backward_mb"] = round_to(fig(max, kPeakBackward), 10);
+  j["rss_peak_optimizer_mb"] = round_to(fig(max, kPeakStep), 10);
+  j["peak_rss_build_mb"] = round_to(fig(max, kPeakBuild), 10);
+  // fsdp: the most communication buffer bytes in use at once (the pool's budget), worst rank.
+  j["peak_buffers_mb"] = round_to(fig(max, kBuffers), 10);
+  // Fresh pages touched per step (mean over ranks): a step that allocates and frees large
+  // tensors pays for each page again (the kernel zero-fills it), which is CPU time.
+  j["minor_faults_per_step"] = static_cast<int64_t>(std::llround(fig(mean, kFaults)));
+  j["collectives_per_step"] = round_to(fig(mean, kCollectives), 100);
+  const double model = bytes_model(o, t, comm.size());
+  j["bytes_model_per_step"] = static_cast<int64_t>(std::llround(model));
+  // The same check as --compare's summary, on every run of a communicating mode (so that a
+  // bf16 run, which --compare does not make, is checked against its 2-byte model too).
+  const double sent = fig(mean, kBytes);
+  if (model > 0 && std::abs(sent - model) > 0.05 * model)
+    std::cerr << "fsdp-bench: WARNING: " << o.mode << " (" << o.mixed_precision << ") sent " << sent
+              << " bytes per step, the volume model predicts " << model << "\n";
+  j["params"] = t.params;
+  j["mixed_precision"] = o.mixed_precision;
+  j["malloc"] = memory::malloc_settings();
+  // How the ranks' all-gathers and reduce-scatters travel (FSDP_TRANSPORT); ddp's all-reduces
+  // are Gloo's (TCP) either way.
+  j["transport"] = to_string(comm.transport());
+  j["preset"] = o.preset;
+  j["layers"] = o.layers;
+  j["width"] = o.width;
+  j["seq"] = o.seq;
+  j["batch"] = o.batch;
+  j["threads"] = o.threads;
+  j["steps"] = o.steps;
+  if (t.reducer) j["ddp_buckets"] = t.reducer->bucket_count();
+  return j.dump();
+}
+
+// Runs one mode on `comm`'s ranks; returns rank 0's JSON line (empty on other ranks).
+std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communicator>& comm) {
+  check_options(o);
+  const int rank = comm->rank();
+  // Training memory (every mode, and the Python peers, bench/fsdp2_peer.py): the peak resident
+  // set from here on minus the resident set here, just before the model is built.
+  memory::reset_peak_rss();
+  const double rss_before_build_mb = memory::current_rss_mb();
+  auto t = build_trainer(o, comm);
+  if (rank == 0)
+    std::cerr << "fsdp-bench: " << o.mode << " on " << comm->size() << " rank(s), GPT " << o.layers
+              << "x" << o.width << " (" << t->params / 1e6 << " M parameters), batch " << o.batch
+              << "x" << o.seq << " per rank, " << o.threads << " thread(s) per rank, " << o.warmup
+              << "+" << o.steps << " steps\n";
+  const double build_peak_mb = memory::peak_rss_mb();  // building (and sharding) the model
+  memory::trim();
+  comm->barrier().wait();
+  // Peak memory of training itself, not of building the full model before sharding it.
+  memory::reset_peak_rss();
+  const StepRecord r = run_steps(o, *t, *comm);
   CommStats stats = comm->total_stats();
   if (t->reducer) {
-    stats.wait_seconds += reducer_exposed_s;
+    stats.wait_seconds += r.reducer_exposed_s;
     stats.bytes_sent += t->reducer->bytes_per_step() * o.steps;
     stats.collectives += static_cast<int64_t>(t->reducer->bucket_count()) * o.steps;
   }
   const double peak_mb = memory::peak_rss_mb();
-  const double faults_per_step =
-      static_cast<double>(minor_page_faults() - faults_at_warmup_end) / o.steps;
   const double buffers_mb =
       t->root.defined() ? t->root.memory_stats().peak_buffer_bytes_in_use / 1e6 : 0.0;
   if (!o.trace_dir.empty()) write_trace(o.trace_dir, rank);
 
   // Results, outside the timed steps. A step takes as long as its slowest rank.
-  auto times = gather(*comm, step_s);
-  auto slowest = std::get<0>(times.max(0));
+  auto slowest = std::get<0>(gather(*comm, r.step_s).max(0));
   std::vector<double> step(slowest.data_ptr<double>(), slowest.data_ptr<double>() + o.steps);
-  auto loss_mean = gather(*comm, losses).mean(0);
-  auto per_rank =
-      gather(*comm, {stats.wait_seconds / o.steps, static_cast<double>(stats.bytes_sent) / o.steps,
-                     static_cast<double>(stats.collectives) / o.steps, peak_mb, phase_peaks[0],
-                     phase_peaks[1], phase_peaks[2], build_peak_mb, buffers_mb, faults_per_step,
-                     std::max(build_peak_mb, peak_mb) - rss_before_build_mb});
-  auto mean = per_rank.mean(0);
-  auto max = std::get<0>(per_rank.max(0));
-
+  auto loss_mean = gather(*comm, r.losses).mean(0);
+  std::vector<double> figures(kFigures);
+  figures[kExposed] = stats.wait_seconds / o.steps;
+  figures[kBytes] = static_cast<double>(stats.bytes_sent) / o.steps;
+  figures[kCollectives] = static_cast<double>(stats.collectives) / o.steps;
+  figures[kPeakRss] = peak_mb;
+  figures[kPeakForward] = r.phase_peaks[0];
+  figures[kPeakBackward] = r.phase_peaks[1];
+  figures[kPeakStep] = r.phase_peaks[2];
+  figures[kPeakBuild] = build_peak_mb;
+  figures[kBuffers] = buffers_mb;
+  figures[kFaults] = r.faults_per_step;
+  figures[kTrainMemory] = std::max(build_peak_mb, peak_mb) - rss_before_build_mb;
+  auto per_rank = gather(*comm, figures);
   std::string line;
-  if (rank == 0) {
-    const double med = median(step);
-    ordered_json j;
-    j["mode"] = o.mode;
-    j["world"] = ws;
-    j["step_s_median"] = round_to(med, 1e4);
-    j["step_s_min"] = round_to(*std::min_element(step.begin(), step.end()), 1e4);
-    j["step_s_max"] = round_to(*std::max_element(step.begin(), step.end()), 1e4);
-    j["tokens_per_s_per_rank"] = round_to(o.batch * o.seq / med, 10);
-    j["exposed_comm_s"] = round_to(mean[0].item<double>(), 1e4);
-    j["bytes_sent_per_step"] = static_cast<int64_t>(std::llround(mean[1].item<double>()));
-    j["peak_rss_mb"] = round_to(max[3].item<double>(), 10);
-    // Peak RSS since just before the model was built, minus the RSS then; the worst rank.
-    j["train_memory_mb"] = round_to(max[10].item<double>(), 10);
-    j["loss"] = round_to(loss_mean[total - 1].item<double>(), 1e6);
-    // Extras for the cross-mode checks and the tables.
-    j["loss_step1"] = loss_mean[0].item<double>();
-    j["rss_peak_forward_mb"] = round_to(max[4].item<double>(), 10);
-    j["rss_peak_backward_mb"] = round_to(max[5].item<double>(), 10);
-    j["rss_peak_optimizer_mb"] = round_to(max[6].item<double>(), 10);
-    j["peak_rss_build_mb"] = round_to(max[7].item<double>(), 10);
-    // fsdp: the most communication buffer bytes in use at once (the pool's budget), worst rank.
-    j["peak_buffers_mb"] = round_to(max[8].item<double>(), 10);
-    // Fresh pages touched per step (mean over ranks): a step that allocates and frees large
-    // tensors pays for each page again (the kernel zero-fills it), which is CPU time.
-    j["minor_faults_per_step"] = static_cast<int64_t>(std::llround(mean[9].item<double>()));
-    j["collectives_per_step"] = round_to(mean[2].item<double>(), 100);
-    // Volume model (ring): all-reduce 2(N-1)/N of the buffer, all-gather and reduce-scatter
-    // (N-1)/N each. fsdp gathers every group in forward, the blocks but the last again in
-    // backward (the root and the last block are kept), and reduce-scatters everything once; padding
-    // to N rows adds a little. With bf16 the fsdp modes gather and reduce-scatter 2-byte elements
-    // (the reduce-scatter's default reduce_dtype is the param_dtype); ddp stays fp32.
-    const double elem = o.mixed_precision == "bf16" ? 2.0 : 4.0;
-    const double f = ws > 1 ? (ws - 1.0) / ws * elem : 0.0;
-    double model = 0;
-    if (o.mode == "ddp") model = 2.0 * t->params * f;  // elem is 4 here (check_options)
-    if (o.mode == "fsdp") model = (2.0 * t->params + t->regathered_params) * f;
-    if (o.mode == "fsdp-noreshard") model = 2.0 * t->params * f;
-    j["bytes_model_per_step"] = static_cast<int64_t>(std::llround(model));
-    // The same check as --compare's summary, on every run of a communicating mode (so that a
-    // bf16 run, which --compare does not make, is checked against its 2-byte model too).
-    const double sent = mean[1].item<double>();
-    if (model > 0 && std::abs(sent - model) > 0.05 * model)
-      std::cerr << "fsdp-bench: WARNING: " << o.mode << " (" << o.mixed_precision << ") sent "
-                << sent << " bytes per step, the volume model predicts " << model << "\n";
-    j["params"] = t->params;
-    j["mixed_precision"] = o.mixed_precision;
-    j["malloc"] = memory::malloc_settings();
-    // How the ranks' all-gathers and reduce-scatters travel (FSDP_TRANSPORT); ddp's all-reduces
-    // are Gloo's (TCP) either way.
-    j["transport"] = to_string(comm->transport());
-    j["preset"] = o.preset;
-    j["layers"] = o.layers;
-    j["width"] = o.width;
-    j["seq"] = o.seq;
-    j["batch"] = o.batch;
-    j["threads"] = o.threads;
-    j["steps"] = o.steps;
-    if (t->reducer) j["ddp_buckets"] = t->reducer->bucket_count();
-    line = j.dump();
-  }
+  if (rank == 0)
+    line = mode_line(o, *t, *comm, step, loss_mean, per_rank.mean(0), std::get<0>(per_rank.max(0)));
   comm->barrier().wait();
   return line;
 }
