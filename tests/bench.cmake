@@ -9,4 +9,5 @@ add_dependencies(bench_test fsdp-bench fsdp-run)
 # the Makefile sets it from TORCH_PIP_VENV); the tests pass it as --python.
 set(FSDP_PEER_PYTHON /opt/fsdp-cpp/torch215/bin/python
     CACHE FILEPATH "Python with torch 2.15 and safetensors that runs bench/fsdp2_peer.py in tests")
-target_compile_definitions(bench_test PRIVATE FSDP_PEER_PYTHON="${FSDP_PEER_PYTHON}")
+target_compile_definitions(bench_test PRIVATE FSDP_PEER_PYTHON="${FSDP_PEER_PYTHON}"
+                           FSDP_SOURCE_DIR="${PROJECT_SOURCE_DIR}")

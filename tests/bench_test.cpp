@@ -314,6 +314,24 @@ bool has_prefix(const std::multimap<std::string, std::string>& s, const std::str
   return it != s.end() && it->first.rfind(p, 0) == 0;
 }
 
+// bench/trace_breakdown.py's table for the traces in `dir`: row name -> ms per step of the first
+// (here only) mode.
+std::map<std::string, double> trace_breakdown(const std::string& dir) {
+  auto r = fsdp::testing::run_process(
+      {"/usr/bin/python3", FSDP_SOURCE_DIR "/bench/trace_breakdown.py", dir},
+      std::chrono::seconds(30));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  std::map<std::string, double> row;
+  std::istringstream table(r.output);
+  for (std::string line; std::getline(table, line);) {
+    const auto bar = line.find(" | ", 2);
+    if (line.rfind("| ", 0) == 0 && bar != std::string::npos && line.back() == '|')
+      row[line.substr(2, bar - 2)] = std::atof(line.c_str() + bar + 3);
+  }
+  EXPECT_TRUE(row.count("step")) << r.output;
+  return row;
+}
+
 TEST(BenchTrace, WritesAChromeTracePerRankWithEverySpan) {
   const std::string dir = scratch_dir("trace");
   // A sanitizer build refuses --malloc steady (BenchMalloc below): there, glibc's default.
@@ -335,10 +353,68 @@ TEST(BenchTrace, WritesAChromeTracePerRankWithEverySpan) {
     EXPECT_TRUE(has_prefix(s, "forward h.")) << "rank " << rank;
     EXPECT_TRUE(has_prefix(s, "backward h.")) << "rank " << rank;
     EXPECT_TRUE(has_prefix(s, "wait ")) << "rank " << rank;
+    // The copies into and out of communication buffers on the compute track.
+    EXPECT_TRUE(has_prefix(s, "pack h.")) << "rank " << rank;
+    EXPECT_TRUE(has_prefix(s, "copy-out h.")) << "rank " << rank;
     auto ag = s.equal_range("all_gather");
     for (auto it = ag.first; it != ag.second; ++it)
       EXPECT_EQ(it->second.rfind("comm ", 0), 0u) << "collectives run on a comm track";
   }
+  // bench/trace_breakdown.py reads them (its figures: BenchTraceBreakdown below).
+  auto row = trace_breakdown(dir);
+  for (const char* k : {"step", "compute (rest)", "exposed comm", "copies"})
+    EXPECT_TRUE(row.count(k)) << k;
+  EXPECT_GT(row["step"], 0);
+  std::filesystem::remove_all(dir);
+}
+
+// bench/trace_breakdown.py on a trace of known spans: two steps of 10 ms (forward 3, backward 6,
+// optimizer 1) on the compute track, 0.5 ms of waits and 0.25 ms of copies per step there, a
+// reduce-scatter in flight 4 ms per step on a lane's track, and a copy on that track (not the
+// compute thread's, so not counted).
+TEST(BenchTraceBreakdown, SplitsAStepIntoComputeWaitsAndCopies) {
+  const std::string dir = scratch_dir("breakdown");
+  json events = json::array();
+  auto thread = [&](int tid, const std::string& name) {
+    events.push_back({{"ph", "M"},
+                      {"name", "thread_name"},
+                      {"pid", 0},
+                      {"tid", tid},
+                      {"args", {{"name", name}}}});
+  };
+  auto span = [&](int tid, const std::string& name, const std::string& cat, int64_t dur) {
+    events.push_back({{"ph", "X"},
+                      {"name", name},
+                      {"cat", cat},
+                      {"pid", 0},
+                      {"tid", tid},
+                      {"ts", 0},
+                      {"dur", dur}});
+  };
+  thread(1, "compute");
+  thread(3, "comm world/fsdp.reduce_scatter#1");
+  for (int step = 0; step < 2; ++step) {
+    span(1, "model.forward", "step", 3000);
+    span(1, "model.backward", "step", 6000);
+    span(1, "optimizer.step", "step", 1000);
+    span(1, "forward h.0", "compute", 2500);  // nested in model.forward: not summed
+    span(1, "wait all_gather", "wait", 500);
+    span(1, "pack h.0", "copy", 150);
+    span(1, "copy-out h.0", "copy", 100);
+    span(3, "reduce_scatter", "comm", 4000);
+    span(3, "pack elsewhere", "copy", 700);
+  }
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/rank0.json") << json{{"traceEvents", events}}.dump();
+  auto row = trace_breakdown(dir);
+  EXPECT_DOUBLE_EQ(row["step"], 10.0);
+  EXPECT_DOUBLE_EQ(row["model.forward"], 3.0);
+  EXPECT_DOUBLE_EQ(row["model.backward"], 6.0);
+  EXPECT_DOUBLE_EQ(row["optimizer.step"], 1.0);
+  EXPECT_DOUBLE_EQ(row["exposed comm"], 0.5);
+  EXPECT_DOUBLE_EQ(row["copies"], 0.25);
+  EXPECT_DOUBLE_EQ(row["compute (rest)"], 9.25);
+  EXPECT_DOUBLE_EQ(row["in flight: fsdp.reduce_scatter"], 4.0);
   std::filesystem::remove_all(dir);
 }
 

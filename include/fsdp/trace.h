@@ -2,8 +2,10 @@
 // chrome://tracing). Off by default; when off, recording costs one relaxed atomic load.
 //
 // fsdp-cpp records: each group's forward and backward compute ("compute" track), every all-gather
-// and reduce-scatter from issue to completion (one track per communication lane), and every wait
-// on the calling thread's track. Programs add their own spans (the optimizer step) with Span.
+// and reduce-scatter from issue to completion (one track per communication lane), every wait on
+// the calling thread's track, and the calling thread's copies into and out of communication
+// buffers (category "copy": copy-in of shards, packing of gradients, copy-out of results). Programs
+// add their own spans (the optimizer step) with Span.
 // Thread-safety: all functions may be called from any thread.
 #pragma once
 

@@ -189,13 +189,14 @@ std::unique_ptr<ShmExchange> ShmExchange::connect(c10d::Store& store, const std:
     throw Error(cat("FSDP_TRANSPORT=shm: the shared-memory transport cannot connect the ", world,
                     " ranks of '", key, "' (", refusal,
                     "); unset FSDP_TRANSPORT (auto) or set FSDP_TRANSPORT=tcp"));
-  if (!elsewhere)
+  if (!elsewhere) {  // braces: TORCH_WARN_ONCE expands to an if
     TORCH_WARN_ONCE(
         "fsdp: the ranks share this host but the shared-memory transport cannot "
         "connect them (",
         refusal,
         "); collectives go over TCP (slower). Set FSDP_TRANSPORT=tcp to choose TCP "
         "and silence this.");
+  }
   return nullptr;
 }
 

@@ -69,6 +69,7 @@ void Group::hand_over_grad(size_t i) {
     handed_send_ = acquire_send(*context_, flat_numel_, reduce_dtype_);
     handed_.assign(params_.size(), false);
   }
+  trace::Span span("pack " + name_, "copy");
   params_[i].pack_grad(handed_send_, offsets_[i]);
   handed_[i] = true;
 }
@@ -84,8 +85,11 @@ PendingReduce Group::issue_reduce_scatter() {
   const bool handed = handed_send_.defined();
   p.send = handed ? std::move(handed_send_) : acquire_send(*context_, flat_numel_, reduce_dtype_);
   handed_send_ = at::Tensor();
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (!handed || !handed_[i]) params_[i].pack_grad(p.send, offsets_[i]);
+  {
+    trace::Span span("pack " + name_, "copy");
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (!handed || !handed_[i]) params_[i].pack_grad(p.send, offsets_[i]);
+  }
   handed_.clear();
   // In place: the reduced rows land in this rank's own row of the send buffer.
   auto& lane = context_->reduce_lane();
@@ -127,6 +131,7 @@ void Group::finish_reduce(PendingReduce& p) {
   }
   if (p.replicating) p.replicate_work.wait();
   p.replicate_work = Work();
+  trace::Span span("copy-out " + name_, "copy");
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].trainable()) params_[i].add_shard_grad(p.output, offsets_[i]);
   context_->pool().release(p.send.view({-1}));
