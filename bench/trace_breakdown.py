@@ -10,8 +10,9 @@ mean over ranks of milliseconds per timed step: the step (forward + backward + o
 each of the three, the calling thread's waits for collectives (exposed communication), its copies
 into and out of communication buffers (category "copy"), what remains of the step (compute), and
 the time each communication lane had a collective in flight. With the --compare JSON lines it adds
-the minor page faults per step (the allocator's cost shows there: each fresh page is zero-filled).
-The per-group forward and backward spans nest (a root's contains its children's), so they are not
+the exposed communication they measured (ddp's waits happen inside c10d::Reducer, which the trace
+does not see) and the minor page faults per step (the allocator's cost shows there: each fresh
+page is zero-filled). The per-group forward and backward spans nest (a root's contains its children's), so they are not
 summed. Standard library only.
 """
 import collections
@@ -48,13 +49,14 @@ def rank_figures(path):
     return {k: v / steps for k, v in f.items()}
 
 
-def faults(jsonl):
+def from_lines(jsonl, key):
+    """Median over the run's mode lines of `key`, by mode."""
     out = collections.defaultdict(list)
     for line in open(jsonl):
         if line.startswith("{"):
             j = json.loads(line)
-            if "mode" in j and "minor_faults_per_step" in j:
-                out[j["mode"]].append(j["minor_faults_per_step"])
+            if "mode" in j and key in j:
+                out[j["mode"]].append(j[key])
     return {m: statistics.median(v) for m, v in out.items()}
 
 
@@ -77,7 +79,7 @@ def main(argv):
     if not per_mode:
         print(f"trace_breakdown: no traces with timed steps under {root}", file=sys.stderr)
         return 1
-    fault = faults(argv[1]) if len(argv) > 1 else {}
+    lines = argv[1] if len(argv) > 1 else None
     rows = ["step", "model.forward", "model.backward", "optimizer.step", "compute (rest)",
             "exposed comm", "copies"]
     rows += sorted({k for m in per_mode.values() for k in m if k.startswith("in flight")})
@@ -86,7 +88,12 @@ def main(argv):
     print("|---|" + "---|" * len(modes))
     for r in rows:
         print(f"| {r} | " + " | ".join(f"{1e3 * per_mode[m].get(r, 0.0):.2f}" for m in modes) + " |")
-    if fault:
+    if lines:
+        # ddp's waits are inside c10d::Reducer, not traced: its line measures them.
+        exposed = from_lines(lines, "exposed_comm_s")
+        print("| exposed comm, the run's lines | " +
+              " | ".join(f"{1e3 * exposed.get(m, float('nan')):.2f}" for m in modes) + " |")
+        fault = from_lines(lines, "minor_faults_per_step")
         print("| minor page faults per step | " +
               " | ".join(f"{fault.get(m, float('nan')):.0f}" for m in modes) + " |")
     return 0
