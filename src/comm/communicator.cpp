@@ -86,8 +86,8 @@ const CommStats& Communicator::stats() const { return *impl_->stats; }
 // ---------------------------------------------------------------------------------------------
 namespace {
 
-// FSDP_TRANSPORT, read when a communicator is constructed from a process group (its lanes,
-// splits and subgroups inherit the choice); nullopt: auto.
+// FSDP_TRANSPORT, read when a communicator is constructed from a process group and by split() and
+// subgroup(); a lane keeps its communicator's choice. nullopt: auto.
 std::optional<Transport> requested_transport() {
   const std::string v =
       detail::env_choice("FSDP_TRANSPORT", {"auto", "shm", "tcp", "collective"}, "auto");
