@@ -16,8 +16,10 @@
 
 #include <fsdp/communicator.h>
 #include <fsdp/options.h>
+#include <fsdp/trace.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -192,6 +194,8 @@ class Group : public std::enable_shared_from_this<Group> {
   void start_replicate(PendingReduce& p);  // waits the reduce-scatter, issues the all-reduce
   void broadcast_buffers_to_all();         // ShardOptions::broadcast_buffers, on the root
   void end_backward_span();
+  // A "copy" span named `what` + this group's name while tracing; nothing (no name built) when off.
+  std::optional<trace::Span> copy_span(const char* what) const;
   void reshard_stale_elements();  // the root, before its forward
   // One rank, no replicas: the reduction of a gradient is the gradient itself.
   bool reduces_locally() const;

@@ -42,6 +42,11 @@ void Group::finalize_backward() {
   if (reshard_after_backward_) reshard();
 }
 
+std::optional<trace::Span> Group::copy_span(const char* what) const {
+  if (!trace::enabled()) return std::nullopt;
+  return std::optional<trace::Span>(std::in_place, what + name_, "copy");
+}
+
 void Group::end_backward_span() {
   if (backward_start_us_ < 0) return;
   trace::complete("backward " + name_, "compute", backward_start_us_,
@@ -69,7 +74,7 @@ void Group::hand_over_grad(size_t i) {
     handed_send_ = acquire_send(*context_, flat_numel_, reduce_dtype_);
     handed_.assign(params_.size(), false);
   }
-  trace::Span span("pack " + name_, "copy");
+  auto span = copy_span("pack ");
   params_[i].pack_grad(handed_send_, offsets_[i]);
   handed_[i] = true;
 }
@@ -86,7 +91,7 @@ PendingReduce Group::issue_reduce_scatter() {
   p.send = handed ? std::move(handed_send_) : acquire_send(*context_, flat_numel_, reduce_dtype_);
   handed_send_ = at::Tensor();
   {
-    trace::Span span("pack " + name_, "copy");
+    auto span = copy_span("pack ");
     for (size_t i = 0; i < params_.size(); ++i)
       if (!handed || !handed_[i]) params_[i].pack_grad(p.send, offsets_[i]);
   }
@@ -131,7 +136,7 @@ void Group::finish_reduce(PendingReduce& p) {
   }
   if (p.replicating) p.replicate_work.wait();
   p.replicate_work = Work();
-  trace::Span span("copy-out " + name_, "copy");
+  auto span = copy_span("copy-out ");
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].trainable()) params_[i].add_shard_grad(p.output, offsets_[i]);
   context_->pool().release(p.send.view({-1}));

@@ -80,7 +80,7 @@ void Group::unshard() {
   } else {
     gather_.send = pool.acquire(flat_numel_, dtype);
     gather_.send_pooled = true;
-    trace::Span span("copy-in " + name_, "copy");
+    auto span = copy_span("copy-in ");
     for (size_t i = 0; i < params_.size(); ++i)
       params_[i].copy_in_shard(gather_.send.narrow(0, offsets_[i], params_[i].padded_numel()));
   }
@@ -134,7 +134,7 @@ void Group::wait_for_unshard() {
   if (gather_.recv.defined()) {
     auto rows = gather_.recv.view({context_->gather_lane().size(), flat_numel_});
     full_block_ = context_->pool().acquire(full_block_numel_, gather_dtype_);
-    trace::Span span("copy-out " + name_, "copy");
+    auto span = copy_span("copy-out ");
     for (size_t i = 0; i < params_.size(); ++i)
       params_[i].copy_out(rows, offsets_[i], full_block_, full_offsets_[i]);
   } else {
