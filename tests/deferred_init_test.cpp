@@ -393,7 +393,9 @@ TEST(DeferredInit, PeakIsShardsPlusOneParameter) {
     EXPECT_EQ(report.operators_on_scratch, 2 * (depth * 2 + 2));
     // RSS: the shards get their bytes now; slack for the allocator and Gloo. Not bounded in a
     // sanitizer build (kRssUnderSanitizer); the instrumented peak above still is.
-    if (can_reset && !kSanitized) EXPECT_LE(peak, (shard_bytes + weight_bytes) / mib + 3.0);
+    if (can_reset && !kSanitized) {
+      EXPECT_LE(peak, (shard_bytes + weight_bytes) / mib + 3.0);
+    }
     if (verbose())
       std::cout << "rank " << r.rank << ": model " << model_bytes / mib << " MiB, shards "
                 << shard_bytes / mib << " MiB, largest parameter "

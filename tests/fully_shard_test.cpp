@@ -79,11 +79,12 @@ TEST(FullyShard, ShardLayoutNamesAndBuffers) {
     // Gradients: 0-d and empty shards get their (possibly empty) slice of the mean gradient.
     m(torch::ones({2, 3})).sum().backward();
     for (auto& s : root.shards()) EXPECT_TRUE(s.shard.grad().defined()) << s.name;
-    if (r.rank == 0)
+    if (r.rank == 0) {
       EXPECT_NEAR(by["temperature"].shard.grad().item<double>(),
                   fresh(torch::ones({2, 3})).sum().item<double>() / 1.5 -
                       fresh->rows2.sum().item<double>() * 2 / 1.5,
                   1e-4);
+    }
   });
 }
 
@@ -326,7 +327,9 @@ TEST_P(SlowRank, BackwardHoldsAtMostThreeLayerBuffersAndGradientsAreRight) {
         // One layer's (world, S) buffer: 32 of 63 rows of the weight and of the bias per rank.
         const int64_t layer_buffer = 2 * (32 * width + 32) * 4;
         const auto stats = root.memory_stats();
-        if (!c.expect_expiry) EXPECT_LE(stats.peak_buffer_bytes_in_use, 3 * layer_buffer);
+        if (!c.expect_expiry) {
+          EXPECT_LE(stats.peak_buffer_bytes_in_use, 3 * layer_buffer);
+        }
         EXPECT_LE(stats.peak_unsharded_groups, 2);
         EXPECT_EQ(stats.buffer_bytes_in_use, 0);
         EXPECT_LE(stats.buffer_bytes_idle, stats.peak_buffer_bytes_in_use);

@@ -102,8 +102,9 @@ void run_mixed(int world, Policy p) {
       ASSERT_EQ(loss.scalar_type(), torch::kFloat) << "output_dtype casts the root's result";
       loss.backward();
       for (const auto& sh : root.shards())
-        if (sh.shard.grad().defined())
+        if (sh.shard.grad().defined()) {
           ASSERT_EQ(sh.shard.grad().scalar_type(), torch::kFloat) << sh.name;
+        }
       opt.step();
       opt.zero_grad();
       auto l = loss.detach().clone();
