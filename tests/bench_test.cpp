@@ -418,6 +418,47 @@ TEST(BenchTraceBreakdown, SplitsAStepIntoComputeWaitsAndCopies) {
   std::filesystem::remove_all(dir);
 }
 
+// bench/cpu_profile.py's categories on a perf report of known samples: 90% are the ranks'
+// (fsdp-bench), the idle 10% not; an addmm dispatcher frame is compute, not the allocator.
+TEST(BenchCpuProfile, SortsTheRanksSamplesIntoCategories) {
+  const std::string dir = scratch_dir("cpu_profile");
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/report.txt")
+      << "# Samples: 1K of event 'cpu-clock:ppp'\n#\n"
+         "    45.00%  fsdp-bench  libtorch_cpu.so    [.] mkl_blas_avx512_sgemm_kernel_0\n"
+         "     9.00%  fsdp-bench  libtorch_cpu.so    [.] at::native::AVX2::VectorizedLoop2d<at::"
+         "native::AVX2::direct_copy_kernel(at::TensorIteratorBase&)::{lambda()#3}>\n"
+         "     4.50%  fsdp-bench  libc.so.6          [.] __memmove_avx512_unaligned_erms\n"
+         "     4.50%  fsdp-bench  fsdp-bench         [.] fsdp::detail::(anonymous namespace)::"
+         "sum_spans<float, float, true, 2>\n"
+         "     3.60%  fsdp-bench  [kernel.kallsyms]  [k] clear_page_erms\n"
+         "     0.90%  fsdp-bench  libc.so.6          [.] _int_malloc\n"
+         "     2.70%  fsdp-bench  [kernel.kallsyms]  [k] finish_task_switch.isra.0\n"
+         "     0.90%  fsdp-bench  [kernel.kallsyms]  [k] do_syscall_64\n"
+         "     9.00%  fsdp-bench  libtorch_cpu.so    [.] at::native::addmm_impl_cpu_\n"
+         "     9.90%  fsdp-bench  [kernel.kallsyms]  [k] some_other_kernel_function\n"
+         "    10.00%  swapper     [kernel.kallsyms]  [k] intel_idle\n";
+  auto r = fsdp::testing::run_process({"/usr/bin/python3", FSDP_SOURCE_DIR "/bench/cpu_profile.py",
+                                       "--from-report", dir + "/report.txt"},
+                                      std::chrono::seconds(30));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::map<std::string, double> row;
+  std::istringstream table(r.output);
+  for (std::string line; std::getline(table, line);) {
+    const auto bar = line.find(" | ", 2);
+    if (line.rfind("| ", 0) == 0 && bar != std::string::npos && line.back() == '|')
+      row[line.substr(2, bar - 2)] = std::atof(line.c_str() + bar + 3);
+  }
+  EXPECT_DOUBLE_EQ(row["matmul"], 50.0) << r.output;
+  EXPECT_DOUBLE_EQ(row["copies"], 15.0) << r.output;
+  EXPECT_DOUBLE_EQ(row["summation"], 5.0) << r.output;
+  EXPECT_DOUBLE_EQ(row["allocator, page faults"], 5.0) << r.output;
+  EXPECT_DOUBLE_EQ(row["communication, waiting"], 4.0) << r.output;
+  EXPECT_DOUBLE_EQ(row["other compute"], 10.0) << r.output;
+  EXPECT_DOUBLE_EQ(row["other kernel"], 11.0) << r.output;
+  std::filesystem::remove_all(dir);
+}
+
 // Where malloc is not glibc's (AddressSanitizer's, in a sanitizer build), --malloc steady is an
 // error that says so before any rank starts; with glibc's, BenchTrace sees it reach the ranks.
 TEST(BenchMalloc, SteadyNeedsGlibcMalloc) {
