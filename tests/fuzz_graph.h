@@ -8,12 +8,17 @@
 // place (the caller uses the modified input afterwards, as `h = a(x); y = ip(h); f(y, h)` does).
 //
 // A training program is 3-4 iterations; each is 1-3 micro-batches (gradient sync only on the
-// last), then optionally clip_grad_norm_, then an SGD (momentum, weight decay) or AdamW step on the
+// last, on every one, or under HSDP the all-reduce only on the last), then optionally
+// clip_grad_norm_, then an SGD (momentum, weight decay) or AdamW step on the
 // shards, then zero_grad one of three ways. Every forward draws its own pass: which block is called
 // on which earlier value (blocks called several times or never), and per rank which values enter
 // the loss, which block inputs are detached and whether the root's parameters are used. Extra
 // forwards, evaluation (no grad) or grad mode without backward, come at random places: before,
 // between and after the micro-batches, and after the step.
+//
+// FSDP2's settings vary too: a gradient divide factor per group, unshard(async) on a block before
+// an iteration (waited or not, called by the pass or not), set_unshard_in_backward(false) on
+// blocks whose backward reads no weight.
 //
 // A mismatch program makes the ranks call different blocks of equal size in one forward (outside
 // the contract): training must stop with an fsdp::Error on every rank, never silently.
@@ -93,6 +98,10 @@ enum class BlockMode { kHolder, kOnUse, kInRoot };
 enum class Optim { kSGD, kAdamW };
 enum class ZeroGrad { kSetToNone, kZeroInPlace, kOptimizer };
 enum class Extra { kEval, kGrad };  // a forward without backward: no grad / grad mode
+// How micro-batches reduce: only the last syncs (set_requires_gradient_sync), every one syncs, or
+// (HSDP) every one reduce-scatters and only the last all-reduces (set_requires_all_reduce).
+enum class Accumulate { kSyncLast, kSyncEvery, kAllReduceLast };
+const char* const kAccumulateNames[] = {"sync-last", "sync-every", "all-reduce-last"};
 
 struct ExtraForward {
   int at;  // before micro-batch `at`; == micro-batches: after the last, before the step; +1: after
@@ -104,6 +113,10 @@ struct Iteration {
   std::vector<ExtraForward> extras;
   double clip = 0;  // max norm for clip_grad_norm_; 0: no clipping
   ZeroGrad zero = ZeroGrad::kSetToNone;
+  // Before the first micro-batch: unshard(/*async_op=*/true) on this holder block (-1: none),
+  // waited explicitly or left to its forward (a block the pass never calls: to the backward's end).
+  int async_unshard = -1;
+  bool async_wait = false;
 };
 
 struct Program {
@@ -128,7 +141,22 @@ struct Program {
   // The communicator's transport (FSDP_TRANSPORT): "" for the default (shared memory between
   // local ranks), or "tcp" (Gloo point-to-point), "collective" (Gloo's own collectives).
   std::string transport;
+  // FSDP2's settings, drawn after the transport: set_gradient_divide_factor per holder block and
+  // for the root (last entry; 0: the mean), and how micro-batches reduce.
+  std::vector<double> divide;
+  Accumulate accumulate = Accumulate::kSyncLast;
+  // Per block: set_unshard_in_backward(false) (holders of a kind whose backward reads no weight).
+  std::vector<char> no_backward_unshard;
   std::vector<Iteration> iterations;
+
+  // The divisor of parameter `name`'s reduced gradient: its group's factor, else the world size.
+  double divisor(const std::string& name) const {
+    double f = divide.empty() ? 0 : divide.back();
+    for (size_t b = 0; b + 1 < divide.size(); ++b)
+      if (name.rfind("b" + std::to_string(b) + ".", 0) == 0)
+        f = modes[b] == BlockMode::kHolder ? divide[b] : modes[b] == BlockMode::kInRoot ? f : 0;
+    return f > 0 ? f : world;
+  }
 
   std::string describe() const {
     std::string s = "seed " + std::to_string(seed) + " world " + std::to_string(world) +
@@ -140,14 +168,20 @@ struct Program {
            (modes[b] == BlockMode::kHolder  ? "holder"
             : modes[b] == BlockMode::kOnUse ? "on-use"
                                             : "in-root") +
-           " reshard " + std::to_string(child_reshard[b]) + (checkpointed[b] ? " AC" : "");
+           " reshard " + std::to_string(child_reshard[b]) + (checkpointed[b] ? " AC" : "") +
+           (b < no_backward_unshard.size() && no_backward_unshard[b] ? " no-backward-unshard" : "");
     }
     s +=
         "], root reshard " + std::to_string(root_reshard) + ", audit " + (audit ? "on" : "off") +
         ", max_unsharded_groups " + std::to_string(max_unsharded_groups) + ", " +
         (optim == Optim::kSGD ? "SGD momentum " + std::to_string(momentum) : std::string("AdamW")) +
         " wd " + std::to_string(weight_decay) + (mismatch ? ", MISMATCH" : "") +
-        (transport.empty() ? "" : ", transport " + transport);
+        (transport.empty() ? "" : ", transport " + transport) + ", " +
+        kAccumulateNames[static_cast<int>(accumulate)];
+    for (size_t b = 0; b < divide.size(); ++b)
+      if (divide[b] > 0)
+        s += ", divide " + (b + 1 < divide.size() ? "b" + std::to_string(b) : std::string("root")) +
+             " by " + std::to_string(divide[b]);
     for (size_t i = 0; i < iterations.size(); ++i) {
       const auto& it = iterations[i];
       s += "; it" + std::to_string(i) + ": " + std::to_string(it.micro.size()) + " micro";
@@ -155,6 +189,9 @@ struct Program {
         s += std::string(", ") + (e.kind == Extra::kEval ? "eval" : "grad") + "@" +
              std::to_string(e.at);
       if (it.clip > 0) s += ", clip " + std::to_string(it.clip);
+      if (it.async_unshard >= 0)
+        s += ", unshard(async) b" + std::to_string(it.async_unshard) +
+             (it.async_wait ? " waited" : "");
       s += ", zero " + std::to_string(static_cast<int>(it.zero));
     }
     return s;
@@ -200,6 +237,28 @@ class Drawer {
 inline std::string draw_transport(Drawer& d) {
   const int t = d.pick(4);
   return t < 2 ? std::string() : t == 2 ? "tcp" : "collective";
+}
+
+// FSDP2's FSDPModule settings, drawn after the transport (the earlier draws stay as they were).
+inline void draw_fsdp2_settings(Drawer& d, Program& p) {
+  const int blocks = static_cast<int>(p.kinds.size());
+  if (d.chance(3))
+    for (int g = 0; g <= blocks; ++g) p.divide.push_back(d.chance(2) ? d.uniform(0.5, 8) : 0);
+  const int a = d.pick(3);
+  p.accumulate = a == 2 && p.replicas == 1 ? Accumulate::kSyncEvery : static_cast<Accumulate>(a);
+  std::vector<int> holders;
+  for (int b = 0; b < blocks; ++b)
+    if (p.modes[b] == BlockMode::kHolder) holders.push_back(b);
+  for (auto& it : p.iterations) {
+    if (holders.empty() || !d.chance(3)) continue;
+    it.async_unshard = holders[d.pick(static_cast<int>(holders.size()))];
+    it.async_wait = d.chance(2);
+  }
+  // Only kIgnoresInput's backward reads none of its weights (sums and tanh of its own output).
+  p.no_backward_unshard.assign(blocks, 0);
+  for (int b : holders)
+    if (p.kinds[b] == BlockKind::kIgnoresInput && !p.checkpointed[b] && d.chance(2))
+      p.no_backward_unshard[b] = 1;
 }
 
 inline Program make_program(uint64_t seed, int world) {
@@ -251,6 +310,7 @@ inline Program make_program(uint64_t seed, int world) {
     }
     p.iterations.push_back(it);
     p.transport = draw_transport(d);
+    draw_fsdp2_settings(d, p);
     return p;
   }
   const int iterations = 3 + d.pick(2);
@@ -267,6 +327,7 @@ inline Program make_program(uint64_t seed, int world) {
     p.iterations.push_back(it);
   }
   p.transport = draw_transport(d);
+  draw_fsdp2_settings(d, p);
   return p;
 }
 

@@ -58,14 +58,15 @@ struct Reference {
   void backward_all(const Program& p, const Pass& pass, int it, int which) {
     for (int k = 0; k < p.world; ++k) net->forward(input_for(p, k, it, which), pass, k).backward();
   }
-  // The mean over ranks, zeros for a trainable parameter no rank reached (as the shards get).
-  GradMap mean_grads(int world) {
+  // The mean over ranks (or the sum divided by the group's set_gradient_divide_factor), zeros for
+  // a trainable parameter no rank reached (as the shards get).
+  GradMap mean_grads(const Program& p) {
     GradMap out;
     for (auto& item : net->named_parameters()) {
       auto& v = item.value();
       if (!v.requires_grad()) continue;
       if (!v.grad().defined()) v.mutable_grad() = torch::zeros_like(v);
-      v.mutable_grad().div_(world);
+      v.mutable_grad().div_(p.divisor(item.key()));
       out[item.key()] = v.grad();
     }
     return out;
@@ -96,6 +97,7 @@ std::shared_ptr<Communicator> communicator(Rank& r, const std::string& transport
 struct ShardedSide {
   fsdp::Sharded<Net> model;
   FSDPModule root;
+  std::vector<FSDPModule> blocks;  // per block: its handle (holders only)
   std::unique_ptr<torch::optim::Optimizer> opt;
 
   ShardedSide(const Program& p, Rank& r) : model(Net(p)) {
@@ -107,6 +109,7 @@ struct ShardedSide {
       o.activation_checkpointing = checkpointed;
       return p.replicas > 1 ? fully_shard(holder, mesh, o) : fully_shard(holder, comm, o);
     };
+    blocks.resize(model->blocks.size());
     for (size_t b = 0; b < model->blocks.size(); ++b) {
       if (p.modes[b] == BlockMode::kOnUse) {
         // What fully_shard_elements does to each element: the holder stays unattached, so its
@@ -115,10 +118,14 @@ struct ShardedSide {
                                  p.replicas > 1 ? mesh.replicate : nullptr, options(p, -1),
                                  detail::CallPath::kGatherOnUse);
       } else if (p.modes[b] == BlockMode::kHolder) {
-        shard(model->blocks[b], p.child_reshard[b], p.checkpointed[b]);
+        blocks[b] = shard(model->blocks[b], p.child_reshard[b], p.checkpointed[b]);
+        if (!p.divide.empty() && p.divide[b] > 0) blocks[b].set_gradient_divide_factor(p.divide[b]);
+        if (b < p.no_backward_unshard.size() && p.no_backward_unshard[b])
+          blocks[b].set_unshard_in_backward(false);
       }
     }
     root = shard(model, p.root_reshard, false);
+    if (!p.divide.empty() && p.divide.back() > 0) root.set_gradient_divide_factor(p.divide.back());
     opt = make_optimizer(p, root.parameters());
   }
   static ShardOptions options(const Program& p, int reshard) {
@@ -168,7 +175,13 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
   for (int m = 0; m < micro; ++m) {
     SCOPED_TRACE("iteration " + std::to_string(it) + " micro-batch " + std::to_string(m));
     run_extras(p, r, s, ref, it, m);
-    s.root.set_requires_gradient_sync(m == micro - 1);
+    const bool last = m == micro - 1;
+    s.root.set_requires_gradient_sync(p.accumulate != Accumulate::kSyncLast || last);
+    s.root.set_requires_all_reduce(p.accumulate != Accumulate::kAllReduceLast || last);
+    if (m == 0 && iter.async_unshard >= 0) {
+      auto handle = s.blocks[iter.async_unshard].unshard(/*async_op=*/true);
+      if (iter.async_wait) handle.wait();
+    }
     auto loss = s.model(input_for(p, r.rank, it, m), iter.micro[m], r.rank);
     expect_close(loss.item<double>(), ref.loss(p, iter.micro[m], r.rank, it, m, false), "loss");
     loss.backward();
@@ -176,7 +189,7 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
   }
   EXPECT_EQ(s.root.memory_stats().unsharded_bytes, 0) << "gathered after backward";
   run_extras(p, r, s, ref, it, micro);
-  auto mean = ref.mean_grads(p.world);
+  auto mean = ref.mean_grads(p);
   EXPECT_GT(expect_shard_grads(s.root, mean, kRtol, kAtol), 0);
   if (iter.clip > 0)
     expect_close(fsdp::clip_grad_norm_(s.root, iter.clip), ref.clip(iter.clip),
@@ -406,5 +419,153 @@ TEST(GuaranteeFindings, RanksCallingDifferentModulesFailLoudlyWithTheAuditOff) {
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// FSDP2's FSDPModule settings, each in a hand-written program against the unsharded model (the
+// fuzzer draws them too).
+// ---------------------------------------------------------------------------------------------
+Program settings_program(int world, int replicas, Accumulate accumulate) {
+  Program p = base_program(world, {BlockKind::kTied, BlockKind::kBranch, BlockKind::kTied});
+  p.replicas = replicas;
+  p.accumulate = accumulate;
+  p.optim = Optim::kAdamW;
+  p.lr = 0.01;
+  for (int it = 0; it < 2; ++it) {
+    Iteration iter;
+    for (int m = 0; m < 3; ++m)
+      iter.micro.push_back(same_pass(world, {{0, 0}, {1, 1}, {2, 4}}, {2, 7}));
+    p.iterations.push_back(iter);
+  }
+  return p;
+}
+
+// The sum over ranks divided by each group's factor (FSDP2's set_gradient_divide_factor), with
+// accumulation, in a group of its own, in the root, and the mean where none is set.
+TEST(Fsdp2Settings, GradientDivideFactorDividesTheSumPerGroup) {
+  Program p = settings_program(2, 1, Accumulate::kSyncLast);
+  p.divide = {4.0, 0, 0.5, 3.0};  // b0, b1 (the mean), b2, the root
+  expect_program_passes(p);
+  p.accumulate = Accumulate::kSyncEvery;
+  p.divide = {0, 1.0, 0, 0};
+  expect_program_passes(p);
+}
+
+TEST(Fsdp2Settings, GradientDivideFactorOnOneRankAndUnderHsdp) {
+  Program one = settings_program(1, 1, Accumulate::kSyncLast);
+  one.divide = {2.0, 0, 0, 0.25};
+  expect_program_passes(one);
+  Program hsdp = settings_program(4, 2, Accumulate::kSyncEvery);
+  hsdp.divide = {8.0, 0, 0, 2.0};
+  expect_program_passes(hsdp);
+}
+
+// HSDP 2x2: every micro-batch reduce-scatters, only the last all-reduces across replicas; the
+// blocks set aside are added in before it (FSDP2's set_requires_all_reduce).
+TEST(Fsdp2Settings, AllReduceOnlyOnTheLastMicroBatchUnderHsdp) {
+  Program p = settings_program(4, 2, Accumulate::kAllReduceLast);
+  p.divide = {0, 0, 5.0, 0};
+  p.audit = true;  // Complete: the blocks set aside count as reduced
+  expect_program_passes(p);
+}
+
+// Replicas that decide differently would leave each other waiting (or add other blocks together):
+// refused on every rank when the backward begins, before any all-reduce.
+TEST(Fsdp2Settings, ReplicasThatDisagreeOnTheAllReduceFailByName) {
+  Program p = settings_program(4, 2, Accumulate::kSyncEvery);
+  run_ranks(4, [&](Rank& r) {
+    torch::manual_seed(1);
+    ShardedSide s(p, r);
+    s.root.set_requires_all_reduce(r.rank < 2);  // replica 0 all-reduces, replica 1 does not
+    expect_error(
+        [&] { s.model(input_for(p, r.rank, 0, 0), p.iterations[0].micro[0], r.rank).backward(); },
+        {"set_requires_all_reduce differs between ranks", "of replica",
+         "same value on every rank"});
+  });
+}
+
+TEST(Fsdp2Settings, ABadDivideFactorIsRefusedByName) {
+  Program p = settings_program(1, 1, Accumulate::kSyncLast);
+  run_ranks(1, [&](Rank& r) {
+    ShardedSide s(p, r);
+    for (double bad : {0.0, -2.0, std::nan("")})
+      expect_error([&] { s.root.set_gradient_divide_factor(bad); },
+                   {"set_gradient_divide_factor(", "on 'root'", "positive and finite"});
+  });
+}
+
+// unshard(async_op=true): gathered once waited (or by the forward), resharded by the backward's
+// end; a handle waited after a reshard or twice does nothing; losses and gradients stay exact.
+TEST(Fsdp2Settings, AsyncUnshardIsWaitedByItsHandleOrItsForward) {
+  Program p = settings_program(2, 1, Accumulate::kSyncLast);
+  p.iterations[0].async_unshard = 1;
+  p.iterations[0].async_wait = true;
+  p.iterations[1].async_unshard = 2;  // left to the forward
+  expect_program_passes(p);
+  run_ranks(2, [&](Rank& r) {
+    torch::manual_seed(1);
+    Reference ref(p);
+    torch::manual_seed(1);
+    ShardedSide s(p, r);
+    auto handle = s.blocks[0].unshard(/*async_op=*/true);
+    handle.wait();
+    // Waited: the full parameters hold the gathered values (read outside any forward).
+    EXPECT_TRUE(torch::equal(s.model->blocks[0]->wb, ref.net->blocks[0]->wb));
+    const auto gathered = s.root.memory_stats().unsharded_bytes;
+    EXPECT_GT(gathered, 0);
+    handle.wait();  // again: nothing
+    s.blocks[0].reshard();
+    EXPECT_EQ(s.root.memory_stats().unsharded_bytes, 0);
+    auto late = s.blocks[1].unshard(/*async_op=*/true);
+    s.blocks[1].reshard();  // the gather in flight is discarded
+    late.wait();            // nothing in flight: nothing to do
+    EXPECT_EQ(s.root.memory_stats().unsharded_bytes, 0);
+    UnshardHandle().wait();  // the empty handle of a blocking unshard
+  });
+}
+
+// set_unshard_in_backward(false) on a block whose backward reads no weight: exact, without its
+// backward all-gather; on one whose backward reads one: an error naming the setting.
+TEST(Fsdp2Settings, UnshardInBackwardOffSkipsTheGatherOrFailsByName) {
+  Program p = base_program(2, {BlockKind::kIgnoresInput, BlockKind::kTied});
+  p.child_reshard = {1, 1};
+  p.no_backward_unshard = {1, 0};
+  for (int it = 0; it < 2; ++it) {
+    Iteration iter;
+    iter.micro.push_back(same_pass(2, {{0, 0}, {1, 1}}, {2, 4}));
+    p.iterations.push_back(iter);
+  }
+  run_ranks(2, [&](Rank& r) {
+    auto collectives = [&](const Program& q) {
+      r.world()->reset_stats();
+      EXPECT_TRUE(run_program(r, q));
+      return r.world()->total_stats().collectives;
+    };
+    Program gathered = p;
+    gathered.no_backward_unshard = {0, 0};
+    // b0 reshards after forward: one backward all-gather per iteration, two in all, skipped.
+    EXPECT_EQ(collectives(gathered) - collectives(p), 2);
+  });
+  Program bad = p;
+  bad.no_backward_unshard = {0, 1};  // the tied block's backward reads wb
+  run_ranks(2, [&](Rank& r) {
+    torch::manual_seed(1);
+    ShardedSide s(bad, r);
+    expect_error(
+        [&] {
+          s.model(input_for(bad, r.rank, 0, 0), bad.iterations[0].micro[0], r.rank).backward();
+        },
+        {"of sharded module 'b1'", "set_unshard_in_backward(false)",
+         "leave unshard_in_backward on"});
+  });
+}
+
+TEST(Fsdp2Settings, UnshardInBackwardOffWithActivationCheckpointingIsRefused) {
+  Program p = base_program(1, {BlockKind::kIgnoresInput});
+  p.checkpointed = {true};
+  run_ranks(1, [&](Rank& r) {
+    ShardedSide s(p, r);
+    expect_error([&] { s.blocks[0].set_unshard_in_backward(false); },
+                 {"set_unshard_in_backward(false) on 'b0'", "checkpoints its activations"});
+  });
+}
 }  // namespace
 }  // namespace fsdp::testing::guarantee_fuzz_test

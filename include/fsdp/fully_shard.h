@@ -153,6 +153,22 @@ namespace detail {
 struct HandleAccess;
 }  // namespace detail
 
+// What FSDPModule::unshard(/*async_op=*/true) returns (FSDP2's UnshardHandle): the module's
+// all-gather is in flight; wait() finishes it. The module's forward waits for it anyway, so wait()
+// is needed only where the parameters are used before that. Waiting after the gather finished, or
+// on the empty handle a blocking unshard() returns, does nothing. Until the gather is waited the
+// shards are being sent: an optimizer step or any write to them in between is a data race.
+class UnshardHandle {
+ public:
+  UnshardHandle() = default;
+  void wait();
+
+ private:
+  friend class FSDPModule;
+  explicit UnshardHandle(std::shared_ptr<detail::Group> g) : group_(std::move(g)) {}
+  std::shared_ptr<detail::Group> group_;
+};
+
 // Handle returned by fully_shard. Copies share state.
 class FSDPModule {
  public:
@@ -166,14 +182,31 @@ class FSDPModule {
   // Full description of each shard (global shape, offsets), for checkpoints.
   std::vector<ShardInfo> shards() const;
 
-  // Gathers this module's own group of parameters (blocking), or frees it again.
-  void unshard();
+  // Gathers this module's own group of parameters, or frees it again. unshard() blocks;
+  // unshard(/*async_op=*/true) issues the all-gather and returns at once (a manual prefetch; every
+  // rank must issue it at the same point, as any collective): see UnshardHandle.
+  UnshardHandle unshard(bool async_op = false);
   void reshard();
   // Off: backward keeps unsharded gradients locally (accumulation); on: the next backward reduces
   // their sum. Applies to this module and every sharded module below it.
   void set_requires_gradient_sync(bool sync);
   void set_reshard_after_backward(bool reshard);
   void set_reshard_after_forward(bool reshard);
+  // This module's group only (as FSDP2): a reduced gradient is the sum over the data-parallel
+  // ranks (HSDP: shards times replicas) divided by `factor`, instead of their mean (e.g. the
+  // number of tokens when the loss is a sum). Must be positive and finite; the same on every rank.
+  void set_gradient_divide_factor(double factor);
+  // HSDP, this module and every sharded module below it: off, a synced backward reduce-scatters
+  // within the replica but skips the all-reduce across replicas, keeping the reduced block aside;
+  // the next backward with it on adds it in before its all-reduce (gradient accumulation that
+  // moves 1/R of the replica traffic). The shards' gradients change only at that backward.
+  // Without replicas it changes nothing. The same on every rank.
+  void set_requires_all_reduce(bool all_reduce);
+  // This module's group only (as FSDP2): false leaves its parameters resharded through backward,
+  // saving the backward all-gather, for a module whose backward reads none of them (an embedding:
+  // its weight's gradient needs only the indices). Where backward does read one, backward stops
+  // with an fsdp::Error naming the parameter and this setting. The same on every rank.
+  void set_unshard_in_backward(bool unshard);
   // Prefetch overrides (see docs/performance.md): groups whose all-gather is issued when this
   // module's forward (backward) starts.
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);

@@ -10,7 +10,7 @@
 
 namespace fsdp::detail {
 
-void Agreement::Sequence::record(int group, int64_t numel) {
+void Agreement::Sequence::record(int group, int64_t numel, bool flag) {
   // splitmix64 over (hash, group, numel): order-sensitive, cheap.
   auto mix = [](uint64_t x) {
     x += 0x9e3779b97f4a7c15ULL;
@@ -18,10 +18,11 @@ void Agreement::Sequence::record(int group, int64_t numel) {
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
     return x ^ (x >> 31);
   };
+  const int64_t value = 2 * numel + (flag ? 1 : 0);
   hash = mix(hash ^
-             mix(static_cast<uint64_t>(group) * 0x100000001b3ULL ^ static_cast<uint64_t>(numel)));
+             mix(static_cast<uint64_t>(group) * 0x100000001b3ULL ^ static_cast<uint64_t>(value)));
   ++count;
-  if (entries.size() < kMaxRecorded) entries.emplace_back(group, numel);
+  if (entries.size() < kMaxRecorded) entries.emplace_back(group, value);
 }
 
 void Agreement::reset() {
@@ -77,6 +78,28 @@ void Agreement::check(Communicator& lane, Communicator* replicate,
       "same order (e.g. run a skipped expert or branch on an empty batch)"));
 }
 
+void Agreement::check_all_reduce_settings(Communicator& lane, Communicator& replicate,
+                                          const std::vector<Group*>& groups) {
+  Sequence flags;
+  std::string off;
+  for (size_t k = 0; k < groups.size(); ++k) {
+    const bool all_reduces = groups[k]->all_reduces();
+    flags.record(static_cast<int>(k), 0, all_reduces);
+    if (!all_reduces) off += detail::cat(off.empty() ? "" : ", ", "'", groups[k]->name(), "'");
+  }
+  auto mine = at::tensor({static_cast<int64_t>(flags.hash), flags.count, int64_t{0}, int64_t{0}},
+                         at::kLong);
+  const bool row_differs = lane.size() > 1 && exchange_hashes(lane, mine, false).first;
+  const auto [column_differs, any_row_differs] = exchange_hashes(replicate, mine, row_differs);
+  if (!column_differs && !any_row_differs) return;
+  throw Error(detail::cat(
+      "set_requires_all_reduce differs between ranks: on rank ", lane.rank(), " of replica ",
+      replicate.rank(), " it is off for ", off.empty() ? std::string("no module") : off,
+      " and on for the rest, and another rank decided otherwise. Every rank of the mesh must "
+      "skip or issue the same all-reduces across replicas. Fix: call set_requires_all_reduce "
+      "with the same value on every rank (e.g. true on the last micro-batch everywhere)"));
+}
+
 std::string Agreement::first_difference(Communicator& lane, const char* what, const Sequence& s,
                                         const std::vector<Group*>& groups) {
   const int world = lane.size();
@@ -97,6 +120,11 @@ std::string Agreement::first_difference(Communicator& lane, const char* what, co
     return gi >= 0 && gi < static_cast<int64_t>(groups.size()) ? "'" + groups[gi]->name() + "'"
                                                                : "<none>";
   };
+  auto entry = [&](int64_t gi, int64_t value) -> std::string {
+    if (value < 0) return "nothing";  // the rank issued fewer
+    return detail::cat("group ", name_of(gi), " (", value / 2, " elements",
+                       value % 2 == 1 ? ", without the all-reduce across replicas" : "", ")");
+  };
   const at::Tensor row0 = rows[0];
   auto a = row0.accessor<int64_t, 1>();
   for (int r = 1; r < world; ++r) {
@@ -106,10 +134,10 @@ std::string Agreement::first_difference(Communicator& lane, const char* what, co
     while (k < slots && a[k] == b[k]) ++k;
     if (k == slots) continue;
     const int64_t pos = k / 2;
-    return detail::cat(what, " #", pos, " was group ", name_of(a[2 * pos]), " (", a[2 * pos + 1],
-                       " elements) on rank 0 but group ", name_of(b[2 * pos]), " (", b[2 * pos + 1],
-                       " elements) on rank ", r, " (rank 0 issued ", lens[0].item<int64_t>(),
-                       ", rank ", r, " issued ", lens[r].item<int64_t>(), ")");
+    return detail::cat(what, " #", pos, " was ", entry(a[2 * pos], a[2 * pos + 1]),
+                       " on rank 0 but ", entry(b[2 * pos], b[2 * pos + 1]), " on rank ", r,
+                       " (rank 0 issued ", lens[0].item<int64_t>(), ", rank ", r, " issued ",
+                       lens[r].item<int64_t>(), ")");
   }
   return "";
 }

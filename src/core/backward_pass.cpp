@@ -75,6 +75,7 @@ BackwardPass::BackwardPass(Context& ctx, const void* task_key, const torch::auto
                              s.grads_pending, " gradients, ", s.inputs_pending, " input-side nodes",
                              reducing_ ? "" : " (explicit inputs: no reduction)"));
   }
+  if (reducing_ && ctx_.replicate_lane()) ctx_.check_all_reduce_settings();
   plan_gathers();
   plan_reductions();
   gather_elements();
@@ -122,7 +123,8 @@ void BackwardPass::plan_gathers() {
   for (auto it = done.rbegin(); it != done.rend(); ++it)
     if ((*it)->forwarded_with_grad()) backward_order_.push_back(*it);
   for (Group* g : backward_order_)
-    if (g->shard_state() == ShardState::kSharded) gather_plan_.push_back(g);
+    if (g->shard_state() == ShardState::kSharded && g->unshard_in_backward())
+      gather_plan_.push_back(g);
   // Fault injection (audit test): this rank swaps its first two backward all-gathers.
   if (faults::active().gather_order && ctx_.gather_lane().rank() != 0 && gather_plan_.size() >= 2)
     std::swap(gather_plan_[0], gather_plan_[1]);
@@ -153,6 +155,13 @@ void BackwardPass::pre_backward(Group& g) {
   auto it = std::find(gather_plan_.begin() + gather_cursor_, gather_plan_.end(), &g);
   if (it != gather_plan_.end()) gather_through(it - gather_plan_.begin() + 1);
   if (s.hooks_pending > 0) --s.hooks_pending;
+  if (!g.unshard_in_backward() && g.shard_state() == ShardState::kSharded) {
+    // Left resharded on purpose (set_unshard_in_backward(false)): a node that reads its
+    // parameters meets the resharded-parameter guard, which names the setting.
+    s.progress = Progress::kRunning;
+    g.begin_backward_use();
+    return;
+  }
   FSDP_CHECK(g.shard_state() != ShardState::kSharded, "sharded module '", g.name(),
              "' is needed by backward after this rank's backward resharded it (the engine ran a "
              "node of its forward that its plan did not expect). Gathering it now would put this "
@@ -275,7 +284,8 @@ void BackwardPass::issue(Group& g) {
   }
   if (!will_reduce(g)) return;
   s.reductions = 1;
-  ctx_.agreement().on_reduce(ctx_.index_of(&g), g.flat_numel());
+  ctx_.agreement().on_reduce(ctx_.index_of(&g), g.flat_numel(),
+                             ctx_.replicate_lane() && !g.all_reduces());
   if (ctx_.reduce_lane().rank() != 0) std::this_thread::sleep_for(faults::active().slow_reduce);
   reap_reductions(gather_cursor_ >= gather_plan_.size() ? Reap::kAll : before_send_buffer(g));
   in_flight_.push_back(g.issue_reduce_scatter());

@@ -93,6 +93,11 @@ void Context::check_agreement() {
   agreement_.check(*agree_lane_, replicate_agree_lane_.get(), groups_);
 }
 
+void Context::check_all_reduce_settings() {
+  if (replicate_agree_lane_)
+    agreement_.check_all_reduce_settings(*agree_lane_, *replicate_agree_lane_, groups_);
+}
+
 void Context::reset_peaks() {
   peak_unsharded_bytes_ = unsharded_bytes_;
   peak_unsharded_groups_ = unsharded_groups_;

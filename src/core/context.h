@@ -130,6 +130,9 @@ class Context {
   // Agreed, checked at the end of every backward and of every forward of the root without grad
   // mode: on the shard lane and, under HSDP, the replicate lane (core/agreement.h).
   void check_agreement();
+  // HSDP, when a synced backward begins: every rank decided each group's all-reduce alike
+  // (Agreement::check_all_reduce_settings).
+  void check_all_reduce_settings();
 
  private:
   std::shared_ptr<Communicator> comm_, gather_lane_, reduce_lane_;

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cmath>
 #include <iostream>
 
 #include "comm/communicator_impl.h"
@@ -164,6 +165,23 @@ void Group::set_reshard_after_forward(bool v) {
              "reshard after forward, declare the block fsdp::Sharded<...> and call it through "
              "the holder");
   options_.reshard_after_forward = v;
+}
+
+void Group::set_gradient_divide_factor(double factor) {
+  FSDP_CHECK(std::isfinite(factor) && factor > 0, "set_gradient_divide_factor(", factor, ") on '",
+             name_, "' (", type_name_,
+             "): the factor divides the sum of the ranks' gradients, so it must be positive and "
+             "finite (the default, the mean, divides by the number of data-parallel ranks)");
+  divide_factor_ = factor;
+}
+
+void Group::set_unshard_in_backward(bool v) {
+  FSDP_CHECK(v || !options_.activation_checkpointing, "set_unshard_in_backward(false) on '", name_,
+             "' (", type_name_,
+             "): the module checkpoints its activations, so its backward runs its forward again "
+             "and needs its parameters gathered. Fix: leave unshard_in_backward on, or turn "
+             "ShardOptions::activation_checkpointing off for this module");
+  unshard_in_backward_ = v;
 }
 
 void Group::set_forward_prefetch(std::vector<Group*> g) {

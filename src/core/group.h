@@ -70,6 +70,11 @@ struct PendingReduce {
   bool replicating = false;  // the reduce-scatter is done and the all-reduce issued
   at::Tensor output;         // this rank's reduced flat block (S elements); undefined: empty
   at::Tensor send;           // (world, S), returned to the pool once waited
+  // Decided when issued (the settings may change before it is waited): HSDP's all-reduce follows
+  // (else the block is kept aside, Group::set_requires_all_reduce), and the divisor is applied
+  // once reduced (else the collectives took the mean).
+  bool all_reduce = false;
+  std::optional<double> divide_by;
 };
 
 class Group : public std::enable_shared_from_this<Group> {
@@ -182,6 +187,20 @@ class Group : public std::enable_shared_from_this<Group> {
   void set_reshard_after_backward(bool v) { reshard_after_backward_ = v; }
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
   void set_requires_gradient_sync(bool v) { requires_gradient_sync_ = v; }
+  // FSDP2's set_gradient_divide_factor: throws fsdp::Error unless positive and finite.
+  void set_gradient_divide_factor(double factor);
+  const std::optional<double>& gradient_divide_factor() const { return divide_factor_; }
+  // FSDP2's set_unshard_in_backward: false leaves the group resharded through backward (its
+  // backward reads none of its parameters: an embedding); throws with activation checkpointing.
+  void set_unshard_in_backward(bool v);
+  bool unshard_in_backward() const { return unshard_in_backward_; }
+  // HSDP: whether a synced backward all-reduces across replicas (FSDP2's set_requires_all_reduce).
+  void set_requires_all_reduce(bool v) { requires_all_reduce_ = v; }
+  // What the reduction issued now will do under HSDP: all-reduce across replicas, or keep the
+  // reduced block aside (recorded by the agreement check: every rank must decide alike).
+  bool all_reduces() const;
+  // HSDP: reduced blocks are set aside, waiting for the next all-reduce (not yet in the shards).
+  bool holds_partial_reduce() const { return partial_reduce_.defined(); }
   const std::vector<Group*>& forward_prefetch() const { return forward_prefetch_; }
   const std::vector<Group*>& backward_prefetch() const { return backward_prefetch_; }
   bool forward_prefetch_set() const { return forward_prefetch_set_; }
@@ -192,6 +211,7 @@ class Group : public std::enable_shared_from_this<Group> {
  private:
   void transition(TrainingState to, std::initializer_list<TrainingState> allowed);
   void start_replicate(PendingReduce& p);  // waits the reduce-scatter, issues the all-reduce
+  void keep_partial(PendingReduce& p);     // requires_all_reduce off: sets the block aside
   void broadcast_buffers_to_all();         // ShardOptions::broadcast_buffers, on the root
   void end_backward_span();
   // A "copy" span named `what` + this group's name while tracing; nothing (no name built) when off.
@@ -244,6 +264,12 @@ class Group : public std::enable_shared_from_this<Group> {
   bool contains_groups_ = false;
   bool reshard_after_backward_ = true;
   bool requires_gradient_sync_ = true;
+  bool requires_all_reduce_ = true;
+  bool unshard_in_backward_ = true;
+  std::optional<double> divide_factor_;
+  // HSDP with requires_all_reduce off: the reduce-scattered blocks summed since the last
+  // all-reduce (S elements in the reduction's dtype), added in before the next one.
+  at::Tensor partial_reduce_;
   std::vector<Group*> forward_prefetch_, backward_prefetch_;
   bool forward_prefetch_set_ = false, backward_prefetch_set_ = false;
 

@@ -67,7 +67,7 @@ at::Tensor acquire_send(Context& ctx, int64_t flat_numel, at::ScalarType dtype) 
 
 void Group::hand_over_grad(size_t i) {
   if (reduces_locally()) {
-    params_[i].move_grad_to_shard(reduce_dtype_);
+    params_[i].move_grad_to_shard(reduce_dtype_, divide_factor_);
     return;
   }
   if (!handed_send_.defined()) {
@@ -83,7 +83,7 @@ PendingReduce Group::issue_reduce_scatter() {
   PendingReduce p;
   p.group = this;
   if (reduces_locally()) {
-    for (auto& param : params_) param.move_grad_to_shard(reduce_dtype_);
+    for (auto& param : params_) param.move_grad_to_shard(reduce_dtype_, divide_factor_);
     return p;
   }
   // The gradients handed over are packed already; the rest (zeros when missing) now.
@@ -99,8 +99,14 @@ PendingReduce Group::issue_reduce_scatter() {
   // In place: the reduced rows land in this rank's own row of the send buffer.
   auto& lane = context_->reduce_lane();
   p.output = p.send.view({-1}).narrow(0, lane.rank() * flat_numel_, flat_numel_);
-  p.work = lane.reduce_scatter(p.output, p.send, ReduceOp::kAvg);
+  p.all_reduce = all_reduces();
+  p.divide_by = divide_factor_;
+  p.work = lane.reduce_scatter(p.output, p.send, p.divide_by ? ReduceOp::kSum : ReduceOp::kAvg);
   return p;
+}
+
+bool Group::all_reduces() const {
+  return context_->replicate_lane() != nullptr && requires_all_reduce_;
 }
 
 void Group::drop_handed_over() {
@@ -113,7 +119,7 @@ bool Group::poll_reduce(PendingReduce& p) {
   if (!p.output.defined()) return true;  // reduced locally
   if (!p.replicating) {
     if (!p.work.is_completed()) return false;
-    if (!context_->replicate_lane()) return true;
+    if (!p.all_reduce) return true;
     start_replicate(p);
   }
   return p.replicate_work.is_completed();
@@ -122,13 +128,28 @@ bool Group::poll_reduce(PendingReduce& p) {
 void Group::start_replicate(PendingReduce& p) {
   p.work.wait();
   p.work = Work();
-  p.replicate_work = context_->replicate_lane()->all_reduce(p.output, ReduceOp::kAvg);
+  if (partial_reduce_.defined()) {  // the blocks set aside since the last all-reduce
+    p.output.add_(partial_reduce_);
+    partial_reduce_ = at::Tensor();
+  }
+  p.replicate_work = context_->replicate_lane()->all_reduce(
+      p.output, p.divide_by ? ReduceOp::kSum : ReduceOp::kAvg);
   p.replicating = true;
+}
+
+void Group::keep_partial(PendingReduce& p) {
+  if (partial_reduce_.defined()) {
+    partial_reduce_.add_(p.output);
+  } else {
+    partial_reduce_ = p.output.clone();
+  }
+  context_->pool().release(p.send.view({-1}));
+  p.output = p.send = at::Tensor();
 }
 
 void Group::finish_reduce(PendingReduce& p) {
   if (!p.output.defined()) return;  // reduced locally (one rank): nothing was exchanged
-  if (!p.replicating && context_->replicate_lane()) {
+  if (!p.replicating && p.all_reduce) {
     start_replicate(p);
   } else if (!p.replicating) {
     p.work.wait();
@@ -136,6 +157,8 @@ void Group::finish_reduce(PendingReduce& p) {
   }
   if (p.replicating) p.replicate_work.wait();
   p.replicate_work = Work();
+  if (context_->replicate_lane() && !p.all_reduce) return keep_partial(p);
+  if (p.divide_by) p.output.div_(*p.divide_by);
   auto span = copy_span("copy-out ");
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].trainable()) params_[i].add_shard_grad(p.output, offsets_[i]);

@@ -84,6 +84,11 @@ bool harmless_on_marker(const c10::OperatorHandle& op) {
   auto g = e ? e->group.lock() : nullptr;
   const std::string what = detail::cat(op.schema().name(), " was called on ", describe(e),
                                        ", whose full storage is freed (resharded). ");
+  if (g && !g->unshard_in_backward())
+    throw Error(what +
+                "set_unshard_in_backward(false) was set on its module, which leaves it resharded "
+                "in backward, but backward reads this parameter (e.g. a weight whose input needs "
+                "a gradient). Fix: leave unshard_in_backward on (the default) for this module");
   if (g && g->gathers_on_use())
     throw Error(what +
                 "The module is an element sharded by fsdp::fully_shard_elements: its parameters "

@@ -4,6 +4,7 @@
 #include <torch/nn/module.h>
 
 #include <set>
+#include <utility>
 
 #include "core/context.h"
 #include "core/group.h"
@@ -90,11 +91,22 @@ std::vector<std::pair<std::string, at::Tensor>> FSDPModule::named_parameters() c
   return out;
 }
 
-void FSDPModule::unshard() {
+UnshardHandle FSDPModule::unshard(bool async_op) {
   auto& g = checked(group_);
   g.unshard();
+  if (async_op) return UnshardHandle(group_);
   g.wait_for_unshard();
   g.context().end_epoch();  // user code follows
+  return UnshardHandle();
+}
+
+void UnshardHandle::wait() {
+  if (!group_) return;
+  auto g = std::exchange(group_, nullptr);
+  // Resharded since, or already waited (by the module's forward): nothing in flight.
+  if (g->shard_state() != detail::ShardState::kGathering) return;
+  g->wait_for_unshard();
+  g->context().end_epoch();  // user code follows
 }
 
 void FSDPModule::reshard() { checked(group_).reshard(); }
@@ -110,6 +122,19 @@ void FSDPModule::set_reshard_after_backward(bool reshard) {
 
 void FSDPModule::set_reshard_after_forward(bool reshard) {
   checked(group_).set_reshard_after_forward(reshard);
+}
+
+void FSDPModule::set_gradient_divide_factor(double factor) {
+  checked(group_).set_gradient_divide_factor(factor);
+}
+
+void FSDPModule::set_unshard_in_backward(bool unshard) {
+  checked(group_).set_unshard_in_backward(unshard);
+}
+
+void FSDPModule::set_requires_all_reduce(bool all_reduce) {
+  for (auto* g : detail::groups_at_or_below(&checked(group_)))
+    g->set_requires_all_reduce(all_reduce);
 }
 
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {

@@ -160,7 +160,8 @@ void ParamState::clear_moved_grad() {
   if (grad_is_marker()) param_.mutable_grad() = at::Tensor();
 }
 
-void ParamState::move_grad_to_shard(at::ScalarType reduce_dtype) {
+void ParamState::move_grad_to_shard(at::ScalarType reduce_dtype,
+                                    const std::optional<double>& divide_by) {
   if (!trainable()) return;
   at::Tensor& slot = shard_.mutable_grad();
   if (!param_.grad().defined() || grad_is_marker()) {
@@ -171,6 +172,7 @@ void ParamState::move_grad_to_shard(at::ScalarType reduce_dtype) {
   at::Tensor g = param_.grad();
   param_.mutable_grad() = moved_grad_;
   if (g.scalar_type() != reduce_dtype) g = g.to(reduce_dtype);  // the wire's rounding
+  if (divide_by) g = g / *divide_by;  // a new tensor: the sum over one rank, divided
   if (slot.defined()) {
     slot.add_(g.reshape(shard_.sizes()));
   } else if (g.scalar_type() == shard_.scalar_type() && g.sizes() == shard_.sizes() &&

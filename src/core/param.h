@@ -104,8 +104,9 @@ class ParamState {
   void add_shard_grad(const at::Tensor& reduced_flat, int64_t offset);
   // One rank, no replicas (Group::reduces_locally): the reduction of the unsharded gradient is
   // the gradient itself, cast to `reduce_dtype`. Accumulates it into shard().grad() (taking the
-  // tensor itself when there is none yet and no cast is needed) and drops it from the parameter.
-  void move_grad_to_shard(at::ScalarType reduce_dtype);
+  // tensor itself when there is none yet and no cast is needed) and drops it from the parameter;
+  // divided by `divide_by` when set (FSDPModule::set_gradient_divide_factor).
+  void move_grad_to_shard(at::ScalarType reduce_dtype, const std::optional<double>& divide_by);
 
   // The AccumulateGrad node of the full parameter (null when frozen). Held strongly: autograd
   // keeps only a weak reference.
