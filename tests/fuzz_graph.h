@@ -18,7 +18,7 @@
 //
 // FSDP2's settings vary too: a gradient divide factor per group, unshard(async) on a block before
 // an iteration (waited or not, called by the pass or not), set_unshard_in_backward(false) on
-// blocks whose backward reads no weight.
+// blocks whose backward reads no weight, blocks called through another method (Sharded::call).
 //
 // A mismatch program makes the ranks call different blocks of equal size in one forward (outside
 // the contract): training must stop with an fsdp::Error on every rank, never silently.
@@ -70,6 +70,12 @@ struct BlockImpl : torch::nn::Module {
         b = wb.sum(0).expand({x.size(0), kWidth});  // ignores x
     }
     return {a, b};
+  }
+  // Another method, called through Sharded::call (FSDP2's register_fsdp_forward_method).
+  std::vector<torch::Tensor> encode(torch::Tensor x) {
+    auto outs = forward(std::move(x));
+    outs[0] = outs[0] * 0.5 + ba;
+    return outs;
   }
   BlockKind kind;
   torch::Tensor wa, ba, wb;
@@ -147,6 +153,8 @@ struct Program {
   Accumulate accumulate = Accumulate::kSyncLast;
   // Per block: set_unshard_in_backward(false) (holders of a kind whose backward reads no weight).
   std::vector<char> no_backward_unshard;
+  // Per block: its calls go to BlockImpl::encode through Sharded::call instead of forward.
+  std::vector<char> encode;
   std::vector<Iteration> iterations;
 
   // The divisor of parameter `name`'s reduced gradient: its group's factor, else the world size.
@@ -163,13 +171,15 @@ struct Program {
                     (replicas > 1 ? " (HSDP 2x2)" : "") + ": " + std::to_string(kinds.size()) +
                     " blocks [";
     for (size_t b = 0; b < kinds.size(); ++b) {
-      s += std::string(b ? ", " : "") + kKindNames[static_cast<int>(kinds[b])] + " " +
-           std::to_string(rows[b]) + " rows " +
-           (modes[b] == BlockMode::kHolder  ? "holder"
-            : modes[b] == BlockMode::kOnUse ? "on-use"
-                                            : "in-root") +
-           " reshard " + std::to_string(child_reshard[b]) + (checkpointed[b] ? " AC" : "") +
-           (b < no_backward_unshard.size() && no_backward_unshard[b] ? " no-backward-unshard" : "");
+      s +=
+          std::string(b ? ", " : "") + kKindNames[static_cast<int>(kinds[b])] + " " +
+          std::to_string(rows[b]) + " rows " +
+          (modes[b] == BlockMode::kHolder  ? "holder"
+           : modes[b] == BlockMode::kOnUse ? "on-use"
+                                           : "in-root") +
+          " reshard " + std::to_string(child_reshard[b]) + (checkpointed[b] ? " AC" : "") +
+          (b < no_backward_unshard.size() && no_backward_unshard[b] ? " no-backward-unshard" : "") +
+          (b < encode.size() && encode[b] ? " encode" : "");
     }
     s +=
         "], root reshard " + std::to_string(root_reshard) + ", audit " + (audit ? "on" : "off") +
@@ -259,6 +269,7 @@ inline void draw_fsdp2_settings(Drawer& d, Program& p) {
   for (int b : holders)
     if (p.kinds[b] == BlockKind::kIgnoresInput && !p.checkpointed[b] && d.chance(2))
       p.no_backward_unshard[b] = 1;
+  for (int b = 0; b < blocks; ++b) p.encode.push_back(d.chance(4));
 }
 
 inline Program make_program(uint64_t seed, int world) {
@@ -332,7 +343,7 @@ inline Program make_program(uint64_t seed, int world) {
 }
 
 struct NetImpl : torch::nn::Module {
-  explicit NetImpl(const Program& p) : anchor_loss(p.anchor_loss) {
+  explicit NetImpl(const Program& p) : anchor_loss(p.anchor_loss), encode(p.encode) {
     root_w = register_parameter("root_w", torch::randn({kWidth, kWidth}, torch::kDouble) * 0.4);
     root_scale = register_parameter("root_scale", torch::randn({3}, torch::kDouble) * 0.2);
     for (size_t b = 0; b < p.kinds.size(); ++b)
@@ -348,7 +359,10 @@ struct NetImpl : torch::nn::Module {
       if (rc.detach[c]) in = in.detach();
       // A value of its own for a block that changes its input in place: no node saved it.
       if (blocks[calls[c].block]->kind == BlockKind::kInPlace) in = in + 1;
-      auto outs = blocks[calls[c].block](in);
+      const int b = calls[c].block;
+      auto outs = b < static_cast<int>(encode.size()) && encode[b]
+                      ? blocks[b].call(&BlockImpl::encode, in)
+                      : blocks[b](in);
       pool.push_back(outs[0]);
       pool.push_back(outs[1]);
       pool.push_back(in);  // as the block left it
@@ -360,6 +374,7 @@ struct NetImpl : torch::nn::Module {
     return loss;
   }
   bool anchor_loss;
+  std::vector<char> encode;
   torch::Tensor root_w, root_scale;
   std::vector<fsdp::Sharded<Block>> blocks;
 };

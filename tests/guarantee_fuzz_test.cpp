@@ -567,5 +567,16 @@ TEST(Fsdp2Settings, UnshardInBackwardOffWithActivationCheckpointingIsRefused) {
                  {"set_unshard_in_backward(false) on 'b0'", "checkpoints its activations"});
   });
 }
+
+// Sharded::call (FSDP2's register_fsdp_forward_method): another method, called as forward is, is
+// gathered first and resharded after, checkpointed too; gradients exact.
+TEST(Fsdp2Settings, AnotherMethodCalledAsForwardIsGatheredAndExact) {
+  Program p = settings_program(2, 1, Accumulate::kSyncLast);
+  p.encode = {1, 0, 1};
+  p.checkpointed = {false, false, true};
+  p.child_reshard = {1, 1, 1};
+  p.audit = true;
+  expect_program_passes(p);
+}
 }  // namespace
 }  // namespace fsdp::testing::guarantee_fuzz_test

@@ -4,10 +4,10 @@
 //
 // Two entry points:
 //  - ShardOptions::activation_checkpointing on a fully_shard call: every forward of that module
-//    goes through checkpointed_forward below (Sharded::operator() routes it). The recomputation
-//    runs after the group's pre-backward hook has gathered the parameters again, and the
-//    gradients of the parameters flow into their accumulators through the outer backward, so the
-//    post-backward guarantee and the audit see an ordinary backward.
+//    goes through checkpointed_call below (Sharded::operator() and Sharded::call route it). The
+//    recomputation runs after the group's pre-backward hook has gathered the parameters again, and
+//    the gradients of the parameters flow into their accumulators through the outer backward, so
+//    the post-backward guarantee and the audit see an ordinary backward.
 //  - checkpoint_activations(fn, inputs, params) for code that is not sharded.
 //
 // Thread-safety: as the module; the recomputation runs on the thread that runs backward.
@@ -82,13 +82,14 @@ void replace_tensors(T& v, const std::vector<at::Tensor>& src, size_t& i) {
 
 void check_checkpointable_arguments(Group& group, bool traversable, bool copyable);
 
-// Runs impl->forward(args...) as one checkpointed call: the tensors found in the arguments are
-// the recomputation's inputs and the tensors of the result its outputs. The ForwardScope has
-// already wrapped the tensor arguments. (Declared in fully_shard.h with this exact signature.)
-template <class Impl, class... Args>
-std::decay_t<decltype(std::declval<Impl&>().forward(std::declval<std::decay_t<Args>&>()...))>
-checkpointed_forward(Group& group, const std::shared_ptr<Impl>& impl, Args&&... args) {
-  using R = std::decay_t<decltype(impl->forward(std::declval<std::decay_t<Args>&>()...))>;
+// Runs method(*impl, args...) (the module's forward, or the method Sharded::call names) as one
+// checkpointed call: the tensors found in the arguments are the recomputation's inputs and the
+// tensors of the result its outputs. The ForwardScope has already wrapped the tensor arguments.
+// (Declared in fully_shard.h with this exact signature.)
+template <class Impl, class Method, class... Args>
+std::decay_t<std::invoke_result_t<const Method&, Impl&, std::decay_t<Args>&...>> checkpointed_call(
+    Group& group, const std::shared_ptr<Impl>& impl, const Method& method, Args&&... args) {
+  using R = std::decay_t<std::invoke_result_t<const Method&, Impl&, std::decay_t<Args>&...>>;
   using Held = std::tuple<std::decay_t<Args>...>;
   constexpr bool kCopyable = (std::is_copy_constructible_v<std::decay_t<Args>> && ...);
   constexpr bool kTraversable = Traversable<Held>::value && Traversable<R>::value;
@@ -102,11 +103,11 @@ checkpointed_forward(Group& group, const std::shared_ptr<Impl>& impl, Args&&... 
       bool done = false;
     };
     auto first = std::make_shared<First>();
-    TensorFunction fn = [impl, held, first](const std::vector<at::Tensor>& ts) {
+    TensorFunction fn = [impl, method, held, first](const std::vector<at::Tensor>& ts) {
       Held a = *held;
       size_t i = 0;
       replace_tensors(a, ts, i);
-      R r = std::apply([&](auto&... x) { return impl->forward(x...); }, a);
+      R r = std::apply([&](auto&... x) { return std::invoke(method, *impl, x...); }, a);
       std::vector<at::Tensor> outs;
       collect_output_tensors(r, outs);
       if (!first->done) first->result.emplace(std::move(r));
@@ -124,7 +125,7 @@ checkpointed_forward(Group& group, const std::shared_ptr<Impl>& impl, Args&&... 
     replace_tensors(r, outs, i);
     return r;
   } else {
-    return impl->forward(std::forward<Args>(args)...);  // unreachable: the check threw
+    return std::invoke(method, *impl, std::forward<Args>(args)...);  // unreachable: it threw
   }
 }
 

@@ -16,6 +16,7 @@
 #include <fsdp/mesh.h>
 #include <fsdp/options.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -128,11 +129,19 @@ decltype(auto) wrap_input(ForwardScope& s, T&& x) {
   }
 }
 
+// Calls a module's forward; the member-function pointer of Sharded::call stands for any other.
+struct CallForward {
+  template <class Impl, class... Args>
+  decltype(auto) operator()(Impl& impl, Args&&... args) const {
+    return impl.forward(std::forward<Args>(args)...);
+  }
+};
+
 // activation_checkpoint.h (included at the end of this header).
 bool activation_checkpointing(Group& group);
-template <class Impl, class... Args>
-std::decay_t<decltype(std::declval<Impl&>().forward(std::declval<std::decay_t<Args>&>()...))>
-checkpointed_forward(Group& group, const std::shared_ptr<Impl>& impl, Args&&... args);
+template <class Impl, class Method, class... Args>
+std::decay_t<std::invoke_result_t<const Method&, Impl&, std::decay_t<Args>&...>> checkpointed_call(
+    Group& group, const std::shared_ptr<Impl>& impl, const Method& method, Args&&... args);
 }  // namespace detail
 
 // A parameter's shard as the optimizer and checkpoints see it.
@@ -248,29 +257,46 @@ class Sharded : public Holder {
 
   template <class... Args>
   decltype(auto) operator()(Args&&... args) {
-    // impl->forward directly: ModuleHolder::operator() cannot deduce overloaded forwards.
-    if (!group_) return this->get()->forward(std::forward<Args>(args)...);
-    detail::ForwardScope scope(group_.get());
-    using Result = decltype(this->get()->forward(std::forward<Args>(args)...));
-    if constexpr (!std::is_void_v<Result>) {
-      // ShardOptions::activation_checkpointing: activation_checkpoint.h.
-      if (detail::activation_checkpointing(*group_))
-        return scope.finish(detail::checkpointed_forward(
-            *group_, this->ptr(), detail::wrap_input(scope, std::forward<Args>(args))...));
-    }
-    if constexpr (std::is_void_v<Result>) {
-      this->get()->forward(detail::wrap_input(scope, std::forward<Args>(args))...);
-      scope.finish_tensors({});
-    } else {
-      return scope.finish(
-          this->get()->forward(detail::wrap_input(scope, std::forward<Args>(args))...));
-    }
+    // impl.forward directly: ModuleHolder::operator() cannot deduce overloaded forwards.
+    return call_as_forward(detail::CallForward{}, std::forward<Args>(args)...);
+  }
+
+  // Another method of the module called as its forward is (FSDP2's
+  // register_fsdp_forward_method): the parameters gathered first, backward arranged, resharded
+  // after as configured, checkpointed if the module is. E.g. model.call(&NetImpl::generate, x).
+  template <class Method, class... Args>
+  decltype(auto) call(Method method, Args&&... args) {
+    static_assert(std::is_member_function_pointer_v<Method>,
+                  "Sharded::call takes a pointer to a member function of the module, e.g. "
+                  "&BlockImpl::encode");
+    return call_as_forward(method, std::forward<Args>(args)...);
   }
 
   // Whether fully_shard has sharded this module.
   bool is_sharded() const { return group_ != nullptr; }
 
  private:
+  template <class Method, class... Args>
+  decltype(auto) call_as_forward(const Method& method, Args&&... args) {
+    auto& impl = *this->get();
+    if (!group_) return std::invoke(method, impl, std::forward<Args>(args)...);
+    detail::ForwardScope scope(group_.get());
+    using Result = std::invoke_result_t<const Method&, decltype(impl), Args&&...>;
+    if constexpr (!std::is_void_v<Result>) {
+      // ShardOptions::activation_checkpointing: activation_checkpoint.h.
+      if (detail::activation_checkpointing(*group_))
+        return scope.finish(detail::checkpointed_call(
+            *group_, this->ptr(), method, detail::wrap_input(scope, std::forward<Args>(args))...));
+    }
+    if constexpr (std::is_void_v<Result>) {
+      std::invoke(method, impl, detail::wrap_input(scope, std::forward<Args>(args))...);
+      scope.finish_tensors({});
+    } else {
+      return scope.finish(
+          std::invoke(method, impl, detail::wrap_input(scope, std::forward<Args>(args))...));
+    }
+  }
+
   friend struct detail::HandleAccess;
   std::shared_ptr<detail::Group> group_;  // set by fully_shard
 };
@@ -358,4 +384,4 @@ FSDPModule fully_shard(Holder&, std::shared_ptr<Communicator>, const ShardOption
 
 }  // namespace fsdp
 
-#include <fsdp/activation_checkpoint.h>  // checkpointed_forward, used by Sharded
+#include <fsdp/activation_checkpoint.h>  // checkpointed_call, used by Sharded
