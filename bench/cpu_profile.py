@@ -65,7 +65,8 @@ def classify(dso, sym, kernel):
 
 def parse_report(text, rank_comms):
     """Shares per category from `perf report --stdio --sort comm,dso,sym` output, counting only
-    the samples of the rank processes (their command names)."""
+    the samples of the rank processes' threads (command names starting with `rank_comms`: the
+    ranks' own threads and Gloo's, which name themselves gloo_*)."""
     shares = {}
     line_re = re.compile(r"^\s*([\d.]+)%\s+(\S+)\s+(\S+)\s+\[([.k])\]\s+(.*?)\s*$")
     for line in text.splitlines():
@@ -86,8 +87,8 @@ def command(mode, args):
             "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if mode in PY_MODES:
         return [args.python, os.path.join(HERE, "torch_ddp.py"), "--nproc", str(args.nproc),
-                "--mode", PY_MODES[mode]] + size, ("python", "pt_")
-    return [args.bench, "--mode", mode, "--nproc", str(args.nproc)] + size, ("fsdp-bench",)
+                "--mode", PY_MODES[mode]] + size, ("python", "pt_", "gloo")
+    return [args.bench, "--mode", mode, "--nproc", str(args.nproc)] + size, ("fsdp-bench", "gloo")
 
 
 def profile(mode, args, workdir):
