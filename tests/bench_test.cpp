@@ -314,6 +314,18 @@ bool has_prefix(const std::multimap<std::string, std::string>& s, const std::str
   return it != s.end() && it->first.rfind(p, 0) == 0;
 }
 
+// A Markdown table's first column -> its second, as numbers (the header reads as 0).
+std::map<std::string, double> first_column(const std::string& output) {
+  std::map<std::string, double> row;
+  std::istringstream table(output);
+  for (std::string line; std::getline(table, line);) {
+    const auto bar = line.find(" | ", 2);
+    if (line.rfind("| ", 0) == 0 && bar != std::string::npos && line.back() == '|')
+      row[line.substr(2, bar - 2)] = std::atof(line.c_str() + bar + 3);
+  }
+  return row;
+}
+
 // bench/trace_breakdown.py's table for the traces in `dir`: row name -> ms per step of the first
 // (here only) mode.
 std::map<std::string, double> trace_breakdown(const std::string& dir) {
@@ -321,13 +333,7 @@ std::map<std::string, double> trace_breakdown(const std::string& dir) {
       {"/usr/bin/python3", FSDP_SOURCE_DIR "/bench/trace_breakdown.py", dir},
       std::chrono::seconds(30));
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  std::map<std::string, double> row;
-  std::istringstream table(r.output);
-  for (std::string line; std::getline(table, line);) {
-    const auto bar = line.find(" | ", 2);
-    if (line.rfind("| ", 0) == 0 && bar != std::string::npos && line.back() == '|')
-      row[line.substr(2, bar - 2)] = std::atof(line.c_str() + bar + 3);
-  }
+  auto row = first_column(r.output);
   EXPECT_TRUE(row.count("step")) << r.output;
   return row;
 }
@@ -442,13 +448,7 @@ TEST(BenchCpuProfile, SortsTheRanksSamplesIntoCategories) {
                                        "--from-report", dir + "/report.txt"},
                                       std::chrono::seconds(30));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  std::map<std::string, double> row;
-  std::istringstream table(r.output);
-  for (std::string line; std::getline(table, line);) {
-    const auto bar = line.find(" | ", 2);
-    if (line.rfind("| ", 0) == 0 && bar != std::string::npos && line.back() == '|')
-      row[line.substr(2, bar - 2)] = std::atof(line.c_str() + bar + 3);
-  }
+  auto row = first_column(r.output);
   EXPECT_DOUBLE_EQ(row["matmul"], 50.0) << r.output;
   EXPECT_DOUBLE_EQ(row["copies"], 15.0) << r.output;
   EXPECT_DOUBLE_EQ(row["summation"], 5.0) << r.output;
