@@ -84,7 +84,9 @@ bool harmless_on_marker(const c10::OperatorHandle& op) {
   auto g = e ? e->group.lock() : nullptr;
   const std::string what = detail::cat(op.schema().name(), " was called on ", describe(e),
                                        ", whose full storage is freed (resharded). ");
-  if (g && !g->unshard_in_backward())
+  const bool in_backward = g && (g->training_state() == TrainingState::kPreBackward ||
+                                 g->training_state() == TrainingState::kPostBackward);
+  if (in_backward && !g->unshard_in_backward())
     throw Error(what +
                 "set_unshard_in_backward(false) was set on its module, which leaves it resharded "
                 "in backward, but backward reads this parameter (e.g. a weight whose input needs "
