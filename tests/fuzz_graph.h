@@ -20,14 +20,17 @@
 // an iteration (waited or not, called by the pass or not), set_unshard_in_backward(false) on
 // blocks whose backward reads no weight, blocks called through another method (Sharded::call).
 //
-// A mismatch program makes the ranks call different blocks of equal size in one forward (outside
-// the contract): training must stop with an fsdp::Error on every rank, never silently.
-// Everything in fp64.
+// Ranks call different blocks: a third of the passes give some ranks calls of their own (other
+// blocks, subsets, repeats, other orders, their own loss terms), and a tenth of the programs are
+// one forward in which the ranks call different blocks of equal size (what used to exchange the
+// wrong groups' bytes). Gradients must still equal the unsharded model's (mean over ranks, a block
+// a rank did not call contributing zeros there). Everything in fp64.
 #pragma once
 
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -92,12 +95,21 @@ struct RankChoice {
   std::vector<int> loss_terms;
   bool use_root_w = true, use_root_scale = true;
 };
-// One forward of the model: the calls of each rank (the same on every rank but in a mismatch
-// program) and each rank's choices. Pool: value 0 is the root's input projection; call c appends
-// its two outputs and its input as the block left it (values 1 + 3c, 2 + 3c, 3 + 3c).
+// One forward of the model: the calls of each rank and each rank's choices. Pool: value 0 is the
+// root's input projection; call c appends its two outputs and its input as the block left it
+// (values 1 + 3c, 2 + 3c, 3 + 3c).
 struct Pass {
   std::vector<std::vector<Call>> calls;  // per rank
   std::vector<RankChoice> ranks;
+  bool same_calls() const {
+    for (const auto& c : calls)
+      if (c.size() != calls[0].size() ||
+          !std::equal(c.begin(), c.end(), calls[0].begin(), [](const Call& a, const Call& b) {
+            return a.block == b.block && a.input == b.input;
+          }))
+        return false;
+    return true;
+  }
 };
 
 enum class BlockMode { kHolder, kOnUse, kInRoot };
@@ -140,7 +152,7 @@ struct Program {
   bool input_requires_grad = false;
   Optim optim = Optim::kSGD;
   double lr = 0.1, momentum = 0, weight_decay = 0;
-  bool mismatch = false;  // ranks call different blocks (expects an fsdp::Error)
+  bool swapped = false;  // one forward in which ranks call other blocks of equal size
   // The first call's first output enters every loss (so that the loss needs grad). Hand-written
   // programs may leave it out; they must then make the loss depend on a trainable weight.
   bool anchor_loss = true;
@@ -185,7 +197,7 @@ struct Program {
         "], root reshard " + std::to_string(root_reshard) + ", audit " + (audit ? "on" : "off") +
         ", max_unsharded_groups " + std::to_string(max_unsharded_groups) + ", " +
         (optim == Optim::kSGD ? "SGD momentum " + std::to_string(momentum) : std::string("AdamW")) +
-        " wd " + std::to_string(weight_decay) + (mismatch ? ", MISMATCH" : "") +
+        " wd " + std::to_string(weight_decay) + (swapped ? ", SWAPPED CALLS" : "") +
         (transport.empty() ? "" : ", transport " + transport) + ", " +
         kAccumulateNames[static_cast<int>(accumulate)];
     for (size_t b = 0; b < divide.size(); ++b)
@@ -195,6 +207,8 @@ struct Program {
     for (size_t i = 0; i < iterations.size(); ++i) {
       const auto& it = iterations[i];
       s += "; it" + std::to_string(i) + ": " + std::to_string(it.micro.size()) + " micro";
+      for (size_t m = 0; m < it.micro.size(); ++m)
+        if (!it.micro[m].same_calls()) s += " (m" + std::to_string(m) + ": calls differ)";
       for (const auto& e : it.extras)
         s += std::string(", ") + (e.kind == Extra::kEval ? "eval" : "grad") + "@" +
              std::to_string(e.at);
@@ -217,26 +231,49 @@ class Drawer {
     return lo + (hi - lo) * static_cast<double>(rng_() % 1000000) / 1e6;
   }
 
+  // 1-5 calls of the given blocks, each on an earlier value.
+  std::vector<Call> calls(const std::vector<int>& blocks) {
+    const int n = 1 + pick(5);
+    std::vector<Call> cs;
+    for (int c = 0; c < n; ++c) {
+      const int pool = 1 + 3 * c;
+      cs.push_back(Call{blocks[pick(static_cast<int>(blocks.size()))],
+                        chance(2) ? pick(pool) : pool - 1 - pick(std::min(pool, 3))});
+    }
+    return cs;
+  }
+  RankChoice choice(size_t calls) {
+    RankChoice rc;
+    for (size_t c = 0; c < calls; ++c) rc.detach.push_back(chance(6));
+    const int values = 1 + 3 * static_cast<int>(calls);
+    const int terms = 1 + pick(3);
+    for (int t = 0; t < terms; ++t) rc.loss_terms.push_back(1 + pick(values - 1));
+    rc.use_root_w = !chance(4);
+    rc.use_root_scale = !chance(3);
+    return rc;
+  }
   Pass pass(int blocks, int world) {
     Pass p;
-    const int calls = 1 + pick(5);
-    std::vector<Call> cs;
-    for (int c = 0; c < calls; ++c) {
-      const int pool = 1 + 3 * c;
-      cs.push_back(Call{pick(blocks), chance(2) ? pick(pool) : pool - 1 - pick(std::min(pool, 3))});
-    }
-    const int values = 1 + 3 * calls;
+    std::vector<int> all(blocks);
+    for (int b = 0; b < blocks; ++b) all[b] = b;
+    const auto cs = calls(all);
     for (int r = 0; r < world; ++r) {
       p.calls.push_back(cs);
-      RankChoice rc;
-      for (int c = 0; c < calls; ++c) rc.detach.push_back(chance(6));
-      const int terms = 1 + pick(3);
-      for (int t = 0; t < terms; ++t) rc.loss_terms.push_back(1 + pick(values - 1));
-      rc.use_root_w = !chance(4);
-      rc.use_root_scale = !chance(3);
-      p.ranks.push_back(rc);
+      p.ranks.push_back(choice(cs.size()));
     }
     return p;
+  }
+  // Some ranks make calls of their own: any blocks or a subset of them, repeated, in any order.
+  void diverge(Pass& p, int blocks) {
+    for (size_t r = 0; r < p.calls.size(); ++r) {
+      if (!chance(2)) continue;
+      std::vector<int> subset;
+      for (int b = 0; b < blocks; ++b)
+        if (!chance(3)) subset.push_back(b);
+      if (subset.empty()) subset.push_back(pick(blocks));
+      p.calls[r] = calls(subset);
+      p.ranks[r] = choice(p.calls[r].size());
+    }
   }
 
  private:
@@ -277,10 +314,10 @@ inline Program make_program(uint64_t seed, int world) {
   Program p;
   p.seed = seed;
   p.world = world;
-  p.mismatch = d.chance(10);
+  p.swapped = d.chance(10);
   if (world == 4 && d.chance(2)) p.replicas = 2;
   const int blocks = 2 + d.pick(4);
-  const bool equal_sizes = p.mismatch || d.chance(3);
+  const bool equal_sizes = p.swapped || d.chance(3);
   for (int b = 0; b < blocks; ++b) {
     p.kinds.push_back(static_cast<BlockKind>(d.pick(static_cast<int>(BlockKind::kCount))));
     p.rows.push_back(equal_sizes ? 3 : 1 + d.pick(7));
@@ -302,11 +339,9 @@ inline Program make_program(uint64_t seed, int world) {
   p.lr = p.optim == Optim::kSGD ? 0.1 : 0.01;
   if (p.optim == Optim::kSGD && !d.chance(3)) p.momentum = 0.9;
   if (!d.chance(2)) p.weight_decay = 0.05;
-  if (p.mismatch) {
+  if (p.swapped) {
     // Every block through its holder with the same settings, one synced forward and backward:
-    // the ranks issue as many collectives of the same sizes, only of other groups.
-    // Blocks of one trainable kind: ranks that call other blocks of another structure can also
-    // wait on each other's lanes (then the collective timeout names the operation, slowly).
+    // the ranks gather as many groups of the same sizes, only other ones.
     for (int b = 0; b < blocks; ++b) {
       p.kinds[b] = BlockKind::kTied;
       p.modes[b] = BlockMode::kHolder;
@@ -339,6 +374,13 @@ inline Program make_program(uint64_t seed, int world) {
   }
   p.transport = draw_transport(d);
   draw_fsdp2_settings(d, p);
+  // Drawn last (the earlier draws stay as they were): ranks whose calls differ.
+  for (auto& it : p.iterations) {
+    for (auto& pass : it.micro)
+      if (d.chance(3)) d.diverge(pass, blocks);
+    for (auto& e : it.extras)
+      if (d.chance(3)) d.diverge(e.pass, blocks);
+  }
   return p;
 }
 

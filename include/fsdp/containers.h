@@ -15,7 +15,7 @@
 // memory matters, declare the block type fsdp::Sharded<Block> and call it through the holder.
 //
 // Requirements: the model's root is sharded (fsdp::Sharded<...> + fully_shard) after its
-// elements, every rank uses the same elements in the same order, and with mixed precision the
+// elements (ranks may use different elements, in any order), and with mixed precision the
 // root casts the inputs (an element's own inputs and outputs are not cast). Elements without
 // parameters are left alone. activation_checkpointing and reshard_after_forward=true are refused.
 // See docs/design.md, [Note: elements gathered on use].

@@ -32,14 +32,18 @@ void Agreement::reset() {
 
 namespace {
 // Gathers (gather hash, count, reduce hash, count, extra) from every rank of `lane`; returns
-// whether the first four differ anywhere and whether any rank's `extra` is set.
-std::pair<bool, bool> exchange_hashes(Communicator& lane, const at::Tensor& mine, bool extra) {
+// whether the four (from column `first` on) differ anywhere and whether any rank's `extra` is set.
+std::pair<bool, bool> exchange_hashes(Communicator& lane, const at::Tensor& mine, bool extra,
+                                      int64_t first = 0) {
   const int world = lane.size();
   auto row = at::cat({mine, at::full({1}, extra ? 1 : 0, at::kLong)});
   auto all = at::empty({world * 5}, at::kLong);
   lane.all_gather(all, row).wait();
   auto rows = all.view({world, 5});
-  const bool differ = !rows.narrow(1, 0, 4).eq(mine.unsqueeze(0)).all().item<bool>();
+  const bool differ = !rows.narrow(1, first, 4 - first)
+                           .eq(mine.narrow(0, first, 4 - first).unsqueeze(0))
+                           .all()
+                           .item<bool>();
   const bool any_extra = rows.select(1, 4).gt(0).any().item<bool>();
   return {differ, any_extra};
 }
@@ -55,14 +59,17 @@ void Agreement::check(Communicator& lane, Communicator* replicate,
   if (replicate && replicate->size() > 1) {
     // Every rank learns whether any shard group disagreed. When none did, every column compares
     // the same per-row sequences, so all columns agree or all differ: every rank of the mesh
-    // takes the same decision below.
-    std::tie(column_differs, any_row_differs) = exchange_hashes(*replicate, mine, row_differs);
+    // takes the same decision below. Across replicas only the reductions must agree: each shard
+    // group gathers what its own ranks called ([Note: calls that differ between ranks]).
+    std::tie(column_differs, any_row_differs) =
+        exchange_hashes(*replicate, mine, row_differs, /*first=*/2);
   }
   if (!any_row_differs && !column_differs) return reset();
   // Naming the first difference exchanges the recorded sequences on the lane that differed (on
   // the shard lane whenever any row differed: rows that agree find nothing).
   Communicator& on = any_row_differs ? lane : *replicate;
-  std::string diff = first_difference(on, "all-gather", gathers_, groups);
+  std::string diff =
+      any_row_differs ? first_difference(on, "all-gather", gathers_, groups) : std::string();
   if (diff.empty()) diff = first_difference(on, "reduce-scatter", reduces_, groups);
   if (diff.empty())
     diff = any_row_differs && !row_differs
@@ -72,10 +79,12 @@ void Agreement::check(Communicator& lane, Communicator* replicate,
   reset();
   throw Error(detail::cat(
       "Agreed: ", diff,
-      ". The ranks issued different collectives: every rank must call the same sharded modules "
-      "in the same order (what runs inside a module may differ); otherwise ranks exchange other "
-      "modules' parameters and gradients. Fix: call every sharded module on every rank in the "
-      "same order (e.g. run a skipped expert or branch on an empty batch)"));
+      ". The ranks issued different collectives, so they would exchange other modules' "
+      "parameters or gradients. The ranks' calls of sharded modules may differ, but not their "
+      "explicit collectives: unshard() and reshard() of an FSDPModule, state dicts and "
+      "checkpoints, clip_grad_norm_, and the top-level forward and backward calls must be the "
+      "same on every rank. Fix: make those calls on every rank; if they are, please report this "
+      "with FSDP_DEBUG=1's output"));
 }
 
 void Agreement::check_all_reduce_settings(Communicator& lane, Communicator& replicate,

@@ -76,8 +76,7 @@ BackwardPass::BackwardPass(Context& ctx, const void* task_key, const torch::auto
                              reducing_ ? "" : " (explicit inputs: no reduction)"));
   }
   if (reducing_ && ctx_.replicate_lane()) ctx_.check_all_reduce_settings();
-  plan_gathers();
-  plan_reductions();
+  plan();
   gather_elements();
   // Groups this rank's backward does not touch: done now (a gathered one may reshard at once;
   // a resharded one is still gathered and dropped when its turn in the plan comes).
@@ -115,33 +114,25 @@ int BackwardPass::reductions_of(const Group& g) const {
 }
 
 // The backward order: the groups forwarded with grad, in reverse order of forward completion (the
-// order their output hooks fire when every rank takes the same path). The backward all-gathers:
-// those of them the forward left resharded. Forward order, settings and shard states are the same
-// on every rank, so is the plan.
-void BackwardPass::plan_gathers() {
+// order their output hooks fire when the ranks take the same path). This rank's gather plan: those
+// of them its forward left resharded; its reduce order: reverse first-forward order. Every rank's
+// plan and order are merged into the two sequences every rank issues
+// ([Note: calls that differ between ranks]).
+void BackwardPass::plan() {
   const auto& done = ctx_.completion_order();
   for (auto it = done.rbegin(); it != done.rend(); ++it)
     if ((*it)->forwarded_with_grad()) backward_order_.push_back(*it);
+  std::vector<Group*> mine;
   for (Group* g : backward_order_)
-    if (g->shard_state() == ShardState::kSharded && g->unshard_in_backward())
-      gather_plan_.push_back(g);
+    if (g->shard_state() == ShardState::kSharded && g->unshard_in_backward()) mine.push_back(g);
+  const auto& order = ctx_.forward_order();
+  auto agreed = ctx_.calls().agree_backward(mine, {order.rbegin(), order.rend()});
+  gather_plan_ = std::move(agreed.gathers);
+  reduce_order_ = std::move(agreed.reductions);
+  calls_differ_ = agreed.calls_differ;
   // Fault injection (audit test): this rank swaps its first two backward all-gathers.
   if (faults::active().gather_order && ctx_.gather_lane().rank() != 0 && gather_plan_.size() >= 2)
     std::swap(gather_plan_[0], gather_plan_[1]);
-}
-
-// The reductions: reverse first-forward order, groups not forwarded after them, the root last.
-void BackwardPass::plan_reductions() {
-  const auto& groups = ctx_.groups();
-  Group* root = ctx_.root();
-  const auto& order = ctx_.forward_order();
-  for (auto it = order.rbegin(); it != order.rend(); ++it)
-    if (*it != root) reduce_order_.push_back(*it);
-  for (auto it = groups.rbegin(); it != groups.rend(); ++it)
-    if (*it != root &&
-        std::find(reduce_order_.begin(), reduce_order_.end(), *it) == reduce_order_.end())
-      reduce_order_.push_back(*it);
-  if (root) reduce_order_.push_back(root);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -225,12 +216,14 @@ void BackwardPass::maybe_post_backward(Group& g) {
 void BackwardPass::gather_through(size_t plan_end) {
   for (; gather_cursor_ < plan_end && gather_cursor_ < gather_plan_.size(); ++gather_cursor_) {
     Group* t = gather_plan_[gather_cursor_];
-    t->unshard();
-    // Every rank must issue this all-gather; a rank whose backward does not use the group drops
-    // the result (waiting for it is safe: every rank issues this lane in the same order).
-    if (!slot(*t).needed()) {
+    // Every rank must issue this all-gather; a rank whose backward does not use the group, or
+    // that holds it already (its calls differed), takes part and keeps nothing (waiting for it is
+    // safe: every rank issues this lane in the same order).
+    if (slot(*t).needed() && t->shard_state() == ShardState::kSharded) {
+      t->unshard();
+    } else {
       ctx_.log(t, "backward all-gather for the other ranks (not needed here)");
-      t->reshard();
+      t->serve_gather();
     }
   }
 }
@@ -310,6 +303,9 @@ bool BackwardPass::will_reduce(const Group& g) const {
 // bounded wait that runs out ends such waits for the rest of the pass (at most one bound per
 // backward), and after a few (Context::kMaxReapWaitExpiries) for good.
 bool BackwardPass::may_wait_for(const Group& g) const {
+  // Ranks whose calls differ do not run the plan in its order: another rank may need a later
+  // entry before it issues this reduction. Then only the whole plan issued (kAll) allows a wait.
+  if (calls_differ_) return false;
   const auto end = gather_plan_.begin() + static_cast<std::ptrdiff_t>(gather_cursor_);
   if (std::find(gather_plan_.begin(), gather_plan_.end(), &g) != gather_plan_.end())
     return std::find(gather_plan_.begin(), end, &g) != end;

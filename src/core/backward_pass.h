@@ -65,8 +65,7 @@ class BackwardPass {
   };
 
   Slot& slot(const Group& g);
-  void plan_gathers();
-  void plan_reductions();
+  void plan();             // the gather plan and the reduce order, agreed with the other ranks
   void gather_elements();  // elements gathered on use: never left resharded into their backward
   void gather_through(size_t plan_end);  // issue plan entries [cursor, plan_end)
   void prefetch_after(Group& g);
@@ -100,6 +99,7 @@ class BackwardPass {
   size_t reduce_cursor_ = 0;
   std::deque<PendingReduce> in_flight_;
   bool bounded_wait_expired_ = false;  // a kBounded reap ran out of time in this pass
+  bool calls_differ_ = false;          // the ranks' plans differed (CallAgreement)
 };
 
 }  // namespace fsdp::detail

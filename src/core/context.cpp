@@ -82,13 +82,6 @@ void Context::end_epoch() {
   for (Group* g : groups_) g->fingerprint_if_gathered();
 }
 
-bool Context::on_any_rank(bool local) {
-  if (agree_lane_->size() == 1) return local;
-  auto flag = at::full({1}, local ? 1 : 0, at::kLong);
-  agree_lane_->all_reduce(flag, ReduceOp::kSum).wait();
-  return flag.item<int64_t>() > 0;
-}
-
 void Context::check_agreement() {
   agreement_.check(*agree_lane_, replicate_agree_lane_.get(), groups_);
 }
@@ -141,22 +134,23 @@ void Context::on_post_forward(Group* g) {
   completion_order_.push_back(g);
 }
 
-void Context::prefetch_forward(Group* g) {
+std::vector<Group*> Context::forward_prefetch_targets(Group& g) {
   EntryLock lock(backward_.mutex());
   std::vector<Group*> targets;
-  if (g->forward_prefetch_set()) {
-    targets = g->forward_prefetch();
+  if (g.forward_prefetch_set()) {
+    targets = g.forward_prefetch();
   } else {
-    auto it = std::find(last_forward_order_.begin(), last_forward_order_.end(), g);
+    auto it = std::find(last_forward_order_.begin(), last_forward_order_.end(), &g);
     if (it != last_forward_order_.end() && it + 1 != last_forward_order_.end())
       targets.push_back(*(it + 1));
   }
-  for (Group* t : targets)
-    if (t != g && t->shard_state() == ShardState::kSharded &&
-        t->options().max_unsharded_groups >= 2) {
-      log(t, detail::cat("forward prefetch from '", g->name(), "'"));
-      t->unshard();
-    }
+  targets.erase(std::remove_if(targets.begin(), targets.end(),
+                               [&](Group* t) {
+                                 return t == &g || t->shard_state() != ShardState::kSharded ||
+                                        t->options().max_unsharded_groups < 2;
+                               }),
+                targets.end());
+  return targets;
 }
 
 void Context::cancel_forward_prefetches() {

@@ -3,7 +3,7 @@
 // the communication buffer pool, the debug log and the audit.
 //
 // Thread-safety: one thread trains a model; backward hooks may run on the engine's threads. The
-// forward entry points below (on_pre_forward, on_post_forward, prefetch_forward,
+// forward entry points below (on_pre_forward, on_post_forward, forward_prefetch_targets,
 // cancel_forward_prefetches) take the backward bookkeeping's mutex, which guards the forward
 // order the passes plan from (core/backward_passes.h).
 #pragma once
@@ -18,6 +18,7 @@
 #include "core/agreement.h"
 #include "core/audit.h"
 #include "core/backward_passes.h"
+#include "core/call_agreement.h"
 #include "util/mutex.h"
 
 namespace fsdp::detail {
@@ -67,6 +68,8 @@ class Context {
   // HSDP: the lane on which reduced shard gradients are averaged across replicas; null otherwise.
   Communicator* replicate_lane() const { return replicate_lane_.get(); }
   const std::shared_ptr<Communicator>& replicate() const { return replicate_; }
+  // HSDP: the replicate lane for small agreements; null otherwise.
+  Communicator* replicate_agree_lane() const { return replicate_agree_lane_.get(); }
 
   // ---- forward ----
   bool in_forward() const;  // a forward of a sharded module of this context is running
@@ -79,12 +82,12 @@ class Context {
   void advance_epoch() { ++epoch_; }
   // The current epoch ends: every group still gathered remembers its shards' values.
   void end_epoch();
-  // Whether `local` holds on any rank of the shard lane (collective; this rank's value alone on
-  // one rank).
-  bool on_any_rank(bool local);
-  // Issues the all-gather of the group expected to run next (the order recorded in the previous
-  // iteration, or the explicit override list). Depends only on call order and settings.
-  void prefetch_forward(Group* g) FSDP_EXCLUDES(backward_.mutex());
+  // The rounds in which the ranks agree on every forward all-gather (core/call_agreement.h).
+  CallAgreement& calls() { return calls_; }
+  // The groups to prefetch when `g`'s forward call begins: the one after g in this rank's previous
+  // iteration, or g's explicit list; only those resharded here, and only with
+  // max_unsharded_groups >= 2.
+  std::vector<Group*> forward_prefetch_targets(Group& g) FSDP_EXCLUDES(backward_.mutex());
   // A forward threw: drop gathers nobody will use.
   void cancel_forward_prefetches() FSDP_EXCLUDES(backward_.mutex());
   // Groups in first pre-forward order of this iteration. REQUIRES: backward_.mutex() held, or
@@ -155,6 +158,7 @@ class Context {
   uint64_t epoch_ = 1;
   Audit audit_;
   Agreement agreement_;
+  CallAgreement calls_{*this};
   BufferPool pool_;
 };
 

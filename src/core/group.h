@@ -116,13 +116,19 @@ class Group : public std::enable_shared_from_this<Group> {
   // Issues the all-gather unless gathered (with current shards) or in flight.
   void unshard();
   void wait_for_unshard();  // waits and copies out into the full parameters
+  // Takes part in an all-gather of this group that another rank needs, keeping nothing
+  // ([Note: calls that differ between ranks]); blocks until it completes.
+  void serve_gather();
   // Frees the full parameters' storage; a gather in flight is waited and discarded.
   void reshard();
   ShardState shard_state() const { return shard_state_; }
-  // Gathered, but a shard changed on some rank since (an optimizer step, any write): the full
-  // values are stale. Collective over the shard ranks when the group was gathered before the
-  // current top-level forward ([Note: stale gathered parameters] in docs/design.md).
-  bool stale();
+  // [Note: stale gathered parameters]: whether the full values might be older than the shards
+  // is decided by the ranks together when a top-level forward begins (CallAgreement), from these.
+  // Held (gathered or in flight) since before the current epoch.
+  bool held_from_earlier_epoch() const;
+  // This rank's shard changed since the gather (an optimizer step, any write), or cannot tell.
+  bool changed_since_gather() const;
+  void mark_current();  // found not stale: current in this epoch
   // The epoch of the gather ends with the group still gathered: remembers the shards' values
   // (once per gather), which stale() compares with later.
   void fingerprint_if_gathered();
@@ -216,14 +222,16 @@ class Group : public std::enable_shared_from_this<Group> {
   void end_backward_span();
   // A "copy" span named `what` + this group's name while tracing; nothing (no name built) when off.
   std::optional<trace::Span> copy_span(const char* what) const;
-  void reshard_stale_elements();  // the root, before its forward
   // One rank, no replicas: the reduction of a gradient is the gradient itself.
   bool reduces_locally() const;
   // One rank and the shards' dtype on the wire: the full parameters borrow the shards' bytes.
   bool gathers_locally() const;
   // Every shard still lives in flat_shard_: the all-gather sends it without a copy.
   bool sends_in_place() const;
-  void issue_gather(Communicator& lane, BufferPool& pool);  // unshard's all-gather
+  // Issues the all-gather of `g.send` into `block` (gathered into places) or `g.recv`.
+  void issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g, at::Tensor& block);
+  void pack_send(PendingGather& g, bool own_gather);  // the all-gather's send block
+  void gather_for_call();                             // pre_forward's gathers (CallAgreement)
   void rebase_modified_inputs();          // post_forward: [Note: inputs modified in place]
   void release_gather(PendingGather& g);  // returns its pooled buffers
 

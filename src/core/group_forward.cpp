@@ -3,6 +3,7 @@
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "core/buffers.h"
 #include "core/context.h"
@@ -62,7 +63,8 @@ void Group::begin_iteration() {
 
 void Group::pre_forward() {
   call_inputs_.clear();
-  if (!context_->in_forward()) context_->advance_epoch();  // a top-level call
+  const bool top_level = !context_->in_forward();
+  if (top_level) context_->advance_epoch();
   check_materialized();  // before any state changes: the module stays usable after the error
   state_before_forward_ = training_state_;
   transition(TrainingState::kForward,
@@ -71,12 +73,10 @@ void Group::pre_forward() {
   if (is_root() && options_.broadcast_buffers && state_before_forward_ == TrainingState::kIdle)
     broadcast_buffers_to_all();
   // Gathered values older than the shards (an optimizer step since the gather, e.g. after an
-  // evaluation forward that kept the root gathered) are dropped and gathered again. Every rank
-  // steps the same shards, so every rank takes the same decision.
-  if (stale()) reshard();
-  if (is_root()) reshard_stale_elements();
-  unshard();
-  context_->prefetch_forward(this);
+  // evaluation forward that kept the root gathered) are dropped and gathered again; the ranks
+  // decide together in the first round of the call.
+  if (top_level) context_->calls().begin_top_level(*this);
+  gather_for_call();
   wait_for_unshard();
   if (at::GradMode::is_enabled()) forwarded_with_grad_ = true;
   forward_start_us_ = trace::enabled() ? trace::now_us() : -1;
@@ -107,20 +107,25 @@ void Group::post_forward(const std::vector<at::Tensor>& outs) {
   if (is_root() && !at::GradMode::is_enabled())
     for (Group* g : context_->groups())
       if (g->gathers_on_use() && g->training_state() == TrainingState::kIdle) g->reshard();
+  const bool top_level_ends =
+      state_before_forward_ == TrainingState::kIdle && !context_->in_forward();
+  // The ranks' calls may have differed: serve the others' gathers until every rank is done.
+  if (top_level_ends) context_->calls().end_top_level(*this);
   // Every forward of the root ends by checking that the ranks gathered the same groups, before a
   // backward could reduce into the wrong ones (core/agreement.h).
   if (is_root() && state_before_forward_ == TrainingState::kIdle) context_->check_agreement();
   // A top-level call ends its epoch: user code (an optimizer step) may follow.
-  if (state_before_forward_ == TrainingState::kIdle && !context_->in_forward())
-    context_->end_epoch();
+  if (top_level_ends) context_->end_epoch();
 }
 
-void Group::reshard_stale_elements() {
-  // An element kept gathered (set_reshard_after_backward(false), or a forward without backward)
-  // is not gathered again on use, so its values must not be older than its shards: drop them
-  // when an optimizer stepped since. Every rank steps the same shards: the same decision.
-  for (Group* g : context_->groups())
-    if (g->gathers_on_use() && g->stale()) g->reshard();
+// [Note: calls that differ between ranks] Forward all-gathers, this group's and its prefetches,
+// are issued in a round agreed with the other ranks; in a backward (no rounds there), directly.
+void Group::gather_for_call() {
+  if (torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr) {
+    unshard();
+    return;
+  }
+  context_->calls().gather_for_call(*this);
 }
 
 bool Group::gather_on_use() {
@@ -128,8 +133,7 @@ bool Group::gather_on_use() {
   // Inside the root's forward: the forward all-gathers follow the order of first use, which is
   // the call order of the elements (the same on every rank: the documented requirement).
   context_->on_pre_forward(this);
-  unshard();
-  context_->prefetch_forward(this);
+  gather_for_call();
   wait_for_unshard();
   if (at::GradMode::is_enabled()) forwarded_with_grad_ = true;
   context_->on_post_forward(this);
@@ -143,6 +147,7 @@ void Group::abort_forward() noexcept {
       transition(state_before_forward_, {TrainingState::kForward});
     reshard();
     context_->cancel_forward_prefetches();
+    context_->calls().abandon();
   } catch (const std::exception& e) {
     // The forward's own error is on its way out: this one is only reported.
     TORCH_WARN("fsdp: while unwinding the failed forward of '", name_, "': ", e.what());

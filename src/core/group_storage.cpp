@@ -71,21 +71,10 @@ void Group::unshard() {
     context_->log(this, "unshard: one rank, no all-gather (SHARDED->GATHERING)");
     return;
   }
-  auto& lane = context_->gather_lane();
   auto& pool = context_->pool();
-  const auto dtype = gather_dtype_;
-  if (sends_in_place()) {
-    gather_.send = flat_shard_;
-    for (auto& p : params_) p.note_sent_in_place();
-  } else {
-    gather_.send = pool.acquire(flat_numel_, dtype);
-    gather_.send_pooled = true;
-    auto span = copy_span("copy-in ");
-    for (size_t i = 0; i < params_.size(); ++i)
-      params_[i].copy_in_shard(gather_.send.narrow(0, offsets_[i], params_[i].padded_numel()));
-  }
+  pack_send(gather_, /*own_gather=*/true);
   try {
-    issue_gather(lane, pool);
+    issue_gather(context_->gather_lane(), pool, gather_, full_block_);
   } catch (...) {
     // Nothing was issued: the buffers taken for it go back to the pool; still SHARDED.
     if (full_block_.defined()) pool.release(std::exchange(full_block_, at::Tensor()));
@@ -102,22 +91,66 @@ void Group::unshard() {
 // The pieces land in the full block where the lane can put them there (point to point on CPU):
 // no gather buffer and no copy-out. Otherwise (a collective backend) into a flat (world, S)
 // buffer that wait_for_unshard copies out.
-void Group::issue_gather(Communicator& lane, BufferPool& pool) {
+void Group::issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g,
+                         at::Tensor& block) {
   std::vector<at::Tensor> pieces;
   pieces.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i)
-    pieces.push_back(params_[i].rows_to_send(gather_.send, offsets_[i]));
+    pieces.push_back(params_[i].rows_to_send(g.send, offsets_[i]));
   if (detail::gathers_into_places(lane, pieces)) {
-    full_block_ = pool.acquire(full_block_numel_, gather_dtype_);
+    block = pool.acquire(full_block_numel_, gather_dtype_);
     std::vector<std::vector<at::Tensor>> places(lane.size());
     for (int r = 0; r < lane.size(); ++r)
       for (size_t i = 0; i < params_.size(); ++i)
-        places[r].push_back(params_[i].place_of_rows(full_block_, full_offsets_[i], r));
-    gather_.work = all_gather_into(lane, std::move(places), std::move(pieces));
+        places[r].push_back(params_[i].place_of_rows(block, full_offsets_[i], r));
+    g.work = all_gather_into(lane, std::move(places), std::move(pieces));
     return;
   }
-  gather_.recv = pool.acquire(lane.size() * flat_numel_, gather_dtype_);
-  gather_.work = lane.all_gather(gather_.recv, gather_.send);
+  g.recv = pool.acquire(lane.size() * flat_numel_, gather_dtype_);
+  g.work = lane.all_gather(g.recv, g.send);
+}
+
+// The send side: the flat shard itself where every shard still lives in it, else a pooled copy
+// (cast to param_dtype under mixed precision).
+void Group::pack_send(PendingGather& g, bool own_gather) {
+  if (sends_in_place()) {
+    g.send = flat_shard_;
+    if (own_gather)
+      for (auto& p : params_) p.note_sent_in_place();
+    return;
+  }
+  g.send = context_->pool().acquire(flat_numel_, gather_dtype_);
+  g.send_pooled = true;
+  auto span = copy_span("copy-in ");
+  for (size_t i = 0; i < params_.size(); ++i)
+    params_[i].copy_in_shard(g.send.narrow(0, offsets_[i], params_[i].padded_numel()));
+}
+
+// [Note: calls that differ between ranks] Another rank needs this group gathered; this rank does
+// not keep the result. A resharded group is gathered and dropped; one held here (gathered or in
+// flight) is left as it is, and this rank still sends its part through a gather of its own.
+void Group::serve_gather() {
+  if (shard_state_ == ShardState::kSharded) {
+    unshard();
+    reshard();
+    return;
+  }
+  check_materialized();
+  auto& pool = context_->pool();
+  PendingGather g;
+  at::Tensor block;
+  pack_send(g, /*own_gather=*/false);
+  try {
+    issue_gather(context_->gather_lane(), pool, g, block);
+  } catch (...) {
+    release_gather(g);
+    throw;
+  }
+  context_->agreement().on_gather(context_->index_of(this), flat_numel_);
+  context_->log(this, "all-gather for the other ranks (held here: result dropped)");
+  g.work.wait();
+  release_gather(g);
+  if (block.defined()) pool.release(std::move(block));
 }
 
 void Group::wait_for_unshard() {
@@ -176,14 +209,15 @@ void Group::fingerprint_if_gathered() {
   fingerprinted_ = true;
 }
 
-bool Group::stale() {
-  if (shard_state_ == ShardState::kSharded || gathered_epoch_ == context_->epoch()) return false;
-  bool changed = false;
-  for (const auto& p : params_) changed = changed || p.shard_changed_since_gather();
-  // One rank's shard may keep its values where another's change (no rows here, a zero update):
-  // the ranks decide together, since the decision is whether to all-gather again.
-  if (context_->on_any_rank(changed)) return true;
-  gathered_epoch_ = context_->epoch();
+bool Group::held_from_earlier_epoch() const {
+  return shard_state_ != ShardState::kSharded && gathered_epoch_ != context_->epoch();
+}
+
+void Group::mark_current() { gathered_epoch_ = context_->epoch(); }
+
+bool Group::changed_since_gather() const {
+  for (const auto& p : params_)
+    if (p.shard_changed_since_gather()) return true;
   return false;
 }
 

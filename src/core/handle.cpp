@@ -93,7 +93,7 @@ std::vector<std::pair<std::string, at::Tensor>> FSDPModule::named_parameters() c
 
 UnshardHandle FSDPModule::unshard(bool async_op) {
   auto& g = checked(group_);
-  g.unshard();
+  g.context().calls().explicit_unshard(g);
   if (async_op) return UnshardHandle(group_);
   g.wait_for_unshard();
   g.context().end_epoch();  // user code follows

@@ -1,0 +1,278 @@
+// CallAgreement: rounds on the gather lane ([Note: calls that differ between ranks]).
+#include "core/call_agreement.h"
+
+#include <ATen/ATen.h>
+#include <fsdp/error.h>
+
+#include <algorithm>
+
+#include "comm/rank_agreement.h"
+#include "core/context.h"
+#include "core/group.h"
+
+namespace fsdp::detail {
+namespace {
+
+constexpr size_t kFixedWords = 2;  // kind, who
+
+size_t words_for(size_t groups) { return (groups + 63) / 64; }
+void set_bit(std::vector<uint64_t>& bits, size_t k) { bits[k / 64] |= uint64_t{1} << (k % 64); }
+bool bit(const std::vector<uint64_t>& bits, size_t k) {
+  return (bits[k / 64] >> (k % 64)) & uint64_t{1};
+}
+
+// The lists of all ranks merged position by position: every rank's first entry (in rank order),
+// then every rank's second, ..., each group once. The same on every rank that holds the same lists.
+std::vector<int64_t> interleave(const std::vector<std::vector<int64_t>>& lists) {
+  std::vector<int64_t> out;
+  size_t longest = 0;
+  for (const auto& l : lists) longest = std::max(longest, l.size());
+  for (size_t pos = 0; pos < longest; ++pos)
+    for (const auto& l : lists)
+      if (pos < l.size() && std::find(out.begin(), out.end(), l[pos]) == out.end())
+        out.push_back(l[pos]);
+  return out;
+}
+
+}  // namespace
+
+bool CallAgreement::active() const { return ctx_.gather_lane().size() > 1; }
+
+CallAgreement::Message CallAgreement::message(Kind kind, const Group* who) const {
+  const size_t w = words_for(ctx_.groups().size());
+  Message m;
+  m.kind = kind;
+  m.who = who ? ctx_.index_of(who) : -1;
+  m.need.assign(w, 0);
+  m.prefetch.assign(w, 0);
+  m.changed.assign(w, 0);
+  m.held.assign(w, 0);
+  return m;
+}
+
+std::string CallAgreement::describe(const Message& m) const {
+  const auto& groups = ctx_.groups();
+  const std::string who =
+      m.who >= 0 && static_cast<size_t>(m.who) < groups.size() ? groups[m.who]->name() : "?";
+  switch (m.kind) {
+    case kStart:
+      return "began a top-level forward of '" + who + "'";
+    case kCall:
+      return "was inside a forward (a call of '" + who + "')";
+    case kDone:
+      return "had ended a top-level forward of '" + who + "'";
+    case kBackward:
+      return "began a backward";
+    case kUnshard:
+      return "called unshard() of '" + who + "'";
+    default:
+      return "sent an unknown message (kind " + std::to_string(m.kind) + ")";
+  }
+}
+
+std::vector<CallAgreement::Message> CallAgreement::exchange(const Message& mine) {
+  if (!active()) return {mine};
+  auto& lane = ctx_.gather_lane();
+  const size_t w = mine.need.size();
+  const size_t len = kFixedWords + 4 * w;
+  std::vector<int64_t> row{mine.kind, mine.who};
+  for (const auto* bits : {&mine.need, &mine.prefetch, &mine.changed, &mine.held})
+    for (uint64_t x : *bits) row.push_back(static_cast<int64_t>(x));
+  auto send = at::tensor(row, at::kLong);
+  auto recv = at::empty({static_cast<int64_t>(lane.size() * len)}, at::kLong);
+  lane.all_gather(recv, send).wait();
+  const int64_t* v = recv.data_ptr<int64_t>();
+  std::vector<Message> all(lane.size());
+  for (int r = 0; r < lane.size(); ++r, v += len) {
+    Message& m = all[r];
+    m.kind = v[0];
+    m.who = v[1];
+    size_t at = kFixedWords;
+    for (auto* bits : {&m.need, &m.prefetch, &m.changed, &m.held}) {
+      bits->assign(v + at, v + at + w);
+      at += w;
+    }
+  }
+  if (ctx_.debug()) {
+    std::string line = "round:";
+    for (int r = 0; r < lane.size(); ++r) {
+      line += detail::cat(" [rank ", r, " kind ", all[r].kind, " who ", all[r].who, " need");
+      for (size_t k = 0; k < 64 * w; ++k)
+        if (bit(all[r].need, k)) line += detail::cat(" ", k);
+      line += " prefetch";
+      for (size_t k = 0; k < 64 * w; ++k)
+        if (bit(all[r].prefetch, k)) line += detail::cat(" ", k);
+      line += "]";
+    }
+    ctx_.log(nullptr, line);
+  }
+  // kStart and kBackward pair only with their own kind; a forward's calls and the done rounds
+  // of a forward that ended pair with each other.
+  auto exclusive = [](int64_t k) { return k == kStart || k == kBackward || k == kUnshard; };
+  for (int r = 1; r < lane.size(); ++r) {
+    const bool clash =
+        all[r].kind != all[0].kind && (exclusive(all[r].kind) || exclusive(all[0].kind));
+    if (!clash) continue;
+    throw Error(detail::cat(
+        "the ranks' top-level calls differ: rank 0 ", describe(all[0]), " while rank ", r, " ",
+        describe(all[r]),
+        ". Ranks may call different sharded modules inside a forward, but every rank must make "
+        "the same top-level calls (forwards of the root, or of a module called outside any other "
+        "sharded module's forward), the same backward calls and the same FSDPModule::unshard() "
+        "calls. Fix: make the same top-level "
+        "calls on every rank (a rank with nothing to compute can call the model on an empty "
+        "batch)"));
+  }
+  return all;
+}
+
+void CallAgreement::issue_union(const Message& mine, const std::vector<Message>& all) {
+  const auto& groups = ctx_.groups();
+  std::vector<uint64_t> need(mine.need.size(), 0), prefetch(mine.need.size(), 0);
+  for (const auto& m : all)
+    for (size_t i = 0; i < need.size(); ++i) {
+      need[i] |= m.need[i];
+      prefetch[i] |= m.prefetch[i];
+    }
+  for (size_t i = 0; i < need.size(); ++i) prefetch[i] &= ~need[i];
+  auto issue = [&](const std::vector<uint64_t>& set) {
+    for (size_t k = 0; k < groups.size(); ++k) {
+      if (!bit(set, k)) continue;
+      Group* g = groups[k];
+      if (bit(mine.need, k)) {
+        g->unshard();
+      } else if (bit(mine.prefetch, k)) {
+        ctx_.log(g, "forward prefetch");
+        g->unshard();
+        prefetched_.push_back(g);
+      } else {
+        g->serve_gather();
+      }
+    }
+  };
+  issue(need);
+  issue(prefetch);
+}
+
+// [Note: stale gathered parameters] The ranks decide together: a group is stale when some rank's
+// shard changed since its gather, or when only some ranks hold it (one that does not hold it
+// cannot tell whether its shard changed since the others gathered).
+void CallAgreement::begin_top_level(Group& g) {
+  prefetched_.clear();
+  const auto& groups = ctx_.groups();
+  Message m = message(kStart, &g);
+  for (size_t k = 0; k < groups.size(); ++k) {
+    if (!groups[k]->held_from_earlier_epoch()) continue;
+    set_bit(m.held, k);
+    if (groups[k]->changed_since_gather()) set_bit(m.changed, k);
+  }
+  const auto all = exchange(m);
+  for (size_t k = 0; k < groups.size(); ++k) {
+    if (!bit(m.held, k)) continue;
+    bool stale = false;
+    for (const auto& o : all) stale = stale || bit(o.changed, k) || !bit(o.held, k);
+    if (stale)
+      groups[k]->reshard();
+    else
+      groups[k]->mark_current();
+  }
+}
+
+void CallAgreement::gather_for_call(Group& g) {
+  prefetched_.erase(std::remove(prefetched_.begin(), prefetched_.end(), &g), prefetched_.end());
+  Message m = message(kCall, &g);
+  const size_t k = static_cast<size_t>(ctx_.index_of(&g));
+  bool any = false;
+  if (g.shard_state() == ShardState::kSharded) {
+    set_bit(m.need, k);
+    any = true;
+  }
+  for (Group* t : ctx_.forward_prefetch_targets(g)) {
+    set_bit(m.prefetch, static_cast<size_t>(ctx_.index_of(t)));
+    any = true;
+  }
+  if (!any) return;
+  issue_union(m, exchange(m));
+}
+
+void CallAgreement::explicit_unshard(Group& g) {
+  Message m = message(kUnshard, &g);
+  if (g.shard_state() == ShardState::kSharded)
+    set_bit(m.need, static_cast<size_t>(ctx_.index_of(&g)));
+  issue_union(m, exchange(m));
+}
+
+void CallAgreement::end_top_level(Group& g) {
+  if (active()) {
+    for (;;) {
+      Message m = message(kDone, &g);
+      const auto all = exchange(m);
+      issue_union(m, all);
+      if (std::all_of(all.begin(), all.end(), [](const Message& o) { return o.kind == kDone; }))
+        break;
+    }
+  }
+  // Prefetched for a call this rank did not make: no longer needed.
+  for (Group* t : prefetched_)
+    if (t->shard_state() == ShardState::kGathering && t->training_state() == TrainingState::kIdle) {
+      ctx_.log(t, "forward prefetch unused: dropped");
+      t->reshard();
+    }
+  prefetched_.clear();
+}
+
+CallAgreement::BackwardOrders CallAgreement::agree_backward(
+    const std::vector<Group*>& my_gathers, const std::vector<Group*>& my_reverse_forward) {
+  const auto& groups = ctx_.groups();
+  Group* root = ctx_.root();
+  auto indices = [&](const std::vector<Group*>& v) {
+    std::vector<int64_t> out;
+    for (Group* g : v) out.push_back(ctx_.index_of(g));
+    return out;
+  };
+  std::vector<std::vector<int64_t>> plans{indices(my_gathers)};
+  std::vector<std::vector<int64_t>> orders{indices(my_reverse_forward)};
+  if (active()) {
+    exchange(message(kBackward, nullptr));
+    std::vector<int64_t> mine{static_cast<int64_t>(my_gathers.size())};
+    for (int64_t k : plans[0]) mine.push_back(k);
+    for (int64_t k : orders[0]) mine.push_back(k);
+    plans.clear();
+    orders.clear();
+    for (const auto& l : all_gather_values(ctx_.gather_lane(), mine)) {
+      const auto split = l.begin() + 1 + l[0];
+      plans.emplace_back(l.begin() + 1, split);
+      orders.emplace_back(split, l.end());
+    }
+  }
+  // Reductions: the merged reverse first-forward orders (the root left out), the groups no rank
+  // forwarded in reverse registration order, the root last.
+  std::vector<int64_t> reduce = interleave(orders);
+  const int64_t root_index = ctx_.index_of(root);
+  reduce.erase(std::remove(reduce.begin(), reduce.end(), root_index), reduce.end());
+  for (int64_t k = static_cast<int64_t>(groups.size()) - 1; k >= 0; --k)
+    if (k != root_index && std::find(reduce.begin(), reduce.end(), k) == reduce.end())
+      reduce.push_back(k);
+  if (root) reduce.push_back(root_index);
+  bool differ = false;
+  for (size_t r = 1; r < plans.size(); ++r)
+    differ = differ || plans[r] != plans[0] || orders[r] != orders[0];
+  // HSDP: every replica's order, merged again, so that the all-reduces agree across the mesh;
+  // whether any shard group's calls differed travels with it (first entry).
+  if (Communicator* rep = ctx_.replicate_agree_lane(); rep && rep->size() > 1) {
+    reduce.insert(reduce.begin(), differ ? 1 : 0);
+    auto lists = all_gather_values(*rep, reduce);
+    for (auto& l : lists) {
+      differ = differ || l.front() != 0;
+      l.erase(l.begin());
+    }
+    reduce = interleave(lists);
+  }
+  BackwardOrders out;
+  out.calls_differ = differ;
+  for (int64_t k : interleave(plans)) out.gathers.push_back(groups[k]);
+  for (int64_t k : reduce) out.reductions.push_back(groups[k]);
+  return out;
+}
+
+}  // namespace fsdp::detail
