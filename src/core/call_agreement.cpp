@@ -6,7 +6,6 @@
 
 #include <algorithm>
 
-#include "comm/rank_agreement.h"
 #include "core/context.h"
 #include "core/group.h"
 
@@ -32,6 +31,17 @@ std::vector<int64_t> interleave(const std::vector<std::vector<int64_t>>& lists) 
       if (pos < l.size() && std::find(out.begin(), out.end(), l[pos]) == out.end())
         out.push_back(l[pos]);
   return out;
+}
+
+// Every rank's row (all of one length), indexed by rank: one all-gather.
+std::vector<std::vector<int64_t>> gather_rows(Communicator& c, const std::vector<int64_t>& row) {
+  const auto len = static_cast<int64_t>(row.size());
+  auto recv = at::empty({c.size() * len}, at::kLong);
+  c.all_gather(recv, at::tensor(row, at::kLong)).wait();
+  const int64_t* v = recv.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> rows;
+  for (int r = 0; r < c.size(); ++r) rows.emplace_back(v + r * len, v + (r + 1) * len);
+  return rows;
 }
 
 }  // namespace
@@ -74,16 +84,13 @@ std::vector<CallAgreement::Message> CallAgreement::exchange(const Message& mine)
   if (!active()) return {mine};
   auto& lane = ctx_.gather_lane();
   const size_t w = mine.need.size();
-  const size_t len = kFixedWords + 4 * w;
   std::vector<int64_t> row{mine.kind, mine.who};
   for (const auto* bits : {&mine.need, &mine.prefetch, &mine.changed, &mine.held})
     for (uint64_t x : *bits) row.push_back(static_cast<int64_t>(x));
-  auto send = at::tensor(row, at::kLong);
-  auto recv = at::empty({static_cast<int64_t>(lane.size() * len)}, at::kLong);
-  lane.all_gather(recv, send).wait();
-  const int64_t* v = recv.data_ptr<int64_t>();
+  const auto rows = gather_rows(lane, row);
   std::vector<Message> all(lane.size());
-  for (int r = 0; r < lane.size(); ++r, v += len) {
+  for (int r = 0; r < lane.size(); ++r) {
+    const int64_t* v = rows[r].data();
     Message& m = all[r];
     m.kind = v[0];
     m.who = v[1];
@@ -234,15 +241,18 @@ CallAgreement::BackwardOrders CallAgreement::agree_backward(
   std::vector<std::vector<int64_t>> orders{indices(my_reverse_forward)};
   if (active()) {
     exchange(message(kBackward, nullptr));
-    std::vector<int64_t> mine{static_cast<int64_t>(my_gathers.size())};
-    for (int64_t k : plans[0]) mine.push_back(k);
-    for (int64_t k : orders[0]) mine.push_back(k);
+    // One row per rank, all of one length: the two counts, both lists, padding.
+    std::vector<int64_t> mine{static_cast<int64_t>(plans[0].size()),
+                              static_cast<int64_t>(orders[0].size())};
+    mine.insert(mine.end(), plans[0].begin(), plans[0].end());
+    mine.insert(mine.end(), orders[0].begin(), orders[0].end());
+    mine.resize(2 + 2 * groups.size(), -1);
     plans.clear();
     orders.clear();
-    for (const auto& l : all_gather_values(ctx_.gather_lane(), mine)) {
-      const auto split = l.begin() + 1 + l[0];
-      plans.emplace_back(l.begin() + 1, split);
-      orders.emplace_back(split, l.end());
+    for (const auto& l : gather_rows(ctx_.gather_lane(), mine)) {
+      const auto plan = l.begin() + 2, order = plan + l[0];
+      plans.emplace_back(plan, order);
+      orders.emplace_back(order, order + l[1]);
     }
   }
   // Reductions: the merged reverse first-forward orders (the root left out), the groups no rank
@@ -261,7 +271,7 @@ CallAgreement::BackwardOrders CallAgreement::agree_backward(
   // whether any shard group's calls differed travels with it (first entry).
   if (Communicator* rep = ctx_.replicate_agree_lane(); rep && rep->size() > 1) {
     reduce.insert(reduce.begin(), differ ? 1 : 0);
-    auto lists = all_gather_values(*rep, reduce);
+    auto lists = gather_rows(*rep, reduce);  // every order holds every group: one length
     for (auto& l : lists) {
       differ = differ || l.front() != 0;
       l.erase(l.begin());

@@ -135,6 +135,7 @@ void Group::serve_gather() {
     reshard();
     return;
   }
+  if (context_->gather_lane().size() == 1) return;  // no other rank to send to
   check_materialized();
   auto& pool = context_->pool();
   PendingGather g;
