@@ -18,10 +18,36 @@ using fsdp::models::GPT;
 constexpr int kSteps = 4;
 constexpr int64_t kGlobalBatch = 12;
 
-fsdp::Sharded<GPT> build() {
+// The GPT, whose forward can leave out one block: with `skip` set per rank, the ranks call
+// different sharded modules ([Note: calls that differ between ranks]).
+struct SkippingGPTImpl : fsdp::models::GPTImpl {
+  explicit SkippingGPTImpl(const fsdp::models::GPTConfig& c) : GPTImpl(c) {}
+  torch::Tensor forward(const torch::Tensor& idx, const torch::Tensor& targets) {
+    if (skip < 0) return GPTImpl::forward(idx, targets);
+    auto x = wte(idx) + wpe(torch::arange(idx.size(1), torch::kLong));
+    for (size_t b = 0; b < blocks.size(); ++b)
+      if (static_cast<int64_t>(b) != skip) x = blocks[b](x);
+    auto logits = ln_f(x).matmul(wte->weight.t());
+    return torch::nn::functional::cross_entropy(logits.view({-1, cfg.vocab_size}),
+                                                targets.reshape({-1}));
+  }
+  int64_t skip = -1;
+};
+TORCH_MODULE(SkippingGPT);
+
+fsdp::Sharded<SkippingGPT> build() {
   torch::manual_seed(0);
-  return fsdp::Sharded<GPT>{GPT(tiny_gpt())};
+  return fsdp::Sharded<SkippingGPT>{SkippingGPT(tiny_gpt())};
 }
+
+FSDPModule shard(fsdp::Sharded<SkippingGPT>& model, std::shared_ptr<Communicator> comm,
+                 const ShardOptions& blocks, const ShardOptions& root) {
+  for (auto& b : model->blocks) fully_shard(b, comm, blocks);
+  return fully_shard(model, comm, root);
+}
+
+// The block rank k leaves out: none, or block k % layers when the ranks' calls differ.
+int64_t skipped_block(bool differ, int k) { return differ ? k % tiny_gpt().n_layer : -1; }
 
 std::pair<torch::Tensor, torch::Tensor> batch(int step) {
   torch::manual_seed(900 + step);
@@ -45,7 +71,8 @@ ShardOptions with_policy(const Policy& p, bool root) {
 }
 
 // The reference: returns the mean slice loss per step; `master` ends with the trained values.
-std::vector<double> reference_run(fsdp::Sharded<GPT>& master, int world, const Policy& p) {
+std::vector<double> reference_run(fsdp::Sharded<SkippingGPT>& master, int world, const Policy& p,
+                                  bool differ) {
   torch::optim::AdamW opt(master->parameters(), adamw());
   auto params = master->parameters();
   std::vector<double> losses;
@@ -61,6 +88,7 @@ std::vector<double> reference_run(fsdp::Sharded<GPT>& master, int world, const P
         auto cp = compute->parameters();
         for (size_t i = 0; i < cp.size(); ++i) cp[i].set_data(params[i].detach().to(p.param));
       }
+      compute->skip = skipped_block(differ, k);
       auto loss = compute->forward(x.narrow(0, k * per, per), y.narrow(0, k * per, per));
       auto loss32 = loss.to(torch::kFloat);
       loss32.backward();
@@ -85,14 +113,15 @@ std::vector<double> reference_run(fsdp::Sharded<GPT>& master, int world, const P
   return losses;
 }
 
-void run_mixed(int world, Policy p) {
+void run_mixed(int world, Policy p, bool differ = false) {
   run_ranks(world, [&](Rank& r) {
     auto ref = build();
-    auto ref_losses = reference_run(ref, world, p);
+    auto ref_losses = reference_run(ref, world, p, differ);
 
     auto model = build();
+    model->skip = skipped_block(differ, r.rank);
     auto comm = r.world();
-    auto root = fsdp::models::shard_gpt(model, comm, with_policy(p, false), with_policy(p, true));
+    auto root = shard(model, comm, with_policy(p, false), with_policy(p, true));
     for (const auto& s : root.shards()) ASSERT_EQ(s.shard.scalar_type(), torch::kFloat) << s.name;
     torch::optim::AdamW opt(root.parameters(), adamw());
     const int64_t per = kGlobalBatch / world;
@@ -147,6 +176,10 @@ TEST(MixedPrecision, Bf16ParamsFp32ReduceWorld3) {
 // fp16 on the wire. (fp16 compute needs CUDA: LibTorch 1.13's CPU kernels lack LayerNorm and
 // matmul in Half.)
 TEST(MixedPrecision, Bf16ParamsFp16ReduceWorld2) { run_mixed(2, {torch::kBFloat16, torch::kHalf}); }
+// Each rank leaves out another block: the gathers agreed in rounds carry bf16 parameters.
+TEST(MixedPrecision, RanksCallingDifferentBlocksWorld3) {
+  run_mixed(3, {torch::kBFloat16, torch::kFloat}, /*differ=*/true);
+}
 
 // The all-gather moves half the bytes in bf16; the reduce-scatter too when it reduces in bf16.
 TEST(MixedPrecision, Bf16HalvesTheBytesOnTheWire) {
@@ -156,7 +189,7 @@ TEST(MixedPrecision, Bf16HalvesTheBytesOnTheWire) {
       auto comm = r.world()->split(param_dtype ? "bf16" : "fp32");
       ShardOptions o;
       o.mixed_precision.param_dtype = param_dtype;
-      auto root = fsdp::models::shard_gpt(model, comm, o, o);
+      auto root = shard(model, comm, o, o);
       auto [x, y] = batch(0);
       model(x.narrow(0, r.rank * 6, 6), y.narrow(0, r.rank * 6, 6)).backward();
       comm->reset_stats();
@@ -178,7 +211,7 @@ TEST(MixedPrecision, GatheredParametersAreInParamDtype) {
     auto model = build();
     ShardOptions o;
     o.mixed_precision.param_dtype = torch::kBFloat16;
-    auto root = fsdp::models::shard_gpt(model, r.world(), o, o);
+    auto root = shard(model, r.world(), o, o);
     root.unshard();
     for (auto& p : model->named_parameters(/*recurse=*/false))
       EXPECT_EQ(p.value().scalar_type(), torch::kBFloat16) << p.key();
