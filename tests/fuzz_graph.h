@@ -167,15 +167,30 @@ struct Program {
   std::vector<char> no_backward_unshard;
   // Per block: its calls go to BlockImpl::encode through Sharded::call instead of forward.
   std::vector<char> encode;
+  // set_all_reduce_hook per holder block and for the root (last entry; 0: none): a hook that
+  // all-reduces a tensor of ones over the ranks (a collective inside backward) and scales the
+  // reduced block by this factor.
+  std::vector<double> hook;
   std::vector<Iteration> iterations;
 
+  // The entry of per-group settings `v` (per block, the root last; empty: none) for parameter
+  // `name`'s group: its holder block's, the root's for a block in the root, 0 for an element.
+  double of_group(const std::vector<double>& v, const std::string& name) const {
+    double f = v.empty() ? 0 : v.back();
+    for (size_t b = 0; b + 1 < v.size(); ++b)
+      if (name.rfind("b" + std::to_string(b) + ".", 0) == 0)
+        f = modes[b] == BlockMode::kHolder ? v[b] : modes[b] == BlockMode::kInRoot ? f : 0;
+    return f;
+  }
   // The divisor of parameter `name`'s reduced gradient: its group's factor, else the world size.
   double divisor(const std::string& name) const {
-    double f = divide.empty() ? 0 : divide.back();
-    for (size_t b = 0; b + 1 < divide.size(); ++b)
-      if (name.rfind("b" + std::to_string(b) + ".", 0) == 0)
-        f = modes[b] == BlockMode::kHolder ? divide[b] : modes[b] == BlockMode::kInRoot ? f : 0;
+    const double f = of_group(divide, name);
     return f > 0 ? f : world;
+  }
+  // What the group's all-reduce hook multiplies the reduced gradient by (1: no hook).
+  double hook_scale(const std::string& name) const {
+    const double f = of_group(hook, name);
+    return f > 0 ? f : 1;
   }
 
   std::string describe() const {
@@ -204,6 +219,10 @@ struct Program {
       if (divide[b] > 0)
         s += ", divide " + (b + 1 < divide.size() ? "b" + std::to_string(b) : std::string("root")) +
              " by " + std::to_string(divide[b]);
+    for (size_t b = 0; b < hook.size(); ++b)
+      if (hook[b] > 0)
+        s += ", hook " + (b + 1 < hook.size() ? "b" + std::to_string(b) : std::string("root")) +
+             " x" + std::to_string(hook[b]);
     for (size_t i = 0; i < iterations.size(); ++i) {
       const auto& it = iterations[i];
       s += "; it" + std::to_string(i) + ": " + std::to_string(it.micro.size()) + " micro";
@@ -381,6 +400,9 @@ inline Program make_program(uint64_t seed, int world) {
     for (auto& e : it.extras)
       if (d.chance(3)) d.diverge(e.pass, blocks);
   }
+  // Then all-reduce hooks.
+  if (d.chance(3))
+    for (int g = 0; g <= blocks; ++g) p.hook.push_back(d.chance(2) ? d.uniform(0.5, 3) : 0);
   return p;
 }
 

@@ -70,7 +70,7 @@ struct Reference {
       auto& v = item.value();
       if (!v.requires_grad()) continue;
       if (!v.grad().defined()) v.mutable_grad() = torch::zeros_like(v);
-      v.mutable_grad().div_(p.divisor(item.key()));
+      v.mutable_grad().div_(p.divisor(item.key())).mul_(p.hook_scale(item.key()));
       out[item.key()] = v.grad();
     }
     return out;
@@ -126,11 +126,21 @@ struct ShardedSide {
         if (!p.divide.empty() && p.divide[b] > 0) blocks[b].set_gradient_divide_factor(p.divide[b]);
         if (b < p.no_backward_unshard.size() && p.no_backward_unshard[b])
           blocks[b].set_unshard_in_backward(false);
+        if (!p.hook.empty() && p.hook[b] > 0) blocks[b].set_all_reduce_hook(hook(comm, p.hook[b]));
       }
     }
     root = shard(model, p.root_reshard, false);
     if (!p.divide.empty() && p.divide.back() > 0) root.set_gradient_divide_factor(p.divide.back());
+    if (!p.hook.empty() && p.hook.back() > 0) root.set_all_reduce_hook(hook(comm, p.hook.back()));
     opt = make_optimizer(p, root.parameters());
+  }
+  // An all-reduce hook that issues a collective of its own (every rank's 1, summed) and scales.
+  static std::function<void(at::Tensor&)> hook(std::shared_ptr<Communicator> comm, double scale) {
+    return [comm, scale](at::Tensor& block) {
+      auto ones = torch::ones({1}, torch::kDouble);
+      comm->all_reduce(ones, ReduceOp::kSum).wait();
+      block.mul_(scale * ones.item<double>() / comm->size());
+    };
   }
   static ShardOptions options(const Program& p, int reshard) {
     ShardOptions o;
@@ -595,6 +605,23 @@ TEST(Fsdp2Settings, GradientDivideFactorOnOneRankAndUnderHsdp) {
   expect_program_passes(one);
   Program hsdp = settings_program(4, 2, Accumulate::kSyncEvery);
   hsdp.divide = {8.0, 0, 0, 2.0};
+  expect_program_passes(hsdp);
+}
+
+// set_all_reduce_hook: the hook (a collective of its own, then a scale) runs on each reduced
+// block, on 2 ranks with ranks whose calls differ, on one rank, and under HSDP at the backward
+// that all-reduces.
+TEST(Fsdp2Settings, AllReduceHookRunsOnEachReducedBlock) {
+  Program two = settings_program(2, 1, Accumulate::kSyncEvery);
+  two.hook = {2.0, 0, 0.5, 1.5};
+  two.divide = {0, 3.0, 0, 0};
+  two.iterations[1].micro[1] = per_rank_pass({{2, 0}, {1}});
+  expect_program_passes(two);
+  Program one = settings_program(1, 1, Accumulate::kSyncLast);
+  one.hook = {0, 2.5, 0, 0.5};
+  expect_program_passes(one);
+  Program hsdp = settings_program(4, 2, Accumulate::kAllReduceLast);
+  hsdp.hook = {1.5, 0, 2.0, 0};
   expect_program_passes(hsdp);
 }
 

@@ -216,6 +216,16 @@ class FSDPModule {
   // its weight's gradient needs only the indices). Where backward does read one, backward stops
   // with an fsdp::Error naming the parameter and this setting. The same on every rank.
   void set_unshard_in_backward(bool unshard);
+  // This module's group only (FSDP2's set_all_reduce_hook): `hook` runs on the group's reduced
+  // gradient block, flat, this rank's S elements in the reduction's dtype: the reduce-scatter's
+  // output (under HSDP after the all-reduce across replicas), divided as configured, before it is
+  // added to the shards' gradients; it may change it in place (all-reduce it across another
+  // dimension, scale it, clip it). It runs on the thread of the backward, on every rank in the
+  // same order (the reduce order), and only once this rank has issued every all-gather of the
+  // backward, so it may issue collectives of its own; the same hook (or none) on every rank. An
+  // empty function removes it. Under HSDP with set_requires_all_reduce(false) it runs at the
+  // backward that all-reduces.
+  void set_all_reduce_hook(std::function<void(at::Tensor&)> hook);
   // Prefetch overrides (see docs/performance.md): groups whose all-gather is issued when this
   // module's forward (backward) starts.
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);

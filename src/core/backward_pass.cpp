@@ -322,7 +322,11 @@ BackwardPass::Reap BackwardPass::before_send_buffer(const Group& g) const {
 
 void BackwardPass::reap_reductions(Reap how) {
   if (how == Reap::kBounded) wait_bounded();
+  // A group's all-reduce hook may issue collectives: it runs only once this rank has issued its
+  // whole gather plan, so that no rank waits on an all-gather behind it (finalize issues the rest).
+  const bool hooks_may_run = gather_cursor_ >= gather_plan_.size();
   while (!in_flight_.empty() &&
+         (hooks_may_run || !in_flight_.front().group->has_all_reduce_hook()) &&
          (how == Reap::kAll || in_flight_.front().group->poll_reduce(in_flight_.front()))) {
     in_flight_.front().group->finish_reduce(in_flight_.front());
     in_flight_.pop_front();

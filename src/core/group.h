@@ -18,6 +18,7 @@
 #include <fsdp/options.h>
 #include <fsdp/trace.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -199,6 +200,9 @@ class Group : public std::enable_shared_from_this<Group> {
   // FSDP2's set_unshard_in_backward: false leaves the group resharded through backward (its
   // backward reads none of its parameters: an embedding); throws with activation checkpointing.
   void set_unshard_in_backward(bool v);
+  // FSDP2's set_all_reduce_hook: run on the reduced block before it reaches the shards' grads.
+  void set_all_reduce_hook(std::function<void(at::Tensor&)> hook) { hook_ = std::move(hook); }
+  bool has_all_reduce_hook() const { return static_cast<bool>(hook_); }
   bool unshard_in_backward() const { return unshard_in_backward_; }
   // HSDP: whether a synced backward all-reduces across replicas (FSDP2's set_requires_all_reduce).
   void set_requires_all_reduce(bool v) { requires_all_reduce_ = v; }
@@ -275,6 +279,7 @@ class Group : public std::enable_shared_from_this<Group> {
   bool requires_all_reduce_ = true;
   bool unshard_in_backward_ = true;
   std::optional<double> divide_factor_;
+  std::function<void(at::Tensor&)> hook_;  // set_all_reduce_hook
   // HSDP with requires_all_reduce off: the reduce-scattered blocks summed since the last
   // all-reduce (S elements in the reduction's dtype), added in before the next one.
   at::Tensor partial_reduce_;

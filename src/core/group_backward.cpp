@@ -159,6 +159,7 @@ void Group::finish_reduce(PendingReduce& p) {
   p.replicate_work = Work();
   if (context_->replicate_lane() && !p.all_reduce) return keep_partial(p);
   if (p.divide_by) p.output.div_(*p.divide_by);
+  if (hook_) hook_(p.output);
   auto span = copy_span("copy-out ");
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].trainable()) params_[i].add_shard_grad(p.output, offsets_[i]);

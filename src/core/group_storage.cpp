@@ -55,7 +55,8 @@ void Group::release_gather(PendingGather& g) {
 }
 
 bool Group::reduces_locally() const {
-  return context_->reduce_lane().size() == 1 && !context_->replicate_lane();
+  // A hook needs the reduced block: one rank still goes through a (trivial) reduce-scatter.
+  return context_->reduce_lane().size() == 1 && !context_->replicate_lane() && !hook_;
 }
 
 void Group::unshard() {

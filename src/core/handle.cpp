@@ -128,6 +128,10 @@ void FSDPModule::set_gradient_divide_factor(double factor) {
   checked(group_).set_gradient_divide_factor(factor);
 }
 
+void FSDPModule::set_all_reduce_hook(std::function<void(at::Tensor&)> hook) {
+  checked(group_).set_all_reduce_hook(std::move(hook));
+}
+
 void FSDPModule::set_unshard_in_backward(bool unshard) {
   checked(group_).set_unshard_in_backward(unshard);
 }
