@@ -34,6 +34,7 @@
 
 #include "checkpointing_bench.h"
 #include "comm_bench.h"
+#include "moe_bench.h"
 #include "sweeps.h"
 #include "train/malloc.h"
 #include "train_bench.h"
@@ -305,7 +306,8 @@ fsdp::bench::ArgsFor args_for(const TrainCli& cli) {
 
 // What the parsed command line asks for: one benchmark, here or through fsdp-run.
 struct Request {
-  bool comm = false, checkpointing = false;
+  bool comm = false, checkpointing = false, moe = false;
+  fsdp::bench::MoEBenchOptions moe_options;
   int nproc = 0;
   std::string malloc_policy = "default";
   fsdp::bench::CommBenchOptions comm_options;
@@ -323,11 +325,11 @@ int run_request(Request& q, int argc, char** argv) {
   // code rather than on glibc's allocation history (docs/performance.md, Memory).
   if (malloc_policy == "steady") fsdp::train::use_steady_malloc();
   const bool sweep = train.compare || train.memory_scaling || train.max_model;
-  if (comm + checkpointing + !train.mode.empty() + train.compare + train.memory_scaling +
+  if (comm + checkpointing + q.moe + !train.mode.empty() + train.compare + train.memory_scaling +
           train.max_model !=
       1) {
-    std::cerr << "fsdp-bench: choose exactly one of --comm, --activation-checkpointing, --mode "
-                 "M, --compare, --memory-scaling, --max-model (see --help)\n";
+    std::cerr << "fsdp-bench: choose exactly one of --comm, --activation-checkpointing, --moe, "
+                 "--mode M, --compare, --memory-scaling, --max-model (see --help)\n";
     return 2;
   }
   if (train.options.mixed_precision != "none" && train.mode.empty() && !train.compare) {
@@ -357,6 +359,12 @@ int run_request(Request& q, int argc, char** argv) {
   if (nproc > 0 && !child) return relaunch(nproc, args_without_nproc(argc, argv));
   if (comm) return fsdp::bench::run_comm_bench(comm_options);
   if (checkpointing) return fsdp::bench::run_checkpointing_bench(train.options);
+  if (q.moe) {
+    q.moe_options.steps = train.options.steps;
+    q.moe_options.warmup = train.options.warmup;
+    q.moe_options.rounds = train.rounds;
+    return fsdp::bench::run_moe_bench(q.moe_options);
+  }
   if (train.compare) return fsdp::bench::run_train_compare(train.options);
   return fsdp::bench::run_train_bench(train.options);
 }
@@ -377,6 +385,8 @@ int main(int argc, char** argv) {
       "  --max-model --nproc N --memory-mb M   deepest GPT that fits M MB per rank, ddp vs fsdp.\n"
       "  --activation-checkpointing   fsdp GPT training without and with checkpointed blocks:\n"
       "              activation memory held after forward, peak RSS, step time, loss equality.\n"
+      "  --moe       a mixture-of-experts GPT, one group per expert: ranks calling only their\n"
+      "              routed experts against every expert on every rank (--rounds rounds).\n"
       "Examples:\n"
       "  fsdp-bench --comm --nproc 4\n"
       "  fsdp-bench --compare --nproc 2\n"
@@ -394,6 +404,24 @@ int main(int argc, char** argv) {
   app.add_option("--nproc", q.nproc,
                  "start this many local ranks through fsdp-run (omit under a launcher)")
       ->check(CLI::Range(1, 64));
+  auto* moe = app.add_option_group("moe", "Options of --moe");
+  moe->add_flag("--moe", q.moe, "the mixture-of-experts benchmark");
+  moe->add_option("--experts", q.moe_options.experts, "--moe: experts per layer")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  moe->add_option("--top-k", q.moe_options.top_k, "--moe: experts each token is routed to")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  moe->add_option("--tokens", q.moe_options.tokens, "--moe: tokens per rank and step")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  moe->add_option("--moe-layers", q.moe_options.layers,
+                  "--moe: layers (a block and an expert layer each)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  moe->add_option("--moe-width", q.moe_options.width, "--moe: model width")
+      ->check(CLI::Range(2, 1 << 16))
+      ->capture_default_str();
   add_comm_options(app, q.comm_options);
   q.train.add(app);
   CLI11_PARSE(app, argc, argv);

@@ -258,6 +258,31 @@ TEST(BenchActivationCheckpointing, HoldsLessAfterForwardWithTheSameLosses) {
   EXPECT_NEAR(lines[2]["activation_memory_saved_mb"].get<double>(), plain - ckpt, 0.11);
 }
 
+// --moe: ranks calling only their routed experts against every expert on every rank, on one
+// model: fewer expert calls, bytes and collectives per step; the summary's ratios follow.
+TEST(BenchMoE, RoutedExpertsAgainstEveryExpertOnEveryRank) {
+  auto r = fsdp::testing::run_process(
+      {fsdp::testing::bin_dir() + "/fsdp-bench", "--moe", "--nproc", "2", "--experts", "8",
+       "--moe-width", "32", "--steps", "2", "--warmup", "1", "--rounds", "1"},
+      std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto lines = json_lines(r.output);
+  ASSERT_EQ(lines.size(), 3u) << r.output;
+  const auto &routed = lines[0], &every = lines[1];
+  EXPECT_EQ(routed["mode"], "moe-routed");
+  EXPECT_EQ(every["mode"], "moe-every-expert");
+  EXPECT_EQ(every["expert_calls_per_step"].get<double>(), 16.0);  // 8 experts x 2 layers
+  EXPECT_LT(routed["expert_calls_per_step"].get<double>(), 16.0);
+  EXPECT_LT(routed["bytes_sent_per_step"].get<double>(),
+            every["bytes_sent_per_step"].get<double>());
+  EXPECT_LT(routed["collectives_per_step"].get<double>(),
+            every["collectives_per_step"].get<double>());
+  EXPECT_NEAR(
+      lines[2]["routed_over_forced_bytes"].get<double>(),
+      routed["bytes_sent_per_step"].get<double>() / every["bytes_sent_per_step"].get<double>(),
+      0.01);
+}
+
 // --memory-scaling: fsdp and ddp at each world size, a Markdown table and a summary whose 16P/N
 // column follows the parameter count.
 TEST(BenchMemoryScaling, PrintsTheTableForEachWorldSize) {
