@@ -113,8 +113,8 @@ std::vector<CallAgreement::Message> CallAgreement::exchange(const Message& mine)
     }
     ctx_.log(nullptr, line);
   }
-  // kStart and kBackward pair only with their own kind; a forward's calls and the done rounds
-  // of a forward that ended pair with each other.
+  // kStart, kBackward and kUnshard pair only with their own kind; a forward's calls and the done
+  // rounds of a forward that ended pair with each other.
   auto exclusive = [](int64_t k) { return k == kStart || k == kBackward || k == kUnshard; };
   for (int r = 1; r < lane.size(); ++r) {
     const bool clash =
@@ -126,9 +126,8 @@ std::vector<CallAgreement::Message> CallAgreement::exchange(const Message& mine)
         ". Ranks may call different sharded modules inside a forward, but every rank must make "
         "the same top-level calls (forwards of the root, or of a module called outside any other "
         "sharded module's forward), the same backward calls and the same FSDPModule::unshard() "
-        "calls. Fix: make the same top-level "
-        "calls on every rank (a rank with nothing to compute can call the model on an empty "
-        "batch)"));
+        "calls. Fix: make those calls on every rank (a rank with nothing to compute can call the "
+        "model on an empty batch)"));
   }
   return all;
 }

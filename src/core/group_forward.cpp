@@ -13,6 +13,10 @@
 namespace fsdp::detail {
 namespace {
 
+// A forward called from inside a backward (a hook, a recomputation): no rounds there
+// ([Note: calls that differ between ranks]); its gathers are issued directly.
+bool in_backward() { return torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr; }
+
 // The input-side node of one forward call: identity in backward, run once everything between
 // this call's outputs and this input has run. Marks the call's backward done (for resharding),
 // never triggers reduction. The input it stands for is handed to the module as a new tensor that
@@ -75,7 +79,7 @@ void Group::pre_forward() {
   // Gathered values older than the shards (an optimizer step since the gather, e.g. after an
   // evaluation forward that kept the root gathered) are dropped and gathered again; the ranks
   // decide together in the first round of the call.
-  if (top_level) context_->calls().begin_top_level(*this);
+  if (top_level && !in_backward()) context_->calls().begin_top_level(*this);
   gather_for_call();
   wait_for_unshard();
   if (at::GradMode::is_enabled()) forwarded_with_grad_ = true;
@@ -110,7 +114,7 @@ void Group::post_forward(const std::vector<at::Tensor>& outs) {
   const bool top_level_ends =
       state_before_forward_ == TrainingState::kIdle && !context_->in_forward();
   // The ranks' calls may have differed: serve the others' gathers until every rank is done.
-  if (top_level_ends) context_->calls().end_top_level(*this);
+  if (top_level_ends && !in_backward()) context_->calls().end_top_level(*this);
   // Every forward of the root ends by checking that the ranks gathered the same groups, before a
   // backward could reduce into the wrong ones (core/agreement.h).
   if (is_root() && state_before_forward_ == TrainingState::kIdle) context_->check_agreement();
@@ -121,17 +125,13 @@ void Group::post_forward(const std::vector<at::Tensor>& outs) {
 // [Note: calls that differ between ranks] Forward all-gathers, this group's and its prefetches,
 // are issued in a round agreed with the other ranks; in a backward (no rounds there), directly.
 void Group::gather_for_call() {
-  if (torch::autograd::get_current_graph_task_nodes_in_graph() != nullptr) {
-    unshard();
-    return;
-  }
+  if (in_backward()) return unshard();
   context_->calls().gather_for_call(*this);
 }
 
 bool Group::gather_on_use() {
   if (!on_use_ || !context_->in_forward()) return false;
-  // Inside the root's forward: the forward all-gathers follow the order of first use, which is
-  // the call order of the elements (the same on every rank: the documented requirement).
+  // Inside the root's forward: gathered at first use, agreed with the other ranks like a call.
   context_->on_pre_forward(this);
   gather_for_call();
   wait_for_unshard();
