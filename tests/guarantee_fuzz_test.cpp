@@ -569,6 +569,53 @@ TEST(DifferentCalls, DifferentTopLevelCallsFailByName) {
   });
 }
 
+// Under HSDP the same, over the whole mesh, within seconds: a rank whose call differs stops every
+// rank, in its own shard group and in the other replicas, by name (2 replicas of 2 ranks, and 4
+// replicas of 1, where the shard groups exchange nothing). An explicit collective called on one
+// rank only (unshard(), clip_grad_norm_, a state dict) stops every rank the same way.
+TEST(DifferentCalls, DifferentTopLevelCallsFailOnEveryRankUnderHsdp) {
+  Program p = different_calls_program(4, 2, {same_pass(4, {{0, 0}, {1, 1}}, {0, 1})});
+  const Pass& pass = p.iterations[0].micro[0];
+  enum Case { kExtraForward, kUnshard, kClip, kStateDict };
+  for (int replicas : {2, 4}) {
+    for (Case c : {kExtraForward, kUnshard, kClip, kStateDict}) {
+      SCOPED_TRACE(detail::cat("replicas ", replicas, ", case ", static_cast<int>(c)));
+      p.replicas = replicas;
+      RunOptions o;
+      o.collective_timeout_s = 30;  // a wait out would fail with the timeout's message
+      run_ranks(
+          4,
+          [&](Rank& r) {
+            torch::manual_seed(1);
+            ShardedSide s(p, r);
+            const char* what[] = {"began a top-level forward of", "called unshard() of 'root'",
+                                  "called clip_grad_norm_", "called full_state_dict"};
+            const int odd = c == kExtraForward ? 3 : c == kClip ? 2 : 0;
+            expect_error(
+                [&] {
+                  for (int step = 0; step < 2; ++step) {
+                    if (step == 1 && r.rank == odd) {
+                      if (c == kExtraForward) {
+                        torch::NoGradGuard no_grad;
+                        s.model(input_for(p, r.rank, 0, 9), pass, r.rank);
+                      }
+                      if (c == kUnshard) s.root.unshard();
+                      if (c == kClip) fsdp::clip_grad_norm_(s.root, 1.0);
+                      if (c == kStateDict) fsdp::full_state_dict(s.root);
+                    }
+                    s.model(input_for(p, r.rank, 0, step), pass, r.rank).backward();
+                    s.opt->step();
+                    s.opt->zero_grad();
+                  }
+                },
+                {"top-level calls differ", detail::cat("rank ", odd, " ", what[c]),
+                 "same explicit collectives"});
+          },
+          o);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // FSDP2's FSDPModule settings, each in a hand-written program against the unsharded model (the
 // fuzzer draws them too).

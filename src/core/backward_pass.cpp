@@ -75,8 +75,8 @@ BackwardPass::BackwardPass(Context& ctx, const void* task_key, const torch::auto
                              s.grads_pending, " gradients, ", s.inputs_pending, " input-side nodes",
                              reducing_ ? "" : " (explicit inputs: no reduction)"));
   }
+  plan();  // first: its exchange stops every rank at once if the ranks' calls differ
   if (reducing_ && ctx_.replicate_lane()) ctx_.check_all_reduce_settings();
-  plan();
   gather_elements();
   // Groups this rank's backward does not touch: done now (a gathered one may reshard at once;
   // a resharded one is still gathered and dropped when its turn in the plan comes).

@@ -3,8 +3,10 @@
 
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
+#include <fsdp/fully_shard.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "core/context.h"
 #include "core/group.h"
@@ -12,7 +14,7 @@
 namespace fsdp::detail {
 namespace {
 
-constexpr size_t kFixedWords = 2;  // kind, who
+constexpr size_t kFixedWords = 3;  // kind, who, rank
 
 size_t words_for(size_t groups) { return (groups + 63) / 64; }
 void set_bit(std::vector<uint64_t>& bits, size_t k) { bits[k / 64] |= uint64_t{1} << (k % 64); }
@@ -44,6 +46,22 @@ std::vector<std::vector<int64_t>> gather_rows(Communicator& c, const std::vector
   return rows;
 }
 
+const char* explicit_name(int64_t what) {
+  switch (static_cast<CallAgreement::Explicit>(what)) {
+    case CallAgreement::Explicit::kClipGradNorm:
+      return "clip_grad_norm_";
+    case CallAgreement::Explicit::kFullStateDict:
+      return "full_state_dict";
+    case CallAgreement::Explicit::kLoadFullStateDict:
+      return "load_full_state_dict";
+    case CallAgreement::Explicit::kCheckpointSave:
+      return "checkpoint::save";
+    case CallAgreement::Explicit::kCheckpointLoad:
+      return "checkpoint::load";
+  }
+  return "an unknown collective";
+}
+
 }  // namespace
 
 bool CallAgreement::active() const { return ctx_.gather_lane().size() > 1; }
@@ -53,6 +71,7 @@ CallAgreement::Message CallAgreement::message(Kind kind, const Group* who) const
   Message m;
   m.kind = kind;
   m.who = who ? ctx_.index_of(who) : -1;
+  m.rank = mesh_rank();
   m.need.assign(w, 0);
   m.prefetch.assign(w, 0);
   m.changed.assign(w, 0);
@@ -63,7 +82,9 @@ CallAgreement::Message CallAgreement::message(Kind kind, const Group* who) const
 std::string CallAgreement::describe(const Message& m) const {
   const auto& groups = ctx_.groups();
   const std::string who =
-      m.who >= 0 && static_cast<size_t>(m.who) < groups.size() ? groups[m.who]->name() : "?";
+      m.kind != kExplicit && m.who >= 0 && static_cast<size_t>(m.who) < groups.size()
+          ? groups[m.who]->name()
+          : "?";
   switch (m.kind) {
     case kStart:
       return "began a top-level forward of '" + who + "'";
@@ -75,16 +96,38 @@ std::string CallAgreement::describe(const Message& m) const {
       return "began a backward";
     case kUnshard:
       return "called unshard() of '" + who + "'";
+    case kExplicit:
+      return std::string("called ") + explicit_name(m.who);
     default:
       return "sent an unknown message (kind " + std::to_string(m.kind) + ")";
   }
 }
 
-std::vector<CallAgreement::Message> CallAgreement::exchange(const Message& mine) {
-  if (!active()) return {mine};
+// This rank's number in the whole mesh (the world's rank, as published at the rendezvous), which
+// names it in errors; its gather-lane rank where the communicator was built without identities.
+int64_t CallAgreement::mesh_rank() const {
+  auto& lane = ctx_.gather_lane();
+  const auto& peers = lane.peers();
+  return static_cast<size_t>(lane.rank()) < peers.size() ? peers[lane.rank()].rank : lane.rank();
+}
+
+bool CallAgreement::exclusive(int64_t kind) {
+  return kind == kStart || kind == kBackward || kind == kUnshard || kind == kExplicit;
+}
+
+// The exclusive kinds pair only with their own kind (two top-level forwards only when of the same
+// module: the root's ends with an agreement check that a block's does not; two explicit
+// collectives only when the same); a forward's calls and the done rounds of a forward that ended
+// pair with each other.
+bool CallAgreement::clash(const Message& a, const Message& b) {
+  if (a.kind == b.kind) return (a.kind == kStart || a.kind == kExplicit) && a.who != b.who;
+  return exclusive(a.kind) || exclusive(b.kind);
+}
+
+std::vector<CallAgreement::Message> CallAgreement::gather_messages(const Message& mine) {
   auto& lane = ctx_.gather_lane();
   const size_t w = mine.need.size();
-  std::vector<int64_t> row{mine.kind, mine.who};
+  std::vector<int64_t> row{mine.kind, mine.who, mine.rank};
   for (const auto* bits : {&mine.need, &mine.prefetch, &mine.changed, &mine.held})
     for (uint64_t x : *bits) row.push_back(static_cast<int64_t>(x));
   const auto rows = gather_rows(lane, row);
@@ -94,6 +137,7 @@ std::vector<CallAgreement::Message> CallAgreement::exchange(const Message& mine)
     Message& m = all[r];
     m.kind = v[0];
     m.who = v[1];
+    m.rank = v[2];
     size_t at = kFixedWords;
     for (auto* bits : {&m.need, &m.prefetch, &m.changed, &m.held}) {
       bits->assign(v + at, v + at + w);
@@ -102,34 +146,69 @@ std::vector<CallAgreement::Message> CallAgreement::exchange(const Message& mine)
   }
   if (ctx_.debug()) {
     std::string line = "round:";
-    for (int r = 0; r < lane.size(); ++r) {
-      line += detail::cat(" [rank ", r, " kind ", all[r].kind, " who ", all[r].who, " need");
+    for (const Message& m : all) {
+      line += detail::cat(" [rank ", m.rank, " kind ", m.kind, " who ", m.who, " need");
       for (size_t k = 0; k < 64 * w; ++k)
-        if (bit(all[r].need, k)) line += detail::cat(" ", k);
+        if (bit(m.need, k)) line += detail::cat(" ", k);
       line += " prefetch";
       for (size_t k = 0; k < 64 * w; ++k)
-        if (bit(all[r].prefetch, k)) line += detail::cat(" ", k);
+        if (bit(m.prefetch, k)) line += detail::cat(" ", k);
       line += "]";
     }
     ctx_.log(nullptr, line);
   }
-  // kStart, kBackward and kUnshard pair only with their own kind; a forward's calls and the done
-  // rounds of a forward that ended pair with each other.
-  auto exclusive = [](int64_t k) { return k == kStart || k == kBackward || k == kUnshard; };
-  for (int r = 1; r < lane.size(); ++r) {
-    const bool clash =
-        all[r].kind != all[0].kind && (exclusive(all[r].kind) || exclusive(all[0].kind));
-    if (!clash) continue;
-    throw Error(detail::cat(
-        "the ranks' top-level calls differ: rank 0 ", describe(all[0]), " while rank ", r, " ",
-        describe(all[r]),
-        ". Ranks may call different sharded modules inside a forward, but every rank must make "
-        "the same top-level calls (forwards of the root, or of a module called outside any other "
-        "sharded module's forward), the same backward calls and the same FSDPModule::unshard() "
-        "calls. Fix: make those calls on every rank (a rank with nothing to compute can call the "
-        "model on an empty batch)"));
-  }
   return all;
+}
+
+// HSDP: each shard group's rounds are its own, but its exclusive rounds (one per top-level call,
+// backward and unshard(), which must match over the whole mesh) meet the other replicas' too, on
+// the replicate lane: a clash found in one shard group, or between replicas, stops every rank of
+// the mesh at once. A rank whose shard group found a clash in any round joins this exchange too.
+std::optional<CallAgreement::Clash> CallAgreement::agree_across_replicas(
+    Communicator& rep, const Message& mine, const std::optional<Clash>& found) {
+  std::vector<int64_t> row{mine.kind, mine.who, mine.rank, found ? 1 : 0, 0, 0, 0, 0, 0, 0};
+  if (found) {
+    const Message* pair[2] = {&found->first, &found->second};
+    for (int i = 0; i < 2; ++i) {
+      row[4 + 3 * i] = pair[i]->kind;
+      row[5 + 3 * i] = pair[i]->who;
+      row[6 + 3 * i] = pair[i]->rank;
+    }
+  }
+  const auto rows = gather_rows(rep, row);
+  auto brief = [](const int64_t* v) {
+    Message m;
+    m.kind = v[0];
+    m.who = v[1];
+    m.rank = v[2];
+    return m;
+  };
+  for (const auto& r : rows)
+    if (r[3] != 0) return Clash{brief(&r[4]), brief(&r[7])};
+  for (size_t r = 1; r < rows.size(); ++r)
+    if (clash(brief(&rows[0][0]), brief(&rows[r][0])))
+      return Clash{brief(&rows[0][0]), brief(&rows[r][0])};
+  return std::nullopt;
+}
+
+std::vector<CallAgreement::Message> CallAgreement::exchange(const Message& mine) {
+  std::vector<Message> all = active() ? gather_messages(mine) : std::vector<Message>{mine};
+  std::optional<Clash> found;
+  for (size_t r = 1; r < all.size() && !found; ++r)
+    if (clash(all[0], all[r])) found = Clash{all[0], all[r]};
+  Communicator* rep = ctx_.replicate_agree_lane();
+  if (rep && rep->size() > 1 && (exclusive(mine.kind) || found))
+    found = agree_across_replicas(*rep, mine, found);
+  if (!found) return all;
+  throw Error(detail::cat(
+      "the ranks' top-level calls differ: rank ", found->first.rank, " ", describe(found->first),
+      " while rank ", found->second.rank, " ", describe(found->second),
+      ". Ranks may call different sharded modules inside a forward, but every rank must make "
+      "the same top-level calls (forwards of the root, or of a module called outside any other "
+      "sharded module's forward), the same backward calls and the same explicit collectives "
+      "(FSDPModule::unshard(), clip_grad_norm_, state dicts, checkpoints). Fix: make those calls "
+      "on every rank (a rank with nothing to compute can call the "
+      "model on an empty batch)"));
 }
 
 void CallAgreement::issue_union(const Message& mine, const std::vector<Message>& all) {
@@ -208,6 +287,17 @@ void CallAgreement::explicit_unshard(Group& g) {
   issue_union(m, exchange(m));
 }
 
+void CallAgreement::explicit_collective(Explicit what) {
+  Message m = message(kExplicit, nullptr);
+  m.who = static_cast<int64_t>(what);
+  exchange(m);
+}
+
+void agree_explicit_collective(const FSDPModule& module, CallAgreement::Explicit what) {
+  const auto& g = HandleAccess::group(module);
+  if (g) g->context().calls().explicit_collective(what);
+}
+
 void CallAgreement::end_top_level(Group& g) {
   if (active()) {
     for (;;) {
@@ -238,8 +328,8 @@ CallAgreement::BackwardOrders CallAgreement::agree_backward(
   };
   std::vector<std::vector<int64_t>> plans{indices(my_gathers)};
   std::vector<std::vector<int64_t>> orders{indices(my_reverse_forward)};
+  exchange(message(kBackward, nullptr));
   if (active()) {
-    exchange(message(kBackward, nullptr));
     // One row per rank, all of one length: the two counts, both lists, padding.
     std::vector<int64_t> mine{static_cast<int64_t>(plans[0].size()),
                               static_cast<int64_t>(orders[0].size())};

@@ -21,8 +21,15 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
+
+namespace fsdp {
+class Communicator;
+class FSDPModule;
+}  // namespace fsdp
 
 namespace fsdp::detail {
 
@@ -55,6 +62,18 @@ class CallAgreement {
   // and served where it is held (its calls differed), in one round of its own kind.
   void explicit_unshard(Group& g);
 
+  // An explicit collective of the user's begins (clip_grad_norm_, a state dict, a checkpoint):
+  // one round of its own kind, so that a rank calling it while another does something else stops
+  // every rank at once, naming both, instead of waiting out the collective timeout.
+  enum class Explicit : int64_t {
+    kClipGradNorm,
+    kFullStateDict,
+    kLoadFullStateDict,
+    kCheckpointSave,
+    kCheckpointLoad
+  };
+  void explicit_collective(Explicit what);
+
   // ---- backward ----
   struct BackwardOrders {
     std::vector<Group*> gathers;     // the gather plan every rank issues
@@ -70,16 +89,32 @@ class CallAgreement {
                                 const std::vector<Group*>& my_reverse_forward);
 
  private:
-  enum Kind : int64_t { kStart = 1, kCall = 2, kDone = 3, kBackward = 4, kUnshard = 5 };
-  // One rank's message: kind, the group whose call it is (-1: none), then four bit sets over the
-  // registration indices: need, prefetch, changed, held (the last two in kStart only).
+  enum Kind : int64_t {
+    kStart = 1,
+    kCall = 2,
+    kDone = 3,
+    kBackward = 4,
+    kUnshard = 5,
+    kExplicit = 6  // who: the Explicit collective
+  };
+  // One rank's message: kind, the group whose call it is (-1: none), the rank's number in the
+  // mesh, then four bit sets over the registration indices: need, prefetch, changed, held (the
+  // last two in kStart only).
   struct Message {
-    int64_t kind = 0, who = -1;
+    int64_t kind = 0, who = -1, rank = 0;
     std::vector<uint64_t> need, prefetch, changed, held;
   };
+  using Clash = std::pair<Message, Message>;  // two messages of one round that cannot pair
+  static bool exclusive(int64_t kind);
+  static bool clash(const Message& a, const Message& b);
+  int64_t mesh_rank() const;
   Message message(Kind kind, const Group* who) const;
-  // The round: every rank's message, indexed by rank; throws on every rank when kinds clash.
+  // The round: every rank's message, indexed by gather-lane rank; throws on every rank of the
+  // mesh when two cannot pair.
   std::vector<Message> exchange(const Message& mine);
+  std::vector<Message> gather_messages(const Message& mine);
+  std::optional<Clash> agree_across_replicas(Communicator& rep, const Message& mine,
+                                             const std::optional<Clash>& found);
   // Issues the union of the needed, then of the prefetched groups, in registration order.
   void issue_union(const Message& mine, const std::vector<Message>& all);
   std::string describe(const Message& m) const;
@@ -87,5 +122,8 @@ class CallAgreement {
   Context& ctx_;
   std::vector<Group*> prefetched_;  // this top-level call's prefetches, until used or dropped
 };
+
+// The round of CallAgreement::explicit_collective, for the context `module` belongs to.
+void agree_explicit_collective(const FSDPModule& module, CallAgreement::Explicit what);
 
 }  // namespace fsdp::detail

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "core/buffers.h"
+#include "core/call_agreement.h"
 #include "core/group.h"
 
 namespace fsdp {
@@ -51,6 +52,7 @@ at::Tensor gather_full(const ShardInfo& s, Communicator& comm) {
 
 StateDict full_state_dict(const FSDPModule& root, const StateDictOptions& options) {
   torch::nn::Module& module = module_of(root);
+  detail::agree_explicit_collective(root, detail::CallAgreement::Explicit::kFullStateDict);
   Communicator& comm = root.communicator();
   const bool keep = !options.rank0_only || comm.rank() == 0;
   at::NoGradGuard no_grad;
@@ -67,6 +69,7 @@ StateDict full_state_dict(const FSDPModule& root, const StateDictOptions& option
 
 void load_full_state_dict(const FSDPModule& root, const StateDict& dict) {
   torch::nn::Module& module = module_of(root);
+  detail::agree_explicit_collective(root, detail::CallAgreement::Explicit::kLoadFullStateDict);
   const auto shards = root.shards();
   const auto buffers = detail::defined_buffers(module);
   std::vector<std::string> missing, mismatched, unexpected;
