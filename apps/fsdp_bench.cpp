@@ -219,6 +219,11 @@ struct TrainCli {
                   "reduce_dtype=bf16)); local, ddp and PyTorch's DDP stay fp32")
         ->check(CLI::IsMember({"none", "bf16"}))
         ->capture_default_str();
+    g->add_option("--reshard-after-forward-world", o.reshard_after_forward_world,
+                  "--mode fsdp: K >= 2 keeps 1/K of each block's parameters after forward and "
+                  "gathers them within K consecutive ranks in backward (reshard_after_forward=K, "
+                  "hpZ); 0: off")
+        ->capture_default_str();
     g->add_option("--trace", o.trace_dir,
                   "write a Chrome trace per rank to DIR/rank<k>.json (--compare: DIR/<mode>/)");
   }
@@ -261,6 +266,8 @@ struct TrainCli {
     const bool sharded = fsdp::bench::is_sharded(m) || m == "fsdp2";
     if (sharded && o.mixed_precision != "none")
       a.insert(a.end(), {"--mixed-precision", o.mixed_precision});
+    if (m == "fsdp" && o.reshard_after_forward_world > 0)
+      a.insert(a.end(), {"--reshard-after-forward-world", num(o.reshard_after_forward_world)});
     if (m == "torch-ddp" || m == "fsdp2") {
       a[1] = m == "fsdp2" ? "fsdp2" : "ddp";  // bench/torch_ddp.py --mode; sizes are explicit
       return a;

@@ -90,6 +90,8 @@ def parse_args(argv):
                         "fsdp-bench's and fsdp-train's initial weights, bit for bit)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="--mode ddp: bucket size in MiB")
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
+    p.add_argument("--reshard-after-forward-world", type=int, default=0,
+                   help="K >= 2: the blocks' reshard_after_forward=K (hpZ); 0: True")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--json", help="write the results here (rank 0)")
     for name in ("layers", "heads", "width", "seq", "batch"):
@@ -252,8 +254,10 @@ def build(args, rank, world):
             mp = lambda root: MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
                 output_dtype=torch.float32 if root else None)
+        reshard = args.reshard_after_forward_world or True
         for i, b in enumerate(model.h):  # the last block keeps its parameters for backward
-            fully_shard(b, reshard_after_forward=i + 1 < len(model.h), mp_policy=mp(False))
+            fully_shard(b, reshard_after_forward=reshard if i + 1 < len(model.h) else False,
+                        mp_policy=mp(False))
         fully_shard(model, mp_policy=mp(True))
         model.to_empty(device="cpu")
         load_weights(model, args)

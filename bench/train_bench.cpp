@@ -54,6 +54,7 @@ std::unique_ptr<Trainer> build_trainer(const TrainBenchOptions& o,
   tc.lr = o.lr, tc.seed = o.seed, tc.reshard_after_forward = o.mode == "fsdp";
   const bool sharded = is_sharded(o.mode);
   tc.mixed_precision = sharded ? o.mixed_precision : "none";
+  if (o.mode == "fsdp") tc.reshard_after_forward_world = o.reshard_after_forward_world;
   auto m = train::build_model(tc, sharded ? comm : nullptr);
   auto t = std::make_unique<Trainer>();
   t->gpt = m->gpt;
@@ -259,7 +260,10 @@ enum Figure {
 double bytes_model(const TrainBenchOptions& o, const Trainer& t, int ws) {
   const double elem = o.mixed_precision == "bf16" ? 2.0 : 4.0;
   const double f = ws > 1 ? (ws - 1.0) / ws * elem : 0.0;
-  if (o.mode == "ddp") return 2.0 * t.params * f;  // elem is 4 here (check_options)
+  if (o.mode == "ddp") return 2.0 * t.params * f;             // elem is 4 here (check_options)
+  if (o.mode == "fsdp" && o.reshard_after_forward_world > 1)  // the regathers within K ranks
+    return 2.0 * t.params * f + t.regathered_params * (o.reshard_after_forward_world - 1.0) /
+                                    o.reshard_after_forward_world * elem;
   if (o.mode == "fsdp") return (2.0 * t.params + t.regathered_params) * f;
   if (o.mode == "fsdp-noreshard") return 2.0 * t.params * f;
   return 0;
@@ -307,6 +311,7 @@ std::string mode_line(const TrainBenchOptions& o, const Trainer& t, const Commun
               << " bytes per step, the volume model predicts " << model << "\n";
   j["params"] = t.params;
   j["mixed_precision"] = o.mixed_precision;
+  j["reshard_after_forward_world"] = o.reshard_after_forward_world;
   j["malloc"] = memory::malloc_settings();
   // How the ranks' all-gathers and reduce-scatters travel (FSDP_TRANSPORT); ddp's all-reduces
   // are Gloo's (TCP) either way.

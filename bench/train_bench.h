@@ -49,6 +49,9 @@ struct TrainBenchOptions {
   // fsdp modes: "bf16" gathers and computes in bfloat16 (fsdp-train's --mixed-precision policy),
   // halving the all-gather and reduce-scatter bytes; "none": fp32.
   std::string mixed_precision = "none";
+  // fsdp: K >= 2 keeps 1/K of each block after forward, gathered within K ranks in backward
+  // (reshard_after_forward = K, hpZ); 0: off.
+  int reshard_after_forward_world = 0;
 };
 
 // The sizes `preset` stands for; fields the user set explicitly (`explicit_sizes`, option names

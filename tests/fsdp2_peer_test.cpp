@@ -204,12 +204,15 @@ struct Case {
 };
 
 void expect_match(const std::string& precision, const std::vector<std::string>& peer_flags,
-                  const std::vector<Case>& cases) {
+                  const std::vector<Case>& cases, const std::vector<std::string>& our_flags = {}) {
   REQUIRE_PEER_PYTHON();
   ASSERT_TRUE(fs::exists(init_file())) << init_file();
   for (const auto& [n, tol, first_tol] : cases) {
     const std::string what = precision + " N=" + std::to_string(n);
-    const auto ours = train(n, precision, scratch() + "/" + precision + std::to_string(n));
+    const auto ours = train(n, precision,
+                            scratch() + "/" + precision + std::to_string(n) +
+                                (our_flags.empty() ? "" : "_" + our_flags.back()),
+                            our_flags);
     ASSERT_EQ(ours.error, "") << what << ": fsdp-train failed";
     auto flags = peer_flags;
     flags.insert(flags.end(), {"--init", init_file(), "--mixed-precision", precision});
@@ -252,6 +255,13 @@ TEST(Fsdp2Peer, Bf16LossesMatchPyTorchFsdp2AtTwoAndFourRanks) {
     expect_match(
         "bf16", {"--adamw", "libtorch"},
         {{2, kBf16Rel, kBf16OtherKernelsFirstRel}, {4, kBf16Rel, kBf16OtherKernelsFirstRel}});
+}
+
+// reshard_after_forward=2 at N=4 (hpZ) on both sides: blocks keep half of their parameters after
+// forward and gather them within pairs of ranks in backward; the same losses as FSDP2's.
+TEST(Fsdp2Peer, ReshardAfterForwardToTwoRanksMatchesPyTorchFsdp2AtFourRanks) {
+  const std::vector<std::string> flags = {"--reshard-after-forward-world", "2"};
+  expect_match("none", flags, {{4, 1e-5, 1e-5}}, flags);
 }
 
 // Item 5: PyTorch reads fsdp-cpp's consolidated checkpoint of step 15 (trained, not the init) with

@@ -144,7 +144,7 @@ struct Program {
   std::vector<BlockKind> kinds;
   std::vector<int64_t> rows;
   std::vector<BlockMode> modes;
-  std::vector<int> child_reshard;  // per block: -1 default, 0 false, 1 true
+  std::vector<int> child_reshard;  // per block: -1 default, 0 false, 1 true, k >= 2: world k
   std::vector<bool> checkpointed;  // activation checkpointing (holders only)
   int root_reshard = -1;
   int max_unsharded_groups = 2;
@@ -403,6 +403,19 @@ inline Program make_program(uint64_t seed, int world) {
   // Then all-reduce hooks.
   if (d.chance(3))
     for (int g = 0; g <= blocks; ++g) p.hook.push_back(d.chance(2) ? d.uniform(0.5, 3) : 0);
+  // Then smaller post-forward worlds (hpZ): a group that reshards after forward keeps 1/k and
+  // gathers within k ranks in backward, k a divisor of the shard group's size above 1.
+  const int shard = world / p.replicas;
+  auto draw_world = [&](int& reshard) {
+    if (reshard == 0 || !d.chance(2)) return;
+    std::vector<int> ks;
+    for (int k = 2; k <= shard; ++k)
+      if (shard % k == 0) ks.push_back(k);
+    if (!ks.empty()) reshard = ks[d.pick(static_cast<int>(ks.size()))];
+  };
+  for (int b = 0; b < blocks; ++b)
+    if (p.modes[b] == BlockMode::kHolder) draw_world(p.child_reshard[b]);
+  draw_world(p.root_reshard);
   return p;
 }
 

@@ -146,7 +146,10 @@ struct ShardedSide {
     ShardOptions o;
     o.audit = p.audit;
     o.max_unsharded_groups = p.max_unsharded_groups;
-    if (reshard >= 0) o.reshard_after_forward = reshard == 1;
+    if (reshard >= 2)
+      o.reshard_after_forward = reshard;  // hpZ: a world of `reshard` ranks
+    else if (reshard >= 0)
+      o.reshard_after_forward = reshard == 1;
     return o;
   }
   void zero_grad(ZeroGrad how) {
@@ -653,6 +656,68 @@ TEST(Fsdp2Settings, GradientDivideFactorOnOneRankAndUnderHsdp) {
   Program hsdp = settings_program(4, 2, Accumulate::kSyncEvery);
   hsdp.divide = {8.0, 0, 0, 2.0};
   expect_program_passes(hsdp);
+}
+
+// reshard_after_forward = 2 at N=4 (hpZ): blocks keep half of their parameters after forward
+// and backward gathers them within pairs of ranks. Exact against the unsharded model with calls
+// that differ, activation checkpointing and accumulation (a block with k = 4 is plain true).
+TEST(Fsdp2Settings, ReshardAfterForwardToASmallerWorld) {
+  Program p = settings_program(4, 1, Accumulate::kSyncLast);
+  p.child_reshard = {2, 2, 4};
+  p.root_reshard = 2;
+  p.checkpointed = {false, true, false};
+  p.iterations[1].micro[1] = per_rank_pass({{2, 0}, {1}, {0, 1, 2}, {2}});
+  p.iterations[1].clip = 0.5;
+  expect_program_passes(p);
+
+  // What stays between forward and backward: half of each block (2 of the 4 ranks' padded rows),
+  // all three blocks at once at the end of forward, nothing once backward is done.
+  Program q = settings_program(4, 1, Accumulate::kSyncEvery);
+  q.child_reshard = {2, 2, 2};
+  run_ranks(4, [&](Rank& r) {
+    torch::manual_seed(static_cast<int64_t>(q.seed));
+    Reference ref(q);
+    torch::manual_seed(static_cast<int64_t>(q.seed));
+    ShardedSide s(q, r);
+    int64_t half = 0;
+    for (const auto& b : s.blocks)
+      for (const auto& sh : b.shards()) {
+        int64_t inner = 1;
+        for (size_t d = 1; d < sh.global_shape.size(); ++d) inner *= sh.global_shape[d];
+        half += 2 * sh.rows_per_rank * inner * static_cast<int64_t>(sizeof(double));
+      }
+    for (int it = 0; it < static_cast<int>(q.iterations.size()); ++it) {
+      run_iteration(q, r, s, ref, it);
+      EXPECT_EQ(s.root.memory_stats().post_forward_bytes, 0);
+    }
+    EXPECT_EQ(s.root.memory_stats().peak_post_forward_bytes, half);
+  });
+}
+
+// A post-forward world that does not divide the shard group, or is not positive, fails at
+// fully_shard naming the option and the fix, with nothing sharded; so does one on elements
+// gathered on use, which cannot reshard after forward at all.
+TEST(Fsdp2Settings, ReshardAfterForwardWorldsThatCannotWorkAreRefused) {
+  run_ranks(4, [&](Rank& r) {
+    auto comm = r.world();
+    torch::manual_seed(1);
+    fsdp::Sharded<torch::nn::Linear> lin{torch::nn::Linear(4, 4)};
+    for (int k : {3, 0, -2, 8}) {
+      ShardOptions o;
+      o.reshard_after_forward = k;
+      expect_error([&] { fully_shard(lin, comm, o); },
+                   {detail::cat("reshard_after_forward = ", k), "divides the shard group's 4",
+                    "Fix: pass a divisor of 4"});
+    }
+    EXPECT_FALSE(lin.is_sharded());  // nothing was claimed: it can be sharded now
+    ShardOptions two;
+    two.reshard_after_forward = 2;
+    fully_shard(lin, comm, two);
+    EXPECT_TRUE(lin.is_sharded());
+    torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+    expect_error([&] { fully_shard_elements(seq, comm, two); },
+                 {"reshard_after_forward (true, or a smaller world) cannot be honoured"});
+  });
 }
 
 // set_all_reduce_hook: the hook (a collective of its own, then a scale) runs on each reduced

@@ -225,6 +225,9 @@ TEST(TrainConfig, ValidationNamesTheSetting) {
       {{"--no-shard", "--mixed-precision", "bf16"}, "--mixed-precision bf16 is a policy"},
       {{"--hsdp", "0"}, "--hsdp is 0"},
       {{"--no-shard", "--hsdp", "2"}, "--hsdp 2 shards within replicas"},
+      {{"--reshard-after-forward-world", "-1"}, "--reshard-after-forward-world is -1"},
+      {{"--reshard-after-forward-world", "2", "--no-reshard-after-forward"},
+       "drop one of the two flags"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args{"fsdp-train"};
@@ -242,6 +245,17 @@ TEST(TrainConfig, ValidationNamesTheSetting) {
   EXPECT_NE(hmsg.find("--hsdp 3 does not divide the 4 ranks"), std::string::npos) << hmsg;
   h.hsdp = 2;
   EXPECT_NO_THROW(h.validate_world(4));
+  TrainConfig k;
+  k.reshard_after_forward_world = 2;
+  k.batch = 6;
+  const auto kmsg = error_of([&] { k.validate_world(3); });
+  EXPECT_NE(kmsg.find("--reshard-after-forward-world 2 does not divide the 3 ranks of a shard "
+                      "group"),
+            std::string::npos)
+      << kmsg;
+  k.hsdp = 2;
+  k.batch = 8;
+  EXPECT_NO_THROW(k.validate_world(4));  // shard groups of 2
 }
 
 TEST(TrainConfig, JsonRoundTrip) {

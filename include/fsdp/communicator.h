@@ -137,7 +137,9 @@ class Communicator {
   const std::vector<PeerInfo>& peers() const;
 
   const CommStats& stats() const;
-  // This communicator's statistics plus those of every lane split from it.
+  // This communicator's statistics plus those of every lane, split and subgroup created from it,
+  // recursively (a destroyed one's up to its end): all the traffic of this rank that started
+  // here.
   CommStats total_stats() const;
   void reset_stats();
 
@@ -149,6 +151,7 @@ class Communicator {
   const Impl& impl() const { return *impl_; }
 
  private:
+  void adopt(const std::shared_ptr<Communicator>& child);  // split, subgroup: count its traffic
   std::unique_ptr<Impl> impl_;
 };
 

@@ -241,6 +241,8 @@ class FSDPModule {
     int64_t unsharded_bytes = 0, peak_unsharded_bytes = 0;
     int unsharded_groups = 0, peak_unsharded_groups = 0;
     int64_t buffer_bytes_in_use = 0, buffer_bytes_idle = 0, peak_buffer_bytes_in_use = 0;
+    // reshard_after_forward = k: the 1/k of the parameters kept from forward for backward.
+    int64_t post_forward_bytes = 0, peak_post_forward_bytes = 0;
   };
   MemoryStats memory_stats() const;
   void reset_memory_peaks();

@@ -23,11 +23,30 @@ struct MixedPrecisionPolicy {
   bool cast_forward_inputs = true;
 };
 
+// FSDP2's reshard_after_forward: true (free the gathered parameters after forward; backward
+// gathers them again over the shard group), false (keep them gathered until backward), or a world
+// size k dividing the shard group's (hpZ): after forward each rank keeps 1/k of the parameters,
+// and backward gathers them within its k consecutive ranks of the shard group only (on one host
+// of a multi-host job, that keeps the backward's gathers off the network). k = 1 is false, k = the
+// shard group's size is true. Written as in Python: `o.reshard_after_forward = 2;`.
+class ReshardAfterForward {
+ public:
+  ReshardAfterForward(bool reshard) : world_(reshard ? kFull : 1) {}  // NOLINT: implicit
+  ReshardAfterForward(int world) : world_(world) {}                   // NOLINT: implicit
+  // fully_shard rejects a world that is not positive or does not divide the shard group's size.
+  int world() const { return world_; }
+  bool is_bool() const { return world_ == kFull || world_ == 1; }
+  bool operator==(const ReshardAfterForward& o) const { return world_ == o.world_; }
+
+ private:
+  static constexpr int kFull = -1;  // true: the whole shard group
+  int world_;
+};
+
 struct ShardOptions {
-  // Free the gathered parameters after forward and gather them again before backward. Default:
-  // true for sharded submodules, false for the root (whose parameters are needed first in
-  // backward).
-  std::optional<bool> reshard_after_forward;
+  // See ReshardAfterForward. Default: true for sharded submodules, false for the root (whose
+  // parameters are needed first in backward).
+  std::optional<ReshardAfterForward> reshard_after_forward;
   // Check the post-backward invariants Final, Once and Complete at every backward on every rank;
   // also switched on by FSDP_AUDIT=1. Local checks, no communication. (Agreed, that every rank
   // issued the same collectives, is checked at every forward of the root and every backward

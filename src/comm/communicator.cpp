@@ -59,6 +59,7 @@ Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 }
 
 Communicator::~Communicator() {
+  if (impl_->parent_retired) *impl_->parent_retired += total_stats();
   // The exchange workers stop first: they use the process group.
   impl_->gathers.reset();
   impl_->reductions.reset();
@@ -224,8 +225,18 @@ std::shared_ptr<Communicator> Communicator::Impl::child(const std::string& label
   return std::make_shared<Communicator>(std::move(c));
 }
 
+void Communicator::adopt(const std::shared_ptr<Communicator>& child) {
+  auto& kids = impl_->children;
+  kids.erase(std::remove_if(kids.begin(), kids.end(), [](const auto& w) { return w.expired(); }),
+             kids.end());
+  kids.push_back(child);
+  child->impl_->parent_retired = impl_->retired;
+}
+
 std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
-  return impl_->child(name, {}, requested_transport());
+  auto c = impl_->child(name, {}, requested_transport());
+  adopt(c);
+  return c;
 }
 
 std::shared_ptr<Communicator> Communicator::subgroup(const std::string& name,
@@ -238,7 +249,9 @@ std::shared_ptr<Communicator> Communicator::subgroup(const std::string& name,
     FSDP_CHECK(ranks[i] >= 0 && ranks[i] < m.size && (i == 0 || ranks[i] > ranks[i - 1]),
                "subgroup '", name, "': ranks ", bracketed_ranks(ranks),
                " must be ascending ranks of the ", m.size, "-rank communicator '", m.name, "'");
-  return m.child(name, ranks, requested_transport());
+  auto c = m.child(name, ranks, requested_transport());
+  adopt(c);
+  return c;
 }
 
 std::shared_ptr<Communicator> Communicator::lane(const std::string& name) {
@@ -249,13 +262,19 @@ std::shared_ptr<Communicator> Communicator::lane(const std::string& name) {
 
 CommStats Communicator::total_stats() const {
   CommStats s = *impl_->stats;
+  s += *impl_->retired;
   for (const auto& [name, lane] : impl_->lanes) s += lane->total_stats();
+  for (const auto& weak : impl_->children)
+    if (auto c = weak.lock()) s += c->total_stats();
   return s;
 }
 
 void Communicator::reset_stats() {
   *impl_->stats = CommStats{};
+  *impl_->retired = CommStats{};
   for (auto& [name, lane] : impl_->lanes) lane->reset_stats();
+  for (const auto& weak : impl_->children)
+    if (auto c = weak.lock()) c->reset_stats();
 }
 
 }  // namespace fsdp

@@ -27,6 +27,12 @@ struct Communicator::Impl {
   int size = 1;
   int splits = 0;  // split()/subgroup() calls: part of each new lane's store prefix
   std::map<std::string, std::shared_ptr<Communicator>> lanes;
+  // split() and subgroup() children: their statistics count in total_stats(), those of the
+  // living ones read from them, those of the ones destroyed since added into `retired` (which
+  // a child shares, so that it may outlive this communicator).
+  std::vector<std::weak_ptr<Communicator>> children;
+  std::shared_ptr<CommStats> retired = std::make_shared<CommStats>();
+  std::shared_ptr<CommStats> parent_retired;  // the parent's `retired`: a child's, else null
   std::shared_ptr<CommStats> stats = std::make_shared<CommStats>();
   std::shared_ptr<const std::vector<PeerInfo>> peers;
   // What FSDP_TRANSPORT asked for when this communicator was built, or the one whose lane it is

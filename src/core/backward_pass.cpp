@@ -130,6 +130,8 @@ void BackwardPass::plan() {
   gather_plan_ = std::move(agreed.gathers);
   reduce_order_ = std::move(agreed.reductions);
   calls_differ_ = agreed.calls_differ;
+  const auto& groups = ctx_.groups();
+  for (size_t k = 0; k < groups.size(); ++k) groups[k]->set_gather_from_chunk(agreed.from_chunk[k]);
   // Fault injection (audit test): this rank swaps its first two backward all-gathers.
   if (faults::active().gather_order && ctx_.gather_lane().rank() != 0 && gather_plan_.size() >= 2)
     std::swap(gather_plan_[0], gather_plan_[1]);

@@ -328,20 +328,28 @@ CallAgreement::BackwardOrders CallAgreement::agree_backward(
   };
   std::vector<std::vector<int64_t>> plans{indices(my_gathers)};
   std::vector<std::vector<int64_t>> orders{indices(my_reverse_forward)};
+  // hpZ: the groups whose post-forward chunk this rank holds; a group is gathered from the chunks
+  // only when every rank of the shard group holds its own.
+  std::vector<uint64_t> chunks(words_for(groups.size()), 0);
+  for (size_t k = 0; k < groups.size(); ++k)
+    if (groups[k]->holds_chunk()) set_bit(chunks, k);
   exchange(message(kBackward, nullptr));
   if (active()) {
-    // One row per rank, all of one length: the two counts, both lists, padding.
+    // One row per rank, all of one length: the two counts, both lists, padding, the chunk bits.
     std::vector<int64_t> mine{static_cast<int64_t>(plans[0].size()),
                               static_cast<int64_t>(orders[0].size())};
     mine.insert(mine.end(), plans[0].begin(), plans[0].end());
     mine.insert(mine.end(), orders[0].begin(), orders[0].end());
     mine.resize(2 + 2 * groups.size(), -1);
+    for (uint64_t w : chunks) mine.push_back(static_cast<int64_t>(w));
     plans.clear();
     orders.clear();
     for (const auto& l : gather_rows(ctx_.gather_lane(), mine)) {
       const auto plan = l.begin() + 2, order = plan + l[0];
       plans.emplace_back(plan, order);
       orders.emplace_back(order, order + l[1]);
+      for (size_t i = 0; i < chunks.size(); ++i)
+        chunks[i] &= static_cast<uint64_t>(l[2 + 2 * groups.size() + i]);
     }
   }
   // Reductions: the merged reverse first-forward orders (the root left out), the groups no rank
@@ -369,6 +377,7 @@ CallAgreement::BackwardOrders CallAgreement::agree_backward(
   }
   BackwardOrders out;
   out.calls_differ = differ;
+  for (size_t k = 0; k < groups.size(); ++k) out.from_chunk.push_back(bit(chunks, k));
   for (int64_t k : interleave(plans)) out.gathers.push_back(groups[k]);
   for (int64_t k : reduce) out.reductions.push_back(groups[k]);
   return out;

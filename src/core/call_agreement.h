@@ -81,6 +81,8 @@ class CallAgreement {
     // Some rank of the mesh planned otherwise than another: a rank's backward may then need a
     // later gather before it can issue an earlier reduction (BackwardPass::may_wait_for).
     bool calls_differ = false;
+    // Per registration index: gathered from the post-forward chunks (every rank holds one).
+    std::vector<bool> from_chunk;
   };
   // A backward begins: this rank's gather plan and reverse first-forward order, merged with every
   // other rank's (and, under HSDP, every replica's reduce order) into the same orders on every

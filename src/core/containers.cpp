@@ -33,9 +33,10 @@ std::vector<FSDPModule> fully_shard_elements_impl(
              "): activation_checkpointing needs the element's calls, which LibTorch's containers "
              "make directly. Declare the block fsdp::Sharded<Block> and call it through the "
              "holder to checkpoint it");
-  FSDP_CHECK(options.reshard_after_forward.value_or(false) == false, "fully_shard_elements(",
+  FSDP_CHECK(options.reshard_after_forward.value_or(false).world() == 1, "fully_shard_elements(",
              container,
-             "): reshard_after_forward=true cannot be honoured: nothing marks the end of an "
+             "): reshard_after_forward (true, or a smaller world) cannot be honoured: nothing "
+             "marks the end of an "
              "element's forward (see fsdp/containers.h). Declare the block fsdp::Sharded<Block> "
              "and call it through the holder to reshard after forward");
   std::vector<FSDPModule> out;

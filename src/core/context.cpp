@@ -92,6 +92,7 @@ void Context::check_all_reduce_settings() {
 }
 
 void Context::reset_peaks() {
+  peak_chunk_bytes_ = chunk_bytes_;
   peak_unsharded_bytes_ = unsharded_bytes_;
   peak_unsharded_groups_ = unsharded_groups_;
 }

@@ -120,6 +120,13 @@ class Context {
   void on_resharded(const Group* g);
   int64_t unsharded_bytes() const { return unsharded_bytes_; }
   int64_t peak_unsharded_bytes() const { return peak_unsharded_bytes_; }
+  // hpZ: the post-forward chunks held ([Note: resharding to a smaller world after forward]).
+  void on_chunk(int64_t delta_bytes) {
+    chunk_bytes_ += delta_bytes;
+    peak_chunk_bytes_ = std::max(peak_chunk_bytes_, chunk_bytes_);
+  }
+  int64_t chunk_bytes() const { return chunk_bytes_; }
+  int64_t peak_chunk_bytes() const { return peak_chunk_bytes_; }
   int unsharded_groups() const { return unsharded_groups_; }
   int peak_unsharded_groups() const { return peak_unsharded_groups_; }
   void reset_peaks();
@@ -151,6 +158,7 @@ class Context {
   // A forward after this starts a new iteration.
   bool backward_done_ FSDP_GUARDED_BY(backward_.mutex()) = true;
   int64_t unsharded_bytes_ = 0, peak_unsharded_bytes_ = 0;
+  int64_t chunk_bytes_ = 0, peak_chunk_bytes_ = 0;
   int unsharded_groups_ = 0, peak_unsharded_groups_ = 0;
   bool debug_ = false;
   int reap_wait_expiries_ = 0;

@@ -3,6 +3,10 @@
 #include <fsdp/fully_shard.h>
 #include <torch/nn/module.h>
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "core/buffers.h"
 #include "core/context.h"
 #include "core/group.h"
@@ -23,6 +27,39 @@ void check_placement(const std::string& type, const Communicator& comm, const Na
   }
 }
 
+// reshard_after_forward = k: a positive divisor of the shard group's size.
+void check_reshard_after_forward(const std::string& type, const Communicator& comm,
+                                 const ShardOptions& options) {
+  if (!options.reshard_after_forward || options.reshard_after_forward->is_bool()) return;
+  const int k = options.reshard_after_forward->world();
+  FSDP_CHECK(k >= 1 && comm.size() % k == 0, "fully_shard(", type, "): reshard_after_forward = ", k,
+             " is not a world size that divides the shard group's ", comm.size(),
+             " ranks. After forward each rank keeps 1/k of the parameters and backward gathers "
+             "them within k consecutive ranks, so k must divide ",
+             comm.size(), ". Fix: pass a divisor of ", comm.size(),
+             " (the ranks of one host, say), or true / false");
+}
+
+// hpZ's post-forward lane: this rank's k consecutive ranks of `comm`, one communicator per
+// (communicator, k), shared by the groups that use it. Every rank calls fully_shard with the same
+// options in the same order, so every rank creates the same lanes in the same order.
+std::shared_ptr<Communicator> post_forward_lane(const std::shared_ptr<Communicator>& comm,
+                                                const ShardOptions& options) {
+  if (!options.reshard_after_forward) return nullptr;
+  const int k = options.reshard_after_forward->world();
+  if (k <= 1 || k == comm->size()) return nullptr;  // false, true, or true by another name
+  static std::mutex mutex;
+  static std::map<std::pair<std::string, int>, std::weak_ptr<Communicator>> lanes;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& slot = lanes[{comm->name(), k}];
+  if (auto lane = slot.lock()) return lane;
+  std::vector<int> ranks;
+  for (int r = comm->rank() / k * k, end = r + k; r < end; ++r) ranks.push_back(r);
+  auto lane = comm->subgroup(cat("post_forward", k), ranks);
+  slot = lane;
+  return lane;
+}
+
 }  // namespace
 
 FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
@@ -34,6 +71,7 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   const std::string type = module->name();
   auto& reg = Registry::instance();
   if (reg.is_sharded(*module)) reject_second_fully_shard(*module);
+  check_reshard_after_forward(type, *comm, options);
   const ModulePaths paths = module_paths(*module);
   auto mine = reg.claim_parameters(*module, paths);
   check_placement(type, *comm, mine);
@@ -44,7 +82,9 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   std::vector<ParamState> params;
   for (auto& [name, t] : mine)
     params.emplace_back(name, t, comm->rank(), comm->size(), options.mixed_precision.param_dtype);
+  auto lane = post_forward_lane(comm, options);
   auto group = std::make_shared<Group>(module.get(), type, std::move(params), comm, options);
+  group->set_post_forward_lane(std::move(lane));
   group->set_path("");
   group->set_context(context);
   context->add(group.get());

@@ -155,7 +155,8 @@ int64_t Group::full_bytes() const {
 
 bool Group::resolved_reshard_after_forward() const {
   if (on_use_) return false;  // its forward's end is not observable (gathers_on_use)
-  return options_.reshard_after_forward.value_or(!is_root());
+  if (!options_.reshard_after_forward) return !is_root();
+  return options_.reshard_after_forward->world() != 1;  // true, or a smaller world (hpZ)
 }
 
 void Group::set_reshard_after_forward(bool v) {

@@ -120,8 +120,19 @@ class Group : public std::enable_shared_from_this<Group> {
   // Takes part in an all-gather of this group that another rank needs, keeping nothing
   // ([Note: calls that differ between ranks]); blocks until it completes.
   void serve_gather();
-  // Frees the full parameters' storage; a gather in flight is waited and discarded.
+  // Frees the full parameters' storage (and a post-forward chunk); a gather in flight is waited
+  // and discarded.
   void reshard();
+  // ---- reshard_after_forward = k (hpZ): [Note: resharding to a smaller world after forward] ----
+  // The lane of this rank's k consecutive ranks of the shard group (fully_shard creates it).
+  void set_post_forward_lane(std::shared_ptr<Communicator> lane) {
+    post_forward_lane_ = std::move(lane);
+  }
+  // This rank holds its 1/k of the full parameters, kept when its forward resharded.
+  bool holds_chunk() const { return chunk_.defined(); }
+  // Set by the backward's plan for each group: every rank of the shard group holds its chunk, so
+  // the next gather runs within the post-forward lane (otherwise the chunk is dropped unused).
+  void set_gather_from_chunk(bool v) { gather_from_chunk_ = v; }
   ShardState shard_state() const { return shard_state_; }
   // [Note: stale gathered parameters]: whether the full values might be older than the shards
   // is decided by the ranks together when a top-level forward begins (CallAgreement), from these.
@@ -232,6 +243,9 @@ class Group : public std::enable_shared_from_this<Group> {
   bool gathers_locally() const;
   // Every shard still lives in flat_shard_: the all-gather sends it without a copy.
   bool sends_in_place() const;
+  void keep_chunk();    // post_forward (hpZ): this rank's 1/k of the full block, from it
+  void drop_chunk();    // returns the chunk's buffer to the pool
+  void release_full();  // reshard() without dropping the chunk
   // Issues the all-gather of `g.send` into `block` (gathered into places) or `g.recv`.
   void issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g, at::Tensor& block);
   void pack_send(PendingGather& g, bool own_gather);  // the all-gather's send block
@@ -269,6 +283,12 @@ class Group : public std::enable_shared_from_this<Group> {
   TrainingState training_state_ = TrainingState::kIdle;
   TrainingState state_before_forward_ = TrainingState::kIdle;
   PendingGather gather_;
+  // hpZ: the post-forward lane, and this rank's chunk: (world / k) rows of S elements, the rows of
+  // ranks [p * world / k, (p + 1) * world / k) of the gathered (world, S) layout, p this rank's
+  // place in the lane.
+  std::shared_ptr<Communicator> post_forward_lane_;
+  at::Tensor chunk_;
+  bool gather_from_chunk_ = false;
   uint64_t gathered_epoch_ = 0;  // Context::epoch() when gathered or last found current
   bool fingerprinted_ = false;   // fingerprint_if_gathered ran since the gather
 

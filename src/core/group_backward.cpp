@@ -39,6 +39,8 @@ void Group::finalize_backward() {
   if (training_state_ != TrainingState::kForward)
     transition(TrainingState::kIdle,
                {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
+  gather_from_chunk_ = false;
+  drop_chunk();  // [Note: resharding to a smaller world after forward]: not kept past a backward
   if (reshard_after_backward_) reshard();
 }
 

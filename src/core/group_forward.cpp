@@ -106,7 +106,11 @@ void Group::post_forward(const std::vector<at::Tensor>& outs) {
   }
   context_->on_post_forward(this);
   transition(state_before_forward_, {TrainingState::kForward});
-  if (resolved_reshard_after_forward() && state_before_forward_ == TrainingState::kIdle) reshard();
+  if (resolved_reshard_after_forward() && state_before_forward_ == TrainingState::kIdle) {
+    // hpZ: a backward will gather it again, within the post-forward lane, from what stays here.
+    if (at::GradMode::is_enabled()) keep_chunk();
+    release_full();
+  }
   // Elements gathered on use in a forward without grad mode have no backward to wait for.
   if (is_root() && !at::GradMode::is_enabled())
     for (Group* g : context_->groups())

@@ -62,6 +62,7 @@ bool Group::reduces_locally() const {
 void Group::unshard() {
   if (shard_state_ != ShardState::kSharded) return;
   check_materialized();
+  if (chunk_.defined() && !gather_from_chunk_) drop_chunk();
   if (gathers_locally()) {
     // Nothing to exchange: wait_for_unshard lends the shards' bytes. Still GATHERING until then,
     // so that a prefetch is cancelled like any other.
@@ -73,9 +74,19 @@ void Group::unshard() {
     return;
   }
   auto& pool = context_->pool();
-  pack_send(gather_, /*own_gather=*/true);
+  const bool from_chunk = chunk_.defined();
   try {
-    issue_gather(context_->gather_lane(), pool, gather_, full_block_);
+    if (from_chunk) {
+      // hpZ: within the post-forward lane, whose chunks are the (world, S) layout in lane order.
+      context_->on_chunk(-static_cast<int64_t>(chunk_.nbytes()));
+      gather_.send = std::exchange(chunk_, at::Tensor());
+      gather_.send_pooled = true;
+      gather_.recv = pool.acquire(comm_->size() * flat_numel_, gather_dtype_);
+      gather_.work = post_forward_lane_->all_gather(gather_.recv, gather_.send);
+    } else {
+      pack_send(gather_, /*own_gather=*/true);
+      issue_gather(context_->gather_lane(), pool, gather_, full_block_);
+    }
   } catch (...) {
     // Nothing was issued: the buffers taken for it go back to the pool; still SHARDED.
     if (full_block_.defined()) pool.release(std::exchange(full_block_, at::Tensor()));
@@ -86,7 +97,9 @@ void Group::unshard() {
   gathered_epoch_ = context_->epoch();
   fingerprinted_ = false;
   context_->on_gather_issued(this);  // the gather buffer is as large as the gathered parameters
-  context_->log(this, "unshard: all-gather issued (SHARDED->GATHERING)");
+  context_->log(this, from_chunk ? "unshard: all-gather of the chunks issued within the "
+                                   "post-forward lane (SHARDED->GATHERING)"
+                                 : "unshard: all-gather issued (SHARDED->GATHERING)");
 }
 
 // The pieces land in the full block where the lane can put them there (point to point on CPU):
@@ -137,6 +150,9 @@ void Group::serve_gather() {
     return;
   }
   if (context_->gather_lane().size() == 1) return;  // no other rank to send to
+  FSDP_CHECK(!gather_from_chunk_, "internal: '", name_,
+             "' is held gathered here while the ranks agreed to gather it from post-forward "
+             "chunks; please report this with FSDP_DEBUG=1's output");
   check_materialized();
   auto& pool = context_->pool();
   PendingGather g;
@@ -181,6 +197,13 @@ void Group::wait_for_unshard() {
 }
 
 void Group::reshard() {
+  // A chunk the ranks agreed to gather from in this backward stays until that gather: a rank may
+  // finish with the group (reduce it, reshard it) before the plan reaches its gather.
+  if (!gather_from_chunk_) drop_chunk();
+  release_full();
+}
+
+void Group::release_full() {
   if (shard_state_ == ShardState::kGathering) {
     // Cancel: the collective has every rank's part in flight, so it is waited, then dropped.
     PendingGather g = std::move(gather_);
@@ -205,14 +228,48 @@ void Group::reshard() {
   context_->log(this, "reshard: UNSHARDED->SHARDED");
 }
 
+// [Note: resharding to a smaller world after forward] The full block holds every rank's rows;
+// this rank keeps those of its place p in the post-forward lane, in the (world, S) layout of the
+// gathered rows, so that the lane's all-gather of the chunks is that layout again.
+void Group::keep_chunk() {
+  drop_chunk();
+  if (!post_forward_lane_ || shard_state_ != ShardState::kUnsharded || !full_block_.defined())
+    return;
+  const int per = comm_->size() / post_forward_lane_->size();
+  const int first = post_forward_lane_->rank() * per;
+  at::Tensor chunk = context_->pool().acquire(per * flat_numel_, gather_dtype_);
+  auto rows = chunk.view({per, flat_numel_});
+  auto span = copy_span("copy-chunk ");
+  at::NoGradGuard no_grad;
+  for (int j = 0; j < per; ++j)
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor place = params_[i].place_of_rows(full_block_, full_offsets_[i], first + j);
+      auto slot = rows[j].narrow(0, offsets_[i], params_[i].padded_numel());
+      slot.narrow(0, 0, place.numel()).copy_(place);
+      slot.narrow(0, place.numel(), slot.numel() - place.numel()).zero_();
+    }
+  chunk_ = std::move(chunk);
+  context_->on_chunk(chunk_.nbytes());
+  context_->log(
+      this, detail::cat("post-forward chunk kept: the rows of ranks ", first, "..", first + per - 1,
+                        " (1/", post_forward_lane_->size(), " of the group)"));
+}
+
+void Group::drop_chunk() {
+  if (!chunk_.defined()) return;
+  context_->on_chunk(-static_cast<int64_t>(chunk_.nbytes()));
+  context_->pool().release(std::exchange(chunk_, at::Tensor()));
+}
+
 void Group::fingerprint_if_gathered() {
-  if (shard_state_ == ShardState::kSharded || fingerprinted_) return;
+  if ((shard_state_ == ShardState::kSharded && !chunk_.defined()) || fingerprinted_) return;
   for (auto& p : params_) p.take_fingerprint();
   fingerprinted_ = true;
 }
 
 bool Group::held_from_earlier_epoch() const {
-  return shard_state_ != ShardState::kSharded && gathered_epoch_ != context_->epoch();
+  return (shard_state_ != ShardState::kSharded || chunk_.defined()) &&
+         gathered_epoch_ != context_->epoch();
 }
 
 void Group::mark_current() { gathered_epoch_ = context_->epoch(); }

@@ -163,6 +163,8 @@ FSDPModule::MemoryStats FSDPModule::memory_stats() const {
   s.buffer_bytes_in_use = c.pool().in_use_bytes();
   s.buffer_bytes_idle = c.pool().idle_bytes();
   s.peak_buffer_bytes_in_use = c.pool().peak_in_use_bytes();
+  s.post_forward_bytes = c.chunk_bytes();
+  s.peak_post_forward_bytes = c.peak_chunk_bytes();
   return s;
 }
 

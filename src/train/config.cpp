@@ -145,6 +145,12 @@ void add_options(App& a, TrainConfig& c) {
                "(default on, all but the last block, which backward needs first; off: keep them "
                "until after backward, ZeRO-2-like)")
       ->group("Processes");
+  app.add_option("--reshard-after-forward-world", c.reshard_after_forward_world,
+                 "K: blocks keep 1/K of their gathered parameters after forward and gather them "
+                 "within K consecutive ranks in backward (FSDP2's reshard_after_forward=K, hpZ: K "
+                 "ranks per host keep the backward's all-gathers on the host); K divides the "
+                 "ranks of a shard group; 0: off")
+      ->group("Processes");
   app.add_flag("--activation-checkpointing", c.activation_checkpointing,
                "blocks keep no activations after forward and recompute them in backward (less "
                "memory, about one more forward of compute; sharded runs only)")
@@ -209,6 +215,7 @@ std::string TrainConfig::to_json() const {
   j["malloc"] = malloc_policy;
   j["no-shard"] = no_shard;
   j["reshard-after-forward"] = reshard_after_forward;
+  j["reshard-after-forward-world"] = reshard_after_forward_world;
   j["activation-checkpointing"] = activation_checkpointing;
   j["mixed-precision"] = mixed_precision;
   j["hsdp"] = hsdp;
@@ -292,6 +299,7 @@ const std::vector<std::string>& resumable_keys() {
                                                 "threads",
                                                 "malloc",
                                                 "reshard-after-forward",
+                                                "reshard-after-forward-world",
                                                 "activation-checkpointing",
                                                 "hsdp",
                                                 "steps",

@@ -21,7 +21,9 @@ struct TrainConfig {
   // glibc malloc in every rank: "steady" (fixed thresholds, train/malloc.h), "default", or "auto"
   // (steady; default in a sanitizer build, whose allocator has no thresholds)
   std::string malloc_policy = "auto";
-  bool reshard_after_forward = true;      // blocks free gathered parameters after forward
+  bool reshard_after_forward = true;  // blocks free gathered parameters after forward
+  // >= 2: blocks keep 1/K after forward, gathered within K ranks in backward (hpZ); 0: off
+  int reshard_after_forward_world = 0;
   bool activation_checkpointing = false;  // blocks recompute their activations in backward
   std::string mixed_precision = "none";   // "none", "bf16" (gather and compute) or "fp16" (CUDA)
   int hsdp = 1;  // replicas of HSDP (init_mesh); 1 = plain FSDP over all ranks

@@ -24,6 +24,13 @@ void check_ranges(const TrainConfig& c) {
   positive("batch", c.batch, "e.g. --batch 16");
   positive("vocab", c.vocab, "e.g. --vocab 256");
   positive("grad-accum", c.grad_accum, "1 = no accumulation");
+  FSDP_CHECK(c.reshard_after_forward_world >= 0, "--reshard-after-forward-world is ",
+             c.reshard_after_forward_world, "; use a divisor of a shard group's ranks, or 0 (off)");
+  FSDP_CHECK(c.reshard_after_forward_world == 0 || c.reshard_after_forward,
+             "--reshard-after-forward-world ", c.reshard_after_forward_world,
+             " with --no-reshard-after-forward: the blocks would both keep all and 1/",
+             c.reshard_after_forward_world,
+             " of their parameters after forward. Fix: drop one of the two flags");
   FSDP_CHECK(std::isfinite(c.clip) && c.clip >= 0, "--clip is ", c.clip,
              "; it must be a finite gradient norm >= 0 (e.g. --clip 1.0; 0 = no clipping)");
   positive("eval-batches", c.eval_batches, "e.g. --eval-batches 4");
@@ -132,6 +139,13 @@ void TrainConfig::validate_world(int world_size) const {
   FSDP_CHECK(batch % world_size == 0, "--batch ", batch, " is not divisible by the ", world_size,
              " ranks; the global batch is split evenly: use a multiple of ", world_size,
              " (e.g. --batch ", (batch / world_size + 1) * world_size, ") or another --nproc");
+  const int shard = world_size / hsdp;
+  FSDP_CHECK(reshard_after_forward_world == 0 || shard % reshard_after_forward_world == 0,
+             "--reshard-after-forward-world ", reshard_after_forward_world, " does not divide the ",
+             shard,
+             " ranks of a shard group: blocks gather within that many consecutive ranks in "
+             "backward. Fix: choose a divisor of ",
+             shard, " (the ranks of one host) or 0 (off)");
   const int64_t split = world_size * grad_accum;
   FSDP_CHECK(batch % split == 0, "--batch ", batch, " is not divisible by ", world_size,
              " ranks x --grad-accum ", grad_accum, " = ", split,

@@ -41,6 +41,8 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
     m->mesh = init_mesh(comm, cfg.hsdp);
     ShardOptions block_options;
     block_options.reshard_after_forward = cfg.reshard_after_forward;
+    if (cfg.reshard_after_forward && cfg.reshard_after_forward_world > 0)
+      block_options.reshard_after_forward = cfg.reshard_after_forward_world;
     block_options.activation_checkpointing = cfg.activation_checkpointing;
     block_options.mixed_precision = mixed_precision_policy(cfg.mixed_precision, false);
     ShardOptions root_options;
@@ -53,7 +55,7 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
       ShardOptions o = block_options;
       if (i + 1 == blocks.size()) o.reshard_after_forward = false;
       fully_shard(blocks[i], m->mesh, o);
-      if (o.reshard_after_forward.value_or(true))
+      if (o.reshard_after_forward.value_or(true).world() != 1)
         for (const auto& p : blocks[i]->parameters()) m->regathered_count += p.numel();
     }
     m->root = fully_shard(m->gpt, m->mesh, root_options);
