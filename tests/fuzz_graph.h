@@ -171,6 +171,8 @@ struct Program {
   // all-reduces a tensor of ones over the ranks (a collective inside backward) and scales the
   // reduced block by this factor.
   std::vector<double> hook;
+  // Per block and for the root (last entry): set_keep_unsharded_storage(true).
+  std::vector<char> keep_storage;
   std::vector<Iteration> iterations;
 
   // The entry of per-group settings `v` (per block, the root last; empty: none) for parameter
@@ -206,11 +208,14 @@ struct Program {
                                            : "in-root") +
           " reshard " + std::to_string(child_reshard[b]) + (checkpointed[b] ? " AC" : "") +
           (b < no_backward_unshard.size() && no_backward_unshard[b] ? " no-backward-unshard" : "") +
-          (b < encode.size() && encode[b] ? " encode" : "");
+          (b < encode.size() && encode[b] ? " encode" : "") +
+          (b < keep_storage.size() && keep_storage[b] ? " keep-storage" : "");
     }
     s +=
-        "], root reshard " + std::to_string(root_reshard) + ", audit " + (audit ? "on" : "off") +
-        ", max_unsharded_groups " + std::to_string(max_unsharded_groups) + ", " +
+        "], root reshard " + std::to_string(root_reshard) +
+        (keep_storage.size() > kinds.size() && keep_storage.back() ? " keep-storage" : "") +
+        ", audit " + (audit ? "on" : "off") + ", max_unsharded_groups " +
+        std::to_string(max_unsharded_groups) + ", " +
         (optim == Optim::kSGD ? "SGD momentum " + std::to_string(momentum) : std::string("AdamW")) +
         " wd " + std::to_string(weight_decay) + (swapped ? ", SWAPPED CALLS" : "") +
         (transport.empty() ? "" : ", transport " + transport) + ", " +
@@ -416,6 +421,10 @@ inline Program make_program(uint64_t seed, int world) {
   for (int b = 0; b < blocks; ++b)
     if (p.modes[b] == BlockMode::kHolder) draw_world(p.child_reshard[b]);
   draw_world(p.root_reshard);
+  // Then gathered storage kept across reshards (holders and the root).
+  if (d.chance(3))
+    for (int g = 0; g <= blocks; ++g)
+      p.keep_storage.push_back((g == blocks || p.modes[g] == BlockMode::kHolder) && d.chance(2));
   return p;
 }
 

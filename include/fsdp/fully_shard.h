@@ -226,6 +226,13 @@ class FSDPModule {
   // empty function removes it. Under HSDP with set_requires_all_reduce(false) it runs at the
   // backward that all-reduces.
   void set_all_reduce_hook(std::function<void(at::Tensor&)> hook);
+  // This module's group only (FSDP2's set_keep_unsharded_storage): true keeps the storage of the
+  // gathered parameters allocated when the group reshards, and every later gather fills the same
+  // bytes, so each full parameter has the same address every time it is gathered (what a CUDA
+  // graph captured over the forward needs). While resharded the parameters still read as
+  // resharded (the guard), and the group holds its full size of memory all along
+  // (memory_stats().buffer_bytes_in_use). false releases the storage at the next reshard.
+  void set_keep_unsharded_storage(bool keep);
   // Prefetch overrides (see docs/performance.md): groups whose all-gather is issued when this
   // module's forward (backward) starts.
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);

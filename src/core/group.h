@@ -214,6 +214,8 @@ class Group : public std::enable_shared_from_this<Group> {
   // FSDP2's set_all_reduce_hook: run on the reduced block before it reaches the shards' grads.
   void set_all_reduce_hook(std::function<void(at::Tensor&)> hook) { hook_ = std::move(hook); }
   bool has_all_reduce_hook() const { return static_cast<bool>(hook_); }
+  // FSDP2's set_keep_unsharded_storage: the full block outlives a reshard, reused by every gather.
+  void set_keep_unsharded_storage(bool keep);
   bool unshard_in_backward() const { return unshard_in_backward_; }
   // HSDP: whether a synced backward all-reduces across replicas (FSDP2's set_requires_all_reduce).
   void set_requires_all_reduce(bool v) { requires_all_reduce_ = v; }
@@ -246,6 +248,10 @@ class Group : public std::enable_shared_from_this<Group> {
   void keep_chunk();    // post_forward (hpZ): this rank's 1/k of the full block, from it
   void drop_chunk();    // returns the chunk's buffer to the pool
   void release_full();  // reshard() without dropping the chunk
+  // The full block for this group's own gather: the kept one (set_keep_unsharded_storage), else
+  // a pooled one; and its return when the group reshards.
+  at::Tensor take_full_block();
+  void give_back_full_block();
   // Issues the all-gather of `g.send` into `block` (gathered into places) or `g.recv`.
   void issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g, at::Tensor& block);
   void pack_send(PendingGather& g, bool own_gather);  // the all-gather's send block
@@ -271,6 +277,8 @@ class Group : public std::enable_shared_from_this<Group> {
   // its byte offset (64-byte aligned), so that gathering and resharding reuse the same memory
   // across groups of equal size and across iterations instead of going through malloc.
   at::Tensor full_block_;
+  at::Tensor kept_block_;  // set_keep_unsharded_storage: the full block while resharded
+  bool keep_storage_ = false;
   int64_t full_block_numel_ = 0;
   std::vector<size_t> full_offsets_;
   at::ScalarType gather_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;

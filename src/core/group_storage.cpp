@@ -89,7 +89,7 @@ void Group::unshard() {
     }
   } catch (...) {
     // Nothing was issued: the buffers taken for it go back to the pool; still SHARDED.
-    if (full_block_.defined()) pool.release(std::exchange(full_block_, at::Tensor()));
+    if (full_block_.defined()) give_back_full_block();
     release_gather(gather_);
     throw;
   }
@@ -112,7 +112,8 @@ void Group::issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g,
   for (size_t i = 0; i < params_.size(); ++i)
     pieces.push_back(params_[i].rows_to_send(g.send, offsets_[i]));
   if (detail::gathers_into_places(lane, pieces)) {
-    block = pool.acquire(full_block_numel_, gather_dtype_);
+    block =
+        &block == &full_block_ ? take_full_block() : pool.acquire(full_block_numel_, gather_dtype_);
     std::vector<std::vector<at::Tensor>> places(lane.size());
     for (int r = 0; r < lane.size(); ++r)
       for (size_t i = 0; i < params_.size(); ++i)
@@ -184,7 +185,7 @@ void Group::wait_for_unshard() {
   gather_.work.wait();
   if (gather_.recv.defined()) {
     auto rows = gather_.recv.view({context_->gather_lane().size(), flat_numel_});
-    full_block_ = context_->pool().acquire(full_block_numel_, gather_dtype_);
+    full_block_ = take_full_block();
     auto span = copy_span("copy-out ");
     for (size_t i = 0; i < params_.size(); ++i)
       params_[i].copy_out(rows, offsets_[i], full_block_, full_offsets_[i]);
@@ -212,8 +213,7 @@ void Group::release_full() {
     context_->on_resharded(this);
     g.work.wait();
     release_gather(g);
-    context_->pool().release(std::move(full_block_));  // gathered into places: not bound yet
-    full_block_ = at::Tensor();
+    if (full_block_.defined()) give_back_full_block();  // gathered into places: not bound yet
     context_->log(this, "reshard: gather discarded (GATHERING->SHARDED)");
     return;
   }
@@ -221,8 +221,7 @@ void Group::release_full() {
   for (auto& p : params_) p.free_full();
   // No parameter points into the block any more (free_full dropped their references). Borrowed
   // shards (gathers_locally) have no block.
-  context_->pool().release(std::move(full_block_));
-  full_block_ = at::Tensor();
+  if (full_block_.defined()) give_back_full_block();
   shard_state_ = ShardState::kSharded;
   context_->on_resharded(this);
   context_->log(this, "reshard: UNSHARDED->SHARDED");
@@ -253,6 +252,24 @@ void Group::keep_chunk() {
   context_->log(
       this, detail::cat("post-forward chunk kept: the rows of ranks ", first, "..", first + per - 1,
                         " (1/", post_forward_lane_->size(), " of the group)"));
+}
+
+at::Tensor Group::take_full_block() {
+  if (kept_block_.defined()) return std::exchange(kept_block_, at::Tensor());
+  return context_->pool().acquire(full_block_numel_, gather_dtype_);
+}
+
+void Group::give_back_full_block() {
+  if (keep_storage_)
+    kept_block_ = std::exchange(full_block_, at::Tensor());
+  else
+    context_->pool().release(std::exchange(full_block_, at::Tensor()));
+}
+
+void Group::set_keep_unsharded_storage(bool keep) {
+  keep_storage_ = keep;
+  if (!keep && kept_block_.defined())
+    context_->pool().release(std::exchange(kept_block_, at::Tensor()));
 }
 
 void Group::drop_chunk() {

@@ -132,6 +132,10 @@ void FSDPModule::set_all_reduce_hook(std::function<void(at::Tensor&)> hook) {
   checked(group_).set_all_reduce_hook(std::move(hook));
 }
 
+void FSDPModule::set_keep_unsharded_storage(bool keep) {
+  checked(group_).set_keep_unsharded_storage(keep);
+}
+
 void FSDPModule::set_unshard_in_backward(bool unshard) {
   checked(group_).set_unshard_in_backward(unshard);
 }
