@@ -661,6 +661,34 @@ TEST(Fsdp2Settings, GradientDivideFactorOnOneRankAndUnderHsdp) {
   expect_program_passes(hsdp);
 }
 
+// set_requires_gradient_sync decides collectives (a synced backward reduces, an unsynced one
+// does not), so ranks that set it differently, on the root or on one block, stop at the
+// backward's first round, every rank of the mesh, naming the setting: plain FSDP, HSDP 2 x 2 and
+// 4 x 1 (whose shard groups exchange nothing).
+TEST(Fsdp2Settings, GradientSyncThatDiffersBetweenRanksFailsByName) {
+  for (int replicas : {1, 2, 4}) {
+    for (bool on_root : {true, false}) {
+      SCOPED_TRACE(detail::cat("replicas ", replicas, on_root ? ", root" : ", block"));
+      Program p = settings_program(4, replicas, Accumulate::kSyncEvery);
+      const Pass& pass = p.iterations[0].micro[0];
+      RunOptions o;
+      o.collective_timeout_s = 30;  // a wait out would fail with the timeout's message
+      run_ranks(
+          4,
+          [&](Rank& r) {
+            torch::manual_seed(1);
+            ShardedSide s(p, r);
+            FSDPModule& h = on_root ? s.root : s.blocks[1];
+            h.set_requires_gradient_sync(r.rank != 1);
+            expect_error([&] { s.model(input_for(p, r.rank, 0, 0), pass, r.rank).backward(); },
+                         {"the ranks' gradient synchronisation differs", "rank 1 began a backward",
+                          "set_requires_gradient_sync with the same value"});
+          },
+          o);
+    }
+  }
+}
+
 // reshard_after_forward = 2 at N=4 (hpZ): blocks keep half of their parameters after forward
 // and backward gathers them within pairs of ranks. Exact against the unsharded model with calls
 // that differ, activation checkpointing and accumulation (a block with k = 4 is plain true).
@@ -730,7 +758,8 @@ TEST(Fsdp2Settings, KeepUnshardedStorageKeepsEachParametersAddress) {
   });
 }
 
-// A post-forward world that does not divide the shard group, or is not positive, fails at
+// A post-forward world that does not divide the shard group, or is not positive (-1 too, which
+// once meant true inside), fails at
 // fully_shard naming the option and the fix, with nothing sharded; so does one on elements
 // gathered on use, which cannot reshard after forward at all.
 TEST(Fsdp2Settings, ReshardAfterForwardWorldsThatCannotWorkAreRefused) {
@@ -738,7 +767,7 @@ TEST(Fsdp2Settings, ReshardAfterForwardWorldsThatCannotWorkAreRefused) {
     auto comm = r.world();
     torch::manual_seed(1);
     fsdp::Sharded<torch::nn::Linear> lin{torch::nn::Linear(4, 4)};
-    for (int k : {3, 0, -2, 8}) {
+    for (int k : {3, 0, -1, -2, 8}) {
       ShardOptions o;
       o.reshard_after_forward = k;
       expect_error([&] { fully_shard(lin, comm, o); },

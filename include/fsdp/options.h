@@ -31,15 +31,19 @@ struct MixedPrecisionPolicy {
 // shard group's size is true. Written as in Python: `o.reshard_after_forward = 2;`.
 class ReshardAfterForward {
  public:
-  ReshardAfterForward(bool reshard) : world_(reshard ? kFull : 1) {}  // NOLINT: implicit
-  ReshardAfterForward(int world) : world_(world) {}                   // NOLINT: implicit
-  // fully_shard rejects a world that is not positive or does not divide the shard group's size.
+  ReshardAfterForward(bool reshard) : from_bool_(true), world_(reshard ? 0 : 1) {}  // NOLINT
+  ReshardAfterForward(int world) : from_bool_(false), world_(world) {}              // NOLINT
+  // The world kept after forward: 1 keeps everything (false), 0 the whole shard group (true),
+  // else k. fully_shard rejects an int that is not positive or does not divide the shard
+  // group's size.
   int world() const { return world_; }
-  bool is_bool() const { return world_ == kFull || world_ == 1; }
-  bool operator==(const ReshardAfterForward& o) const { return world_ == o.world_; }
+  bool is_bool() const { return from_bool_; }
+  bool operator==(const ReshardAfterForward& o) const {
+    return from_bool_ == o.from_bool_ && world_ == o.world_;
+  }
 
  private:
-  static constexpr int kFull = -1;  // true: the whole shard group
+  bool from_bool_;
   int world_;
 };
 

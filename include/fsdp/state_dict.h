@@ -36,11 +36,12 @@ struct StateDictOptions {
 // once, under its first name. REQUIRES: not inside a forward or backward.
 StateDict full_state_dict(const FSDPModule& root, const StateDictOptions& options = {});
 
-// Local (no communication): copies each rank's rows of every parameter from `dict` into its shard,
-// and every buffer whole. Strict: names missing from `dict`, names the model does not have and
-// shape mismatches are one error listing them all, raised before anything is copied. Values are
-// converted to the model's dtypes (as torch's load_state_dict does). Every rank passes the full
-// dictionary (e.g. read from the same file).
+// Collective: every rank calls it at the same point (one small agreement round, so that a rank
+// calling it alone stops every rank by name; no tensor crosses ranks). Copies each rank's rows of
+// every parameter from `dict` into its shard, and every buffer whole. Strict: names missing from
+// `dict`, names the model does not have and shape mismatches are one error listing them all, raised
+// before anything is copied. Values are converted to the model's dtypes (as torch's load_state_dict
+// does). Every rank passes the full dictionary (e.g. read from the same file).
 void load_full_state_dict(const FSDPModule& root, const StateDict& dict);
 
 // The defined buffers of root's module, by name relative to it (named_buffers order).

@@ -126,7 +126,9 @@ void BackwardPass::plan() {
   for (Group* g : backward_order_)
     if (g->shard_state() == ShardState::kSharded && g->unshard_in_backward()) mine.push_back(g);
   const auto& order = ctx_.forward_order();
-  auto agreed = ctx_.calls().agree_backward(mine, {order.rbegin(), order.rend()});
+  std::vector<bool> reduces;
+  for (Group* g : ctx_.groups()) reduces.push_back(will_reduce(*g));
+  auto agreed = ctx_.calls().agree_backward(mine, {order.rbegin(), order.rend()}, reduces);
   gather_plan_ = std::move(agreed.gathers);
   reduce_order_ = std::move(agreed.reductions);
   calls_differ_ = agreed.calls_differ;

@@ -46,6 +46,15 @@ std::vector<std::vector<int64_t>> gather_rows(Communicator& c, const std::vector
   return rows;
 }
 
+// FNV-1a over the words of a bit set: what a message's bits are, in one number that crosses the
+// replicate lane.
+int64_t digest_of(const std::vector<uint64_t>& bits) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint64_t w : bits)
+    for (int i = 0; i < 8; ++i) h = (h ^ ((w >> (8 * i)) & 0xff)) * 1099511628211ull;
+  return static_cast<int64_t>(h);
+}
+
 const char* explicit_name(int64_t what) {
   switch (static_cast<CallAgreement::Explicit>(what)) {
     case CallAgreement::Explicit::kClipGradNorm:
@@ -93,7 +102,8 @@ std::string CallAgreement::describe(const Message& m) const {
     case kDone:
       return "had ended a top-level forward of '" + who + "'";
     case kBackward:
-      return "began a backward";
+      return detail::cat("began a backward reducing ", m.who, " of ", groups.size(),
+                         " sharded modules");
     case kUnshard:
       return "called unshard() of '" + who + "'";
     case kExplicit:
@@ -117,9 +127,10 @@ bool CallAgreement::exclusive(int64_t kind) {
 
 // The exclusive kinds pair only with their own kind (two top-level forwards only when of the same
 // module: the root's ends with an agreement check that a block's does not; two explicit
-// collectives only when the same); a forward's calls and the done rounds of a forward that ended
-// pair with each other.
+// collectives only when the same; two backwards only when they reduce the same groups); a forward's
+// calls and the done rounds of a forward that ended pair with each other.
 bool CallAgreement::clash(const Message& a, const Message& b) {
+  if (a.kind == b.kind && a.kind == kBackward) return a.digest != b.digest;  // what it reduces
   if (a.kind == b.kind) return (a.kind == kStart || a.kind == kExplicit) && a.who != b.who;
   return exclusive(a.kind) || exclusive(b.kind);
 }
@@ -166,14 +177,21 @@ std::vector<CallAgreement::Message> CallAgreement::gather_messages(const Message
 // the mesh at once. A rank whose shard group found a clash in any round joins this exchange too.
 std::optional<CallAgreement::Clash> CallAgreement::agree_across_replicas(
     Communicator& rep, const Message& mine, const std::optional<Clash>& found) {
-  std::vector<int64_t> row{mine.kind, mine.who, mine.rank, found ? 1 : 0, 0, 0, 0, 0, 0, 0};
+  // kind, who, rank, digest of this rank's message; whether its shard group found a clash; the
+  // two messages of that clash.
+  constexpr size_t kFields = 4;
+  std::vector<int64_t> row(2 + 3 * kFields, 0);
+  auto put = [&](size_t at, const Message& m) {
+    row[at] = m.kind;
+    row[at + 1] = m.who;
+    row[at + 2] = m.rank;
+    row[at + 3] = m.digest;
+  };
+  put(0, mine);
+  row[kFields] = found ? 1 : 0;
   if (found) {
-    const Message* pair[2] = {&found->first, &found->second};
-    for (int i = 0; i < 2; ++i) {
-      row[4 + 3 * i] = pair[i]->kind;
-      row[5 + 3 * i] = pair[i]->who;
-      row[6 + 3 * i] = pair[i]->rank;
-    }
+    put(kFields + 1, found->first);
+    put(2 * kFields + 1, found->second);
   }
   const auto rows = gather_rows(rep, row);
   auto brief = [](const int64_t* v) {
@@ -181,18 +199,21 @@ std::optional<CallAgreement::Clash> CallAgreement::agree_across_replicas(
     m.kind = v[0];
     m.who = v[1];
     m.rank = v[2];
+    m.digest = v[3];
     return m;
   };
   for (const auto& r : rows)
-    if (r[3] != 0) return Clash{brief(&r[4]), brief(&r[7])};
+    if (r[kFields] != 0) return Clash{brief(&r[kFields + 1]), brief(&r[2 * kFields + 1])};
   for (size_t r = 1; r < rows.size(); ++r)
     if (clash(brief(&rows[0][0]), brief(&rows[r][0])))
       return Clash{brief(&rows[0][0]), brief(&rows[r][0])};
   return std::nullopt;
 }
 
-std::vector<CallAgreement::Message> CallAgreement::exchange(const Message& mine) {
+std::vector<CallAgreement::Message> CallAgreement::exchange(Message mine) {
+  mine.digest = digest_of(mine.need);
   std::vector<Message> all = active() ? gather_messages(mine) : std::vector<Message>{mine};
+  for (Message& m : all) m.digest = digest_of(m.need);
   std::optional<Clash> found;
   for (size_t r = 1; r < all.size() && !found; ++r)
     if (clash(all[0], all[r])) found = Clash{all[0], all[r]};
@@ -200,15 +221,22 @@ std::vector<CallAgreement::Message> CallAgreement::exchange(const Message& mine)
   if (rep && rep->size() > 1 && (exclusive(mine.kind) || found))
     found = agree_across_replicas(*rep, mine, found);
   if (!found) return all;
+  const Message &a = found->first, &b = found->second;
+  if (a.kind == kBackward && b.kind == kBackward)
+    throw Error(detail::cat(
+        "the ranks' gradient synchronisation differs: rank ", a.rank, " ", describe(a),
+        " while rank ", b.rank, " ", describe(b),
+        ". A backward's reductions are collectives, so every rank must reduce the same sharded "
+        "modules. Fix: call set_requires_gradient_sync with the same value on every rank (e.g. "
+        "false on every micro-batch but the last, on every rank)"));
   throw Error(detail::cat(
-      "the ranks' top-level calls differ: rank ", found->first.rank, " ", describe(found->first),
-      " while rank ", found->second.rank, " ", describe(found->second),
+      "the ranks' top-level calls differ: rank ", a.rank, " ", describe(a), " while rank ", b.rank,
+      " ", describe(b),
       ". Ranks may call different sharded modules inside a forward, but every rank must make "
       "the same top-level calls (forwards of the root, or of a module called outside any other "
       "sharded module's forward), the same backward calls and the same explicit collectives "
       "(FSDPModule::unshard(), clip_grad_norm_, state dicts, checkpoints). Fix: make those calls "
-      "on every rank (a rank with nothing to compute can call the "
-      "model on an empty batch)"));
+      "on every rank (a rank with nothing to compute can call the model on an empty batch)"));
 }
 
 void CallAgreement::issue_union(const Message& mine, const std::vector<Message>& all) {
@@ -318,7 +346,8 @@ void CallAgreement::end_top_level(Group& g) {
 }
 
 CallAgreement::BackwardOrders CallAgreement::agree_backward(
-    const std::vector<Group*>& my_gathers, const std::vector<Group*>& my_reverse_forward) {
+    const std::vector<Group*>& my_gathers, const std::vector<Group*>& my_reverse_forward,
+    const std::vector<bool>& my_reductions) {
   const auto& groups = ctx_.groups();
   Group* root = ctx_.root();
   auto indices = [&](const std::vector<Group*>& v) {
@@ -333,7 +362,14 @@ CallAgreement::BackwardOrders CallAgreement::agree_backward(
   std::vector<uint64_t> chunks(words_for(groups.size()), 0);
   for (size_t k = 0; k < groups.size(); ++k)
     if (groups[k]->holds_chunk()) set_bit(chunks, k);
-  exchange(message(kBackward, nullptr));
+  Message opening = message(kBackward, nullptr);  // `need`: the groups this backward reduces
+  opening.who = 0;
+  for (size_t k = 0; k < my_reductions.size(); ++k)
+    if (my_reductions[k]) {
+      set_bit(opening.need, k);
+      ++opening.who;
+    }
+  exchange(opening);
   if (active()) {
     // One row per rank, all of one length: the two counts, both lists, padding, the chunk bits.
     std::vector<int64_t> mine{static_cast<int64_t>(plans[0].size()),

@@ -87,8 +87,11 @@ class CallAgreement {
   // A backward begins: this rank's gather plan and reverse first-forward order, merged with every
   // other rank's (and, under HSDP, every replica's reduce order) into the same orders on every
   // rank.
+  // `my_reductions`, per registration index: this backward reduces the group (ranks that differ
+  // stop, naming set_requires_gradient_sync).
   BackwardOrders agree_backward(const std::vector<Group*>& my_gathers,
-                                const std::vector<Group*>& my_reverse_forward);
+                                const std::vector<Group*>& my_reverse_forward,
+                                const std::vector<bool>& my_reductions);
 
  private:
   enum Kind : int64_t {
@@ -104,6 +107,7 @@ class CallAgreement {
   // last two in kStart only).
   struct Message {
     int64_t kind = 0, who = -1, rank = 0;
+    int64_t digest = 0;  // of `need` (exchange() computes it): a backward's reductions
     std::vector<uint64_t> need, prefetch, changed, held;
   };
   using Clash = std::pair<Message, Message>;  // two messages of one round that cannot pair
@@ -113,7 +117,7 @@ class CallAgreement {
   Message message(Kind kind, const Group* who) const;
   // The round: every rank's message, indexed by gather-lane rank; throws on every rank of the
   // mesh when two cannot pair.
-  std::vector<Message> exchange(const Message& mine);
+  std::vector<Message> exchange(Message mine);
   std::vector<Message> gather_messages(const Message& mine);
   std::optional<Clash> agree_across_replicas(Communicator& rep, const Message& mine,
                                              const std::optional<Clash>& found);

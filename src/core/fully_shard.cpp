@@ -3,9 +3,11 @@
 #include <fsdp/fully_shard.h>
 #include <torch/nn/module.h>
 
-#include <map>
+#include <algorithm>
+#include <memory>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "core/buffers.h"
 #include "core/context.h"
@@ -48,15 +50,26 @@ std::shared_ptr<Communicator> post_forward_lane(const std::shared_ptr<Communicat
   if (!options.reshard_after_forward) return nullptr;
   const int k = options.reshard_after_forward->world();
   if (k <= 1 || k == comm->size()) return nullptr;  // false, true, or true by another name
+  // Keyed by the communicator's identity (its control block, which no later communicator
+  // reuses while the key holds it); entries whose lane has gone are dropped as new ones come.
+  struct Entry {
+    std::weak_ptr<Communicator> parent, lane;
+    int k;
+  };
   static std::mutex mutex;
-  static std::map<std::pair<std::string, int>, std::weak_ptr<Communicator>> lanes;
+  static std::vector<Entry> lanes;
   std::lock_guard<std::mutex> lock(mutex);
-  auto& slot = lanes[{comm->name(), k}];
-  if (auto lane = slot.lock()) return lane;
+  lanes.erase(std::remove_if(lanes.begin(), lanes.end(),
+                             [](const Entry& e) { return e.lane.expired(); }),
+              lanes.end());
+  const std::owner_less<std::weak_ptr<Communicator>> before;
+  for (const Entry& e : lanes)
+    if (e.k == k && !before(e.parent, comm) && !before(comm, e.parent))
+      if (auto lane = e.lane.lock()) return lane;
   std::vector<int> ranks;
   for (int r = comm->rank() / k * k, end = r + k; r < end; ++r) ranks.push_back(r);
   auto lane = comm->subgroup(cat("post_forward", k), ranks);
-  slot = lane;
+  lanes.push_back(Entry{comm, lane, k});
   return lane;
 }
 

@@ -85,7 +85,7 @@ void Group::unshard() {
       gather_.work = post_forward_lane_->all_gather(gather_.recv, gather_.send);
     } else {
       pack_send(gather_, /*own_gather=*/true);
-      issue_gather(context_->gather_lane(), pool, gather_, full_block_);
+      issue_gather(context_->gather_lane(), pool, gather_, full_block_, /*own=*/true);
     }
   } catch (...) {
     // Nothing was issued: the buffers taken for it go back to the pool; still SHARDED.
@@ -106,14 +106,13 @@ void Group::unshard() {
 // no gather buffer and no copy-out. Otherwise (a collective backend) into a flat (world, S)
 // buffer that wait_for_unshard copies out.
 void Group::issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g,
-                         at::Tensor& block) {
+                         at::Tensor& block, bool own) {
   std::vector<at::Tensor> pieces;
   pieces.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i)
     pieces.push_back(params_[i].rows_to_send(g.send, offsets_[i]));
   if (detail::gathers_into_places(lane, pieces)) {
-    block =
-        &block == &full_block_ ? take_full_block() : pool.acquire(full_block_numel_, gather_dtype_);
+    block = own ? take_full_block() : pool.acquire(full_block_numel_, gather_dtype_);
     std::vector<std::vector<at::Tensor>> places(lane.size());
     for (int r = 0; r < lane.size(); ++r)
       for (size_t i = 0; i < params_.size(); ++i)
@@ -160,7 +159,7 @@ void Group::serve_gather() {
   at::Tensor block;
   pack_send(g, /*own_gather=*/false);
   try {
-    issue_gather(context_->gather_lane(), pool, g, block);
+    issue_gather(context_->gather_lane(), pool, g, block, /*own=*/false);
   } catch (...) {
     release_gather(g);
     throw;
