@@ -575,6 +575,23 @@ TEST(DifferentCalls, DifferentTopLevelCallsFailByName) {
   });
 }
 
+// Runs `body` on every rank of p's world with a fresh sharded side, under a 30 s collective
+// timeout: an error expected at once that instead waits the timeout out fails with the timeout's
+// message, not the one expected.
+void on_each_rank_within_seconds(const Program& p,
+                                 const std::function<void(Rank&, ShardedSide&)>& body) {
+  RunOptions o;
+  o.collective_timeout_s = 30;
+  run_ranks(
+      p.world,
+      [&](Rank& r) {
+        torch::manual_seed(1);
+        ShardedSide s(p, r);
+        body(r, s);
+      },
+      o);
+}
+
 // Under HSDP the same, over the whole mesh, within seconds: a rank whose call differs stops every
 // rank, in its own shard group and in the other replicas, by name (2 replicas of 2 ranks, and 4
 // replicas of 1, where the shard groups exchange nothing). An explicit collective called on one
@@ -587,37 +604,30 @@ TEST(DifferentCalls, DifferentTopLevelCallsFailOnEveryRankUnderHsdp) {
     for (Case c : {kExtraForward, kUnshard, kClip, kStateDict}) {
       SCOPED_TRACE(detail::cat("replicas ", replicas, ", case ", static_cast<int>(c)));
       p.replicas = replicas;
-      RunOptions o;
-      o.collective_timeout_s = 30;  // a wait out would fail with the timeout's message
-      run_ranks(
-          4,
-          [&](Rank& r) {
-            torch::manual_seed(1);
-            ShardedSide s(p, r);
-            const char* what[] = {"began a top-level forward of", "called unshard() of 'root'",
-                                  "called clip_grad_norm_", "called full_state_dict"};
-            const int odd = c == kExtraForward ? 3 : c == kClip ? 2 : 0;
-            expect_error(
-                [&] {
-                  for (int step = 0; step < 2; ++step) {
-                    if (step == 1 && r.rank == odd) {
-                      if (c == kExtraForward) {
-                        torch::NoGradGuard no_grad;
-                        s.model(input_for(p, r.rank, 0, 9), pass, r.rank);
-                      }
-                      if (c == kUnshard) s.root.unshard();
-                      if (c == kClip) fsdp::clip_grad_norm_(s.root, 1.0);
-                      if (c == kStateDict) fsdp::full_state_dict(s.root);
-                    }
-                    s.model(input_for(p, r.rank, 0, step), pass, r.rank).backward();
-                    s.opt->step();
-                    s.opt->zero_grad();
+      on_each_rank_within_seconds(p, [&](Rank& r, ShardedSide& s) {
+        const char* what[] = {"began a top-level forward of", "called unshard() of 'root'",
+                              "called clip_grad_norm_", "called full_state_dict"};
+        const int odd = c == kExtraForward ? 3 : c == kClip ? 2 : 0;
+        expect_error(
+            [&] {
+              for (int step = 0; step < 2; ++step) {
+                if (step == 1 && r.rank == odd) {
+                  if (c == kExtraForward) {
+                    torch::NoGradGuard no_grad;
+                    s.model(input_for(p, r.rank, 0, 9), pass, r.rank);
                   }
-                },
-                {"top-level calls differ", detail::cat("rank ", odd, " ", what[c]),
-                 "same explicit collectives"});
-          },
-          o);
+                  if (c == kUnshard) s.root.unshard();
+                  if (c == kClip) fsdp::clip_grad_norm_(s.root, 1.0);
+                  if (c == kStateDict) fsdp::full_state_dict(s.root);
+                }
+                s.model(input_for(p, r.rank, 0, step), pass, r.rank).backward();
+                s.opt->step();
+                s.opt->zero_grad();
+              }
+            },
+            {"top-level calls differ", detail::cat("rank ", odd, " ", what[c]),
+             "same explicit collectives"});
+      });
     }
   }
 }
@@ -671,20 +681,13 @@ TEST(Fsdp2Settings, GradientSyncThatDiffersBetweenRanksFailsByName) {
       SCOPED_TRACE(detail::cat("replicas ", replicas, on_root ? ", root" : ", block"));
       Program p = settings_program(4, replicas, Accumulate::kSyncEvery);
       const Pass& pass = p.iterations[0].micro[0];
-      RunOptions o;
-      o.collective_timeout_s = 30;  // a wait out would fail with the timeout's message
-      run_ranks(
-          4,
-          [&](Rank& r) {
-            torch::manual_seed(1);
-            ShardedSide s(p, r);
-            FSDPModule& h = on_root ? s.root : s.blocks[1];
-            h.set_requires_gradient_sync(r.rank != 1);
-            expect_error([&] { s.model(input_for(p, r.rank, 0, 0), pass, r.rank).backward(); },
-                         {"the ranks' gradient synchronisation differs", "rank 1 began a backward",
-                          "set_requires_gradient_sync with the same value"});
-          },
-          o);
+      on_each_rank_within_seconds(p, [&](Rank& r, ShardedSide& s) {
+        FSDPModule& h = on_root ? s.root : s.blocks[1];
+        h.set_requires_gradient_sync(r.rank != 1);
+        expect_error([&] { s.model(input_for(p, r.rank, 0, 0), pass, r.rank).backward(); },
+                     {"the ranks' gradient synchronisation differs", "rank 1 began a backward",
+                      "set_requires_gradient_sync with the same value"});
+      });
     }
   }
 }
