@@ -172,9 +172,10 @@ std::vector<CallAgreement::Message> CallAgreement::gather_messages(const Message
 }
 
 // HSDP: each shard group's rounds are its own, but its exclusive rounds (one per top-level call,
-// backward and unshard(), which must match over the whole mesh) meet the other replicas' too, on
-// the replicate lane: a clash found in one shard group, or between replicas, stops every rank of
-// the mesh at once. A rank whose shard group found a clash in any round joins this exchange too.
+// backward, unshard() and explicit collective, which must match over the whole mesh) meet the other
+// replicas' too, on the replicate lane: a clash found in one shard group, or between replicas,
+// stops every rank of the mesh at once. A rank whose shard group found a clash in any round joins
+// this exchange too.
 std::optional<CallAgreement::Clash> CallAgreement::agree_across_replicas(
     Communicator& rep, const Message& mine, const std::optional<Clash>& found) {
   // kind, who, rank, digest of this rank's message; whether its shard group found a clash; the
