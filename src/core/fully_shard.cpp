@@ -59,9 +59,9 @@ std::shared_ptr<Communicator> post_forward_lane(const std::shared_ptr<Communicat
   static std::mutex mutex;
   static std::vector<Entry> lanes;
   std::lock_guard<std::mutex> lock(mutex);
-  lanes.erase(std::remove_if(lanes.begin(), lanes.end(),
-                             [](const Entry& e) { return e.lane.expired(); }),
-              lanes.end());
+  lanes.erase(
+      std::remove_if(lanes.begin(), lanes.end(), [](const Entry& e) { return e.lane.expired(); }),
+      lanes.end());
   const std::owner_less<std::weak_ptr<Communicator>> before;
   for (const Entry& e : lanes)
     if (e.k == k && !before(e.parent, comm) && !before(comm, e.parent))

@@ -105,8 +105,8 @@ void Group::unshard() {
 // The pieces land in the full block where the lane can put them there (point to point on CPU):
 // no gather buffer and no copy-out. Otherwise (a collective backend) into a flat (world, S)
 // buffer that wait_for_unshard copies out.
-void Group::issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g,
-                         at::Tensor& block, bool own) {
+void Group::issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g, at::Tensor& block,
+                         bool own) {
   std::vector<at::Tensor> pieces;
   pieces.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i)
