@@ -212,9 +212,13 @@ std::optional<CallAgreement::Clash> CallAgreement::agree_across_replicas(
 }
 
 std::vector<CallAgreement::Message> CallAgreement::exchange(Message mine) {
-  mine.digest = digest_of(mine.need);
+  // Only a backward's bits (what it reduces) must match: the forward's rounds skip the digest.
+  auto digest = [](Message& m) {
+    if (m.kind == kBackward) m.digest = digest_of(m.need);
+  };
+  digest(mine);
   std::vector<Message> all = active() ? gather_messages(mine) : std::vector<Message>{mine};
-  for (Message& m : all) m.digest = digest_of(m.need);
+  for (Message& m : all) digest(m);
   std::optional<Clash> found;
   for (size_t r = 1; r < all.size() && !found; ++r)
     if (clash(all[0], all[r])) found = Clash{all[0], all[r]};

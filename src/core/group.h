@@ -245,9 +245,10 @@ class Group : public std::enable_shared_from_this<Group> {
   bool gathers_locally() const;
   // Every shard still lives in flat_shard_: the all-gather sends it without a copy.
   bool sends_in_place() const;
-  void keep_chunk();    // post_forward (hpZ): this rank's 1/k of the full block, from it
-  void drop_chunk();    // returns the chunk's buffer to the pool
-  void release_full();  // reshard() without dropping the chunk
+  void keep_chunk();        // post_forward (hpZ): this rank's 1/k of the full block, from it
+  at::Tensor take_chunk();  // the chunk, no longer counted as held here
+  void drop_chunk();        // returns the chunk's buffer to the pool
+  void release_full();      // reshard() without dropping the chunk
   // The full block for this group's own gather: the kept one (set_keep_unsharded_storage), else
   // a pooled one; and its return when the group reshards.
   at::Tensor take_full_block();

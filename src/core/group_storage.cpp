@@ -78,8 +78,7 @@ void Group::unshard() {
   try {
     if (from_chunk) {
       // hpZ: within the post-forward lane, whose chunks are the (world, S) layout in lane order.
-      context_->on_chunk(-static_cast<int64_t>(chunk_.nbytes()));
-      gather_.send = std::exchange(chunk_, at::Tensor());
+      gather_.send = take_chunk();
       gather_.send_pooled = true;
       gather_.recv = pool.acquire(comm_->size() * flat_numel_, gather_dtype_);
       gather_.work = post_forward_lane_->all_gather(gather_.recv, gather_.send);
@@ -271,10 +270,14 @@ void Group::set_keep_unsharded_storage(bool keep) {
     context_->pool().release(std::exchange(kept_block_, at::Tensor()));
 }
 
+at::Tensor Group::take_chunk() {
+  context_->on_chunk(-static_cast<int64_t>(chunk_.nbytes()));
+  return std::exchange(chunk_, at::Tensor());
+}
+
 void Group::drop_chunk() {
   if (!chunk_.defined()) return;
-  context_->on_chunk(-static_cast<int64_t>(chunk_.nbytes()));
-  context_->pool().release(std::exchange(chunk_, at::Tensor()));
+  context_->pool().release(take_chunk());
 }
 
 void Group::fingerprint_if_gathered() {
