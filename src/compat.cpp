@@ -97,15 +97,24 @@ c10::intrusive_ptr<c10d::Work> all_gather_flat(c10d::ProcessGroup& pg, const at:
   return pg.allgather(outs, ins);
 }
 
+namespace {
+// alltoall_base was renamed all_to_all_single after 2.11.
+template <class PG>
+c10::intrusive_ptr<c10d::Work> all_to_all(PG& pg, at::Tensor& out, at::Tensor& in) {
+  std::vector<int64_t> equal_splits;  // empty: equal blocks
+#if TORCH_VERSION_MAJOR >= 2
+  if constexpr (requires { pg.all_to_all_single(out, in, equal_splits, equal_splits); })
+    return pg.all_to_all_single(out, in, equal_splits, equal_splits);
+  else
+#endif
+    return pg.alltoall_base(out, in, equal_splits, equal_splits);
+}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> exchange_blocks(c10d::ProcessGroup& pg, const at::Tensor& received,
                                                const at::Tensor& input) {
   at::Tensor out = received, in = input;
-  std::vector<int64_t> equal_splits;  // empty: equal blocks
-#if TORCH_VERSION_MAJOR >= 2
-  return pg.all_to_all_single(out, in, equal_splits, equal_splits);  // alltoall_base's new name
-#else
-  return pg.alltoall_base(out, in, equal_splits, equal_splits);
-#endif
+  return all_to_all(pg, out, in);
 }
 
 c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host,

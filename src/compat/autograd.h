@@ -1,7 +1,9 @@
 // Autograd node ownership, the one LibTorch version difference in graph code.
-// 1.13: a Node is owned by std::shared_ptr and must be deleted through torch::autograd::deleteNode
-// (it unlinks long chains iteratively). 2.x: a Node is a c10::intrusive_ptr_target, owned by
-// c10::intrusive_ptr; its destructor does that unlinking and deleteNode is gone.
+// 1.13 to 2.11: a Node is owned by std::shared_ptr and must be deleted through
+// torch::autograd::deleteNode (it unlinks long chains iteratively). 2.15: a Node is a
+// c10::intrusive_ptr_target, owned by c10::intrusive_ptr; its destructor does that unlinking and
+// deleteNode is gone. The change came with the header that now declares Node (node.h), which is
+// what tells the two apart.
 // Code outside compat names nodes only through NodePtr, WeakNodePtr and make_node.
 #pragma once
 
@@ -11,11 +13,17 @@
 #include <memory>
 #include <utility>
 
+#if __has_include(<torch/csrc/autograd/node.h>)
+#define FSDP_INTRUSIVE_NODES 1
+#else
+#define FSDP_INTRUSIVE_NODES 0
+#endif
+
 namespace fsdp::compat {
 
 using torch::autograd::Node;
 
-#if TORCH_VERSION_MAJOR >= 2
+#if FSDP_INTRUSIVE_NODES
 
 using NodePtr = c10::intrusive_ptr<Node>;
 

@@ -258,7 +258,10 @@ namespace fsdp::compat::interception {
 namespace {
 // How LibTorch 2.x finds the process's interpreter. Registered below libtorch_python's priority:
 // if that library is loaded it wins, and install() reports it (check_interpreter_is_ours).
+// The registry passes PyInterpreterHooksArgs to the constructor up to 2.11 and nothing after.
 struct StandInHooks final : c10::impl::PyInterpreterHooksInterface {
+  StandInHooks() = default;
+  explicit StandInHooks(c10::impl::PyInterpreterHooksArgs /*unused*/) {}
   c10::impl::PyInterpreter* getPyInterpreter() const override { return &stand_in(); }
 };
 }  // namespace
