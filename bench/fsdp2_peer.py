@@ -163,7 +163,7 @@ class Block(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
                    for t in self.c_attn(self.ln_1(x)).split(C, dim=2))
         att = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        mask = torch.ones(T, T, dtype=torch.bool).triu(1)  # future positions
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)  # future positions
         att = torch.softmax(att.masked_fill(mask, float("-inf")), -1)
         y = att.matmul(v).transpose(1, 2).contiguous().view(B, T, C)
         h = x + self.c_proj(y)
@@ -179,7 +179,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(width)
 
     def forward(self, idx):  # (B, T) -> logits (B, T, V), head tied to wte
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for b in self.h:
             x = b(x)
         return self.ln_f(x).matmul(self.wte.weight.t())

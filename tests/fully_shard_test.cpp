@@ -351,14 +351,16 @@ INSTANTIATE_TEST_SUITE_P(Delays, SlowRank,
 // data), and an idle buffer is reused.
 TEST(BufferPool, HandsEachBufferToOneOwnerAndRefusesOneGivenBackTwice) {
   fsdp::detail::BufferPool pool;
-  at::Tensor a = pool.acquire(1000, at::kFloat), b = pool.acquire(1000, at::kFloat);
+  at::Tensor a = pool.acquire(1000, at::kFloat, at::kCPU),
+             b = pool.acquire(1000, at::kFloat, at::kCPU);
   EXPECT_NE(a.data_ptr(), b.data_ptr());
   const void* a_data = a.data_ptr();
   pool.release(a);
   expect_error([&] { pool.release(a); }, {"given back twice", "please report"});
   expect_error([&] { pool.release(torch::empty({1000})); }, {"did not hand out"});
   EXPECT_EQ(pool.in_use_bytes(), 4000);
-  at::Tensor c = pool.acquire(1000, at::kFloat), d = pool.acquire(1000, at::kFloat);
+  at::Tensor c = pool.acquire(1000, at::kFloat, at::kCPU),
+             d = pool.acquire(1000, at::kFloat, at::kCPU);
   EXPECT_EQ(c.data_ptr(), a_data);  // the idle one
   EXPECT_NE(d.data_ptr(), a_data);
   EXPECT_NE(d.data_ptr(), b.data_ptr());

@@ -173,6 +173,9 @@ struct Program {
   std::vector<double> hook;
   // Per block and for the root (last entry): set_keep_unsharded_storage(true).
   std::vector<char> keep_storage;
+  // ShardOptions::offload_policy for every group: 0 none, 1 CPUOffloadPolicy{}, 2 with
+  // pin_memory false. On CPU parameters it must change nothing (and pin nothing).
+  int offload = 0;
   std::vector<Iteration> iterations;
 
   // The entry of per-group settings `v` (per block, the root last; empty: none) for parameter
@@ -214,8 +217,9 @@ struct Program {
     s +=
         "], root reshard " + std::to_string(root_reshard) +
         (keep_storage.size() > kinds.size() && keep_storage.back() ? " keep-storage" : "") +
-        ", audit " + (audit ? "on" : "off") + ", max_unsharded_groups " +
-        std::to_string(max_unsharded_groups) + ", " +
+        (offload ? offload == 1 ? ", offload pinned" : ", offload" : "") + ", audit " +
+        (audit ? "on" : "off") + ", max_unsharded_groups " + std::to_string(max_unsharded_groups) +
+        ", " +
         (optim == Optim::kSGD ? "SGD momentum " + std::to_string(momentum) : std::string("AdamW")) +
         " wd " + std::to_string(weight_decay) + (swapped ? ", SWAPPED CALLS" : "") +
         (transport.empty() ? "" : ", transport " + transport) + ", " +
@@ -425,6 +429,8 @@ inline Program make_program(uint64_t seed, int world) {
   if (d.chance(3))
     for (int g = 0; g <= blocks; ++g)
       p.keep_storage.push_back((g == blocks || p.modes[g] == BlockMode::kHolder) && d.chance(2));
+  // Then CPUOffloadPolicy.
+  if (d.chance(4)) p.offload = 1 + d.pick(2);
   return p;
 }
 

@@ -149,6 +149,7 @@ struct ShardedSide {
     ShardOptions o;
     o.audit = p.audit;
     o.max_unsharded_groups = p.max_unsharded_groups;
+    if (p.offload) o.offload_policy = CPUOffloadPolicy{p.offload == 1};
     if (reshard >= 2)
       o.reshard_after_forward = reshard;  // hpZ: a world of `reshard` ranks
     else if (reshard >= 0)
@@ -759,6 +760,17 @@ TEST(Fsdp2Settings, KeepUnshardedStorageKeepsEachParametersAddress) {
     s.blocks[0].set_keep_unsharded_storage(false);
     EXPECT_LT(s.root.memory_stats().buffer_bytes_in_use, held);
   });
+}
+
+// CPUOffloadPolicy on CPU parameters: the shards are in host memory already, so training equals
+// the unsharded model's and nothing is page-locked (there is no CUDA driver here to pin with: an
+// attempt throws). With CUDA parameters bench/gpu_check.cpp checks the offloaded shards.
+TEST(Fsdp2Settings, CpuOffloadPolicyOnCpuParametersChangesNothing) {
+  for (int offload : {1, 2}) {
+    Program p = settings_program(2, 1, Accumulate::kSyncEvery);
+    p.offload = offload;
+    expect_program_passes(p);
+  }
 }
 
 // A post-forward world that does not divide the shard group, or is not positive (-1 too, which

@@ -77,7 +77,8 @@ struct PeerInfo {
 //   collective: the backend's own all-gather and all-to-all (the only choice under NCCL).
 // shm and tcp sum a reduce-scatter's blocks in rank order as they arrive, bitwise equal to
 // collective's (the blocks exchanged, then summed in rank order); CUDA tensors always take the
-// collective path. all_reduce, broadcast and barrier are the backend's in every case.
+// collective path. all_reduce, broadcast and barrier are the backend's in every case. Under NCCL a
+// CPU tensor is copied to the current CUDA device for the collective and back at wait().
 enum class Transport { kShm, kTcp, kCollective };
 const char* to_string(Transport t);
 

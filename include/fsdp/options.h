@@ -47,6 +47,16 @@ class ReshardAfterForward {
   int world_;
 };
 
+// FSDP2's CPUOffloadPolicy: this group's shards, and so their gradients and the optimizer's state,
+// live in host memory while its parameters compute on their device (CUDA). Each all-gather copies
+// this rank's shard to the device first; each reduction's result is copied back to the host,
+// where the optimizer steps. pin_memory: the shards are page-locked, so the copy to the device
+// runs asynchronously. For parameters already on the CPU it changes nothing: the shards are in
+// host memory anyway.
+struct CPUOffloadPolicy {
+  bool pin_memory = true;
+};
+
 struct ShardOptions {
   // See ReshardAfterForward. Default: true for sharded submodules, false for the root (whose
   // parameters are needed first in backward).
@@ -70,6 +80,8 @@ struct ShardOptions {
   bool broadcast_buffers = false;
   // Per group: fully_shard on a parent does not pass its policy to already sharded children.
   MixedPrecisionPolicy mixed_precision;
+  // FSDP2's offload_policy: unset is OffloadPolicy() (no offloading).
+  std::optional<CPUOffloadPolicy> offload_policy;
 };
 
 }  // namespace fsdp

@@ -54,6 +54,17 @@ at::Tensor as_wire(const at::Tensor& t, const std::string& backend) {
   return w == t.scalar_type() ? t : t.view(w);
 }
 
+// NCCL moves CUDA tensors only. A CPU tensor given to a collective under NCCL (the agreement's
+// small messages, clip_grad_norm_'s sums, the state dicts' rows) travels through a copy on the
+// current CUDA device, and the result is copied back when the collective is waited on.
+bool staged(const std::string& backend, const at::Tensor& t) {
+  return backend == "nccl" && t.defined() && t.is_cpu();
+}
+at::Tensor on_device(const at::Tensor& t) { return t.to(at::Device(at::kCUDA), false, true); }
+at::Tensor empty_on_device(const at::Tensor& t) {
+  return at::empty_like(t, t.options().device(at::Device(at::kCUDA)));
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -83,6 +94,11 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
     return detail::all_gather_into(*this, std::move(places), {in});
   }
   m.stats->bytes_sent += nbytes(input) * (m.size - 1);
+  if (staged(m.backend, out)) {
+    const at::Tensor dev_out = empty_on_device(out);
+    return m.make_work({compat::all_gather_flat(*m.pg, dev_out, on_device(in))}, "all_gather",
+                       nbytes(output), [out, dev_out] { out.copy_(dev_out); });
+  }
   return m.make_work({compat::all_gather_flat(*m.pg, out, in)}, "all_gather", nbytes(output),
                      nullptr);
 }
@@ -195,6 +211,16 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
                        "reduce_scatter", nbytes(input), nullptr);
   }
   const at::Tensor received = at::empty_like(in);
+  if (staged(m.backend, in)) {
+    const at::Tensor dev_received = empty_on_device(received);
+    auto work = compat::exchange_blocks(*m.pg, as_wire(dev_received, m.backend),
+                                        as_wire(on_device(in), m.backend));
+    return m.make_work({work}, "reduce_scatter", nbytes(input),
+                       [sum_blocks, received, dev_received] {
+                         received.copy_(dev_received);
+                         sum_blocks(received);
+                       });
+  }
   auto work = compat::exchange_blocks(*m.pg, as_wire(received, m.backend), as_wire(in, m.backend));
   return m.make_work({work}, "reduce_scatter", nbytes(input),
                      [sum_blocks, received] { sum_blocks(received); });
@@ -210,16 +236,19 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   if (ws == 1 || tensor.numel() == 0) return m.make_work({}, "all_reduce", nbytes(tensor), nullptr);
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
+  const bool stage = staged(m.backend, tensor);
+  const at::Tensor target = stage ? on_device(tensor) : tensor;  // what the backend reduces
   if (compat::backend_reduces(tensor.scalar_type(), m.backend)) {
-    std::vector<at::Tensor> ts{tensor};
+    std::vector<at::Tensor> ts{target};
     m.stats->bytes_sent += 2 * nbytes(tensor) * (ws - 1) / ws;
     auto w = m.pg->allreduce(ts, opts);
-    return m.make_work({w}, "all_reduce", nbytes(tensor), [tensor, op, ws] {
-      if (op == ReduceOp::kAvg) tensor.div_(ws);
+    return m.make_work({w}, "all_reduce", nbytes(tensor), [tensor, target, stage, op, ws] {
+      if (op == ReduceOp::kAvg) target.div_(ws);
+      if (stage) tensor.copy_(target);
     });
   }
   // The backend cannot sum this dtype: sum an fp32 copy (accumulating in fp32), cast back at wait.
-  auto wide = tensor.to(at::kFloat);
+  auto wide = target.to(at::kFloat);
   std::vector<at::Tensor> ts{wide};
   m.stats->bytes_sent += 2 * nbytes(wide) * (ws - 1) / ws;
   auto w = m.pg->allreduce(ts, opts);
@@ -236,10 +265,16 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
              m.size - 1);
   if (m.size == 1 || tensor.numel() == 0)
     return m.make_work({}, "broadcast", nbytes(tensor), nullptr);
-  std::vector<at::Tensor> ts{as_wire(tensor, m.backend)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   if (m.rank == root) m.stats->bytes_sent += nbytes(tensor);
+  if (staged(m.backend, tensor)) {
+    const at::Tensor dev = on_device(tensor);
+    std::vector<at::Tensor> ts{as_wire(dev, m.backend)};
+    return m.make_work({m.pg->broadcast(ts, opts)}, "broadcast", nbytes(tensor),
+                       [tensor, dev] { tensor.copy_(dev); });
+  }
+  std::vector<at::Tensor> ts{as_wire(tensor, m.backend)};
   return m.make_work({m.pg->broadcast(ts, opts)}, "broadcast", nbytes(tensor), nullptr);
 }
 

@@ -37,7 +37,9 @@ double global_inf_norm(Communicator& comm, const std::vector<at::Tensor>& grads)
 
 // (sum over ranks of sum |g|^p)^(1/p), accumulated in double.
 double global_p_norm(Communicator& comm, const std::vector<at::Tensor>& grads, double p) {
-  auto sum = at::zeros({1}, at::kDouble);
+  // Summed on the gradients' device (a CPU sum cannot take a CUDA scalar).
+  const at::Device device = grads.empty() ? at::Device(at::kCPU) : grads.front().device();
+  auto sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
   for (const auto& g : grads) {
     auto d = g.detach().to(at::kDouble);
     sum += p == 2.0 ? d.pow(2).sum() : d.abs().pow(p).sum();

@@ -169,15 +169,15 @@ void Context::on_backward_end() {
 // ---------------------------------------------------------------------------------------------
 // BufferPool
 // ---------------------------------------------------------------------------------------------
-at::Tensor BufferPool::acquire(int64_t numel, at::ScalarType dtype) {
+at::Tensor BufferPool::acquire(int64_t numel, at::ScalarType dtype, at::Device device) {
   auto best = idle_.end();
   for (auto it = idle_.begin(); it != idle_.end(); ++it)
-    if (it->scalar_type() == dtype && it->numel() >= numel && it->numel() <= numel + numel / 8 &&
-        (best == idle_.end() || it->numel() < best->numel()))
+    if (it->scalar_type() == dtype && it->device() == device && it->numel() >= numel &&
+        it->numel() <= numel + numel / 8 && (best == idle_.end() || it->numel() < best->numel()))
       best = it;
   at::Tensor whole;
   if (best == idle_.end()) {
-    whole = at::empty({numel}, at::TensorOptions().dtype(dtype));
+    whole = at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
   } else {
     whole = std::move(*best);
     idle_.erase(best);

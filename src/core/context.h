@@ -35,7 +35,7 @@ class Group;
 // step's own peak of buffers in use.
 class BufferPool {
  public:
-  at::Tensor acquire(int64_t numel, at::ScalarType dtype);
+  at::Tensor acquire(int64_t numel, at::ScalarType dtype, at::Device device);
   // `t` is a tensor acquire returned, or a view of it, given back once. REQUIRES: no collective or
   // other tensor still uses its storage. Throws fsdp::Error for a tensor the pool does not count
   // in use (not from it, or given back already), which two owners would otherwise share.

@@ -22,6 +22,10 @@ void check_placement(const std::string& type, const Communicator& comm, const Na
   for (const auto& [name, t] : mine) {
     FSDP_CHECK(t.device().is_cpu() || comm.backend() != "gloo", "parameter '", name, "' is on ",
                t.device(), " but the communicator uses gloo (CPU)");
+    FSDP_CHECK(t.device() == mine.front().second.device(), "fully_shard(", type, "): parameter '",
+               name, "' is on ", t.device(), " but '", mine.front().first, "' is on ",
+               mine.front().second.device(),
+               "; parameters of one group must share a device (move the module first)");
     FSDP_CHECK(t.scalar_type() == mine.front().second.scalar_type(), "fully_shard(", type,
                "): parameter '", name, "' has dtype ", t.scalar_type(), " but '",
                mine.front().first, "' has ", mine.front().second.scalar_type(),
@@ -94,7 +98,8 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   auto context = reg.absorb_children(paths, comm, replicate, options);
   std::vector<ParamState> params;
   for (auto& [name, t] : mine)
-    params.emplace_back(name, t, comm->rank(), comm->size(), options.mixed_precision.param_dtype);
+    params.emplace_back(name, t, comm->rank(), comm->size(), options.offload_policy,
+                        options.mixed_precision.param_dtype);
   auto lane = post_forward_lane(comm, options);
   auto group = std::make_shared<Group>(module.get(), type, std::move(params), comm, options);
   group->set_post_forward_lane(std::move(lane));

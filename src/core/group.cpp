@@ -94,13 +94,19 @@ Group::Group(torch::nn::Module* module, std::string type_name, std::vector<Param
   full_block_numel_ = static_cast<int64_t>((bytes + elem - 1) / elem);
   // One dtype per group (check_placement): the full parameters are already in param_dtype.
   if (!params_.empty()) {
+    device_ = params_[0].param().device();
     gather_dtype_ = params_[0].param().scalar_type();
     reduce_dtype_ = params_[0].shard().scalar_type();
   }
   bool same_dtype = !params_.empty();
   for (auto& p : params_) same_dtype = same_dtype && p.shard().scalar_type() == gather_dtype_;
   if (same_dtype) {
-    flat_shard_ = at::zeros({flat_numel_}, at::TensorOptions().dtype(gather_dtype_));
+    // Offloaded shards (CPUOffloadPolicy, parameters off the CPU) stay in host memory.
+    const at::Device shard_device = params_[0].shard().device();
+    const bool pin = shard_device != device_ && options_.offload_policy->pin_memory;
+    flat_shard_ =
+        at::zeros({flat_numel_},
+                  at::TensorOptions().dtype(gather_dtype_).device(shard_device).pinned_memory(pin));
     for (size_t i = 0; i < params_.size(); ++i)
       params_[i].place_shard_in(flat_shard_.narrow(0, offsets_[i], params_[i].padded_numel()));
   }

@@ -106,6 +106,7 @@ class Group : public std::enable_shared_from_this<Group> {
   // Dtypes on the wire (mixed precision): the all-gather's (= the full parameters') and the
   // reduce-scatter's.
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  at::Device device() const { return device_; }
   int64_t full_bytes() const;
 
   // Deferred initialisation: parameter i's values (full shape); its shard takes this rank's rows.
@@ -285,6 +286,7 @@ class Group : public std::enable_shared_from_this<Group> {
   int64_t full_block_numel_ = 0;
   std::vector<size_t> full_offsets_;
   at::ScalarType gather_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
+  at::Device device_ = at::kCPU;  // the full parameters' (check_placement: one per group)
   // Gradients handed over before the reduction is issued (hand_over_grad): the send buffer they
   // were packed into, and which parameters it holds.
   at::Tensor handed_send_;

@@ -61,9 +61,9 @@ void Group::end_backward_span() {
 // ---------------------------------------------------------------------------------------------
 namespace {
 // A reduce-scatter's send buffer, (world, S), from the pool.
-at::Tensor acquire_send(Context& ctx, int64_t flat_numel, at::ScalarType dtype) {
+at::Tensor acquire_send(Context& ctx, int64_t flat_numel, at::ScalarType dtype, at::Device device) {
   const int64_t world = ctx.reduce_lane().size();
-  return ctx.pool().acquire(world * flat_numel, dtype).view({world, flat_numel});
+  return ctx.pool().acquire(world * flat_numel, dtype, device).view({world, flat_numel});
 }
 }  // namespace
 
@@ -73,7 +73,7 @@ void Group::hand_over_grad(size_t i) {
     return;
   }
   if (!handed_send_.defined()) {
-    handed_send_ = acquire_send(*context_, flat_numel_, reduce_dtype_);
+    handed_send_ = acquire_send(*context_, flat_numel_, reduce_dtype_, device_);
     handed_.assign(params_.size(), false);
   }
   auto span = copy_span("pack ");
@@ -90,7 +90,8 @@ PendingReduce Group::issue_reduce_scatter() {
   }
   // The gradients handed over are packed already; the rest (zeros when missing) now.
   const bool handed = handed_send_.defined();
-  p.send = handed ? std::move(handed_send_) : acquire_send(*context_, flat_numel_, reduce_dtype_);
+  p.send = handed ? std::move(handed_send_)
+                  : acquire_send(*context_, flat_numel_, reduce_dtype_, device_);
   handed_send_ = at::Tensor();
   {
     auto span = copy_span("pack ");

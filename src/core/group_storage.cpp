@@ -36,12 +36,15 @@ void Group::check_materialized() const {
 bool Group::gathers_locally() const {
   if (context_->gather_lane().size() != 1) return false;
   for (const auto& p : params_)
-    if (p.shard().scalar_type() != p.param().scalar_type()) return false;  // param_dtype's cast
+    if (p.shard().scalar_type() != p.param().scalar_type() ||  // param_dtype's cast
+        p.shard().device() != p.param().device())              // CPUOffloadPolicy
+      return false;
   return true;
 }
 
 bool Group::sends_in_place() const {
-  if (!flat_shard_.defined()) return false;
+  // Offloaded shards (host) are copied to the device first.
+  if (!flat_shard_.defined() || flat_shard_.device() != device_) return false;
   for (size_t i = 0; i < params_.size(); ++i)
     if (!params_[i].shard_is_at(flat_shard_.narrow(0, offsets_[i], params_[i].padded_numel())))
       return false;
@@ -80,7 +83,7 @@ void Group::unshard() {
       // hpZ: within the post-forward lane, whose chunks are the (world, S) layout in lane order.
       gather_.send = take_chunk();
       gather_.send_pooled = true;
-      gather_.recv = pool.acquire(comm_->size() * flat_numel_, gather_dtype_);
+      gather_.recv = pool.acquire(comm_->size() * flat_numel_, gather_dtype_, device_);
       gather_.work = post_forward_lane_->all_gather(gather_.recv, gather_.send);
     } else {
       pack_send(gather_, /*own_gather=*/true);
@@ -111,7 +114,7 @@ void Group::issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g,
   for (size_t i = 0; i < params_.size(); ++i)
     pieces.push_back(params_[i].rows_to_send(g.send, offsets_[i]));
   if (detail::gathers_into_places(lane, pieces)) {
-    block = own ? take_full_block() : pool.acquire(full_block_numel_, gather_dtype_);
+    block = own ? take_full_block() : pool.acquire(full_block_numel_, gather_dtype_, device_);
     std::vector<std::vector<at::Tensor>> places(lane.size());
     for (int r = 0; r < lane.size(); ++r)
       for (size_t i = 0; i < params_.size(); ++i)
@@ -119,7 +122,7 @@ void Group::issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g,
     g.work = all_gather_into(lane, std::move(places), std::move(pieces));
     return;
   }
-  g.recv = pool.acquire(lane.size() * flat_numel_, gather_dtype_);
+  g.recv = pool.acquire(lane.size() * flat_numel_, gather_dtype_, device_);
   g.work = lane.all_gather(g.recv, g.send);
 }
 
@@ -132,7 +135,7 @@ void Group::pack_send(PendingGather& g, bool own_gather) {
       for (auto& p : params_) p.note_sent_in_place();
     return;
   }
-  g.send = context_->pool().acquire(flat_numel_, gather_dtype_);
+  g.send = context_->pool().acquire(flat_numel_, gather_dtype_, device_);
   g.send_pooled = true;
   auto span = copy_span("copy-in ");
   for (size_t i = 0; i < params_.size(); ++i)
@@ -234,7 +237,7 @@ void Group::keep_chunk() {
     return;
   const int per = comm_->size() / post_forward_lane_->size();
   const int first = post_forward_lane_->rank() * per;
-  at::Tensor chunk = context_->pool().acquire(per * flat_numel_, gather_dtype_);
+  at::Tensor chunk = context_->pool().acquire(per * flat_numel_, gather_dtype_, device_);
   auto rows = chunk.view({per, flat_numel_});
   auto span = copy_span("copy-chunk ");
   at::NoGradGuard no_grad;
@@ -254,7 +257,7 @@ void Group::keep_chunk() {
 
 at::Tensor Group::take_full_block() {
   if (kept_block_.defined()) return std::exchange(kept_block_, at::Tensor());
-  return context_->pool().acquire(full_block_numel_, gather_dtype_);
+  return context_->pool().acquire(full_block_numel_, gather_dtype_, device_);
 }
 
 void Group::give_back_full_block() {

@@ -12,6 +12,7 @@
 namespace fsdp::detail {
 
 ParamState::ParamState(std::string name, at::Tensor param, int rank, int world,
+                       const std::optional<CPUOffloadPolicy>& offload,
                        std::optional<at::ScalarType> compute_dtype)
     : name_(std::move(name)), param_(std::move(param)), rank_(rank), world_(world) {
   rows_ = param_.dim() == 0 ? 1 : param_.size(0);
@@ -27,7 +28,15 @@ ParamState::ParamState(std::string name, at::Tensor param, int rank, int world,
     shard_ = at::empty(shape, at::TensorOptions().dtype(param_.scalar_type()));
   } else {
     at::Tensor source = param_.detach().reshape({rows_, row_numel_});
-    shard_ = source.narrow(0, row_offset(), mine).reshape(shape).clone();
+    at::Tensor rows = source.narrow(0, row_offset(), mine).reshape(shape);
+    if (offload && !param_.is_cpu()) {
+      shard_ = at::empty(
+          shape,
+          at::TensorOptions().dtype(param_.scalar_type()).pinned_memory(offload->pin_memory));
+      shard_.copy_(rows);
+    } else {
+      shard_ = rows.clone();
+    }
   }
   shard_.set_requires_grad(param_.requires_grad());
   if (compute_dtype && *compute_dtype != param_.scalar_type()) {
@@ -79,7 +88,10 @@ bool ParamState::shard_is_at(const at::Tensor& slot) const {
 void ParamState::copy_in_shard(const at::Tensor& dst) {
   gathered_fingerprint_ = kNoFingerprint;
   const int64_t n = shard_.numel();
-  if (n > 0) dst.narrow(0, 0, n).copy_(shard_.detach().reshape({-1}));
+  // From pinned host memory (CPUOffloadPolicy) the copy to the device runs asynchronously on the
+  // current stream, ahead of the all-gather that reads it.
+  const bool async = dst.device() != shard_.device() && shard_.is_pinned();
+  if (n > 0) dst.narrow(0, 0, n).copy_(shard_.detach().reshape({-1}), async);
   if (n < padded_numel()) dst.narrow(0, n, padded_numel() - n).zero_();
 }
 
@@ -171,7 +183,8 @@ void ParamState::move_grad_to_shard(at::ScalarType reduce_dtype,
   }
   at::Tensor g = param_.grad();
   param_.mutable_grad() = moved_grad_;
-  if (g.scalar_type() != reduce_dtype) g = g.to(reduce_dtype);  // the wire's rounding
+  if (g.scalar_type() != reduce_dtype) g = g.to(reduce_dtype);   // the wire's rounding
+  if (g.device() != shard_.device()) g = g.to(shard_.device());  // CPUOffloadPolicy: to the host
   if (divide_by) g = g / *divide_by;  // a new tensor: the sum over one rank, divided
   if (slot.defined()) {
     slot.add_(g.reshape(shard_.sizes()));
@@ -185,6 +198,7 @@ void ParamState::move_grad_to_shard(at::ScalarType reduce_dtype,
 
 void ParamState::add_shard_grad(const at::Tensor& reduced_flat, int64_t offset) {
   at::Tensor g = reduced_flat.narrow(0, offset, shard_.numel()).view(shard_.sizes());
+  if (g.device() != shard_.device()) g = g.to(shard_.device());  // CPUOffloadPolicy: to the host
   at::Tensor& slot = shard_.mutable_grad();
   if (slot.defined()) {
     slot.add_(g);  // add_ casts a low-precision reduction up to the shard's dtype

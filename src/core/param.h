@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <fsdp/options.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <memory>
@@ -27,7 +28,10 @@ class ParamState {
   // With `compute_dtype` (mixed precision's param_dtype) different from the parameter's dtype, the
   // shard keeps the parameter's dtype and the full parameter becomes a `compute_dtype` tensor, so
   // that forward, backward and the unsharded gradient run in it.
+  // With `offload` and a parameter off the CPU, the shard lives in host memory (page-locked with
+  // pin_memory) while the full parameter stays on its device.
   ParamState(std::string name, at::Tensor param, int rank, int world,
+             const std::optional<CPUOffloadPolicy>& offload,
              std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
   // A parameter built under fsdp::deferred_init (core/deferred_init.h) has no values yet: its

@@ -45,7 +45,7 @@ at::Tensor gather_full(const ShardInfo& s, Communicator& comm) {
   // (world * rows_per_rank, inner)
   at::Tensor all = at::empty({comm.size() * s.rows_per_rank, inner}, mine.options());
   comm.all_gather(all, mine).wait();
-  return all.narrow(0, 0, rows).reshape(s.global_shape).clone();
+  return all.narrow(0, 0, rows).reshape(s.global_shape).to(at::kCPU, false, /*copy=*/true);
 }
 
 }  // namespace
@@ -63,7 +63,7 @@ StateDict full_state_dict(const FSDPModule& root, const StateDictOptions& option
   }
   if (keep)
     for (const auto& [name, b] : detail::defined_buffers(module))
-      if (!out.contains(name)) out.insert(name, b.detach().clone());
+      if (!out.contains(name)) out.insert(name, b.detach().to(at::kCPU, false, /*copy=*/true));
   return out;
 }
 

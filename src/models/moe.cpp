@@ -69,7 +69,7 @@ MoEGPTImpl::MoEGPTImpl(const MoEConfig& config) : cfg(config) {
 }
 
 torch::Tensor MoEGPTImpl::forward(const torch::Tensor& idx, const torch::Tensor& targets) {
-  auto h = wte(idx) + wpe(torch::arange(idx.size(1), torch::kLong));
+  auto h = wte(idx) + wpe(torch::arange(idx.size(1), idx.options().dtype(torch::kLong)));
   for (size_t l = 0; l < blocks.size(); ++l) h = moes[l](blocks[l](h).squeeze(0)).unsqueeze(0);
   auto logits = h.squeeze(0).matmul(wte->weight.t());
   return torch::nn::functional::cross_entropy(logits, targets.reshape({-1}));
