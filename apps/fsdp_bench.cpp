@@ -219,6 +219,11 @@ struct TrainCli {
                   "reduce_dtype=bf16)); local, ddp and PyTorch's DDP stay fp32")
         ->check(CLI::IsMember({"none", "bf16"}))
         ->capture_default_str();
+    g->add_option("--forward-prefetch", o.forward_prefetch,
+                  "--mode fsdp/fsdp-noreshard: auto (the implicit prefetch of the next block), "
+                  "off, or unshard (FSDPModule::unshard(true) of block i + 1 before block i)")
+        ->check(CLI::IsMember({"auto", "off", "unshard"}))
+        ->capture_default_str();
     g->add_option("--reshard-after-forward-world", o.reshard_after_forward_world,
                   "--mode fsdp: K >= 2 keeps 1/K of each block's parameters after forward and "
                   "gathers them within K consecutive ranks in backward (reshard_after_forward=K, "

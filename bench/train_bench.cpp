@@ -55,6 +55,7 @@ std::unique_ptr<Trainer> build_trainer(const TrainBenchOptions& o,
   const bool sharded = is_sharded(o.mode);
   tc.mixed_precision = sharded ? o.mixed_precision : "none";
   if (o.mode == "fsdp") tc.reshard_after_forward_world = o.reshard_after_forward_world;
+  if (sharded) tc.forward_prefetch = o.forward_prefetch;
   auto m = train::build_model(tc, sharded ? comm : nullptr);
   auto t = std::make_unique<Trainer>();
   t->gpt = m->gpt;
@@ -312,6 +313,7 @@ std::string mode_line(const TrainBenchOptions& o, const Trainer& t, const Commun
   j["params"] = t.params;
   j["mixed_precision"] = o.mixed_precision;
   j["reshard_after_forward_world"] = o.reshard_after_forward_world;
+  j["forward_prefetch"] = o.forward_prefetch;
   j["malloc"] = memory::malloc_settings();
   // How the ranks' all-gathers and reduce-scatters travel (FSDP_TRANSPORT); ddp's all-reduces
   // are Gloo's (TCP) either way.

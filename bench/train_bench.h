@@ -52,6 +52,7 @@ struct TrainBenchOptions {
   // fsdp: K >= 2 keeps 1/K of each block after forward, gathered within K ranks in backward
   // (reshard_after_forward = K, hpZ); 0: off.
   int reshard_after_forward_world = 0;
+  std::string forward_prefetch = "auto";  // --mode fsdp: auto, off or unshard (fsdp-train's)
 };
 
 // The sizes `preset` stands for; fields the user set explicitly (`explicit_sizes`, option names

@@ -37,7 +37,8 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   };
   auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
   auto att = q.matmul(k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  auto mask = torch::ones({T, T}, torch::kBool).triu(1);  // (T, T) future positions
+  auto mask =
+      torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);  // (T, T) future positions
   att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
   auto y = att.matmul(v).transpose(1, 2).contiguous().view({B, T, C});
   auto h = x + c_proj(y);
@@ -80,9 +81,12 @@ void GPTImpl::init_weights() {
 torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
   const int64_t T = idx.size(1);
   FSDP_CHECK(T <= cfg.seq_len, "GPT: sequence of ", T, " tokens exceeds seq_len ", cfg.seq_len);
-  auto pos = torch::arange(T, torch::kLong);
+  auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
   auto x = wte(idx) + wpe(pos);  // (B, T, C)
-  for (auto& b : blocks) x = b(x);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (before_block) before_block(i);
+    x = blocks[i](x);
+  }
   x = ln_f(x);
   return x.matmul(wte->weight.t());  // (B, T, V), tied head
 }

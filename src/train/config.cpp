@@ -151,6 +151,13 @@ void add_options(App& a, TrainConfig& c) {
                  "ranks per host keep the backward's all-gathers on the host); K divides the "
                  "ranks of a shard group; 0: off")
       ->group("Processes");
+  app.add_option("--forward-prefetch", c.forward_prefetch,
+                 "how forward starts the next block's all-gather: auto (the implicit prefetch), "
+                 "off, or unshard (an explicit FSDPModule::unshard(true) of block i + 1 before "
+                 "block i runs)")
+      ->check(CLI::IsMember({"auto", "off", "unshard"}))
+      ->capture_default_str()
+      ->group("Processes");
   app.add_flag("--activation-checkpointing", c.activation_checkpointing,
                "blocks keep no activations after forward and recompute them in backward (less "
                "memory, about one more forward of compute; sharded runs only)")
@@ -216,6 +223,7 @@ std::string TrainConfig::to_json() const {
   j["no-shard"] = no_shard;
   j["reshard-after-forward"] = reshard_after_forward;
   j["reshard-after-forward-world"] = reshard_after_forward_world;
+  j["forward-prefetch"] = forward_prefetch;
   j["activation-checkpointing"] = activation_checkpointing;
   j["mixed-precision"] = mixed_precision;
   j["hsdp"] = hsdp;

@@ -24,6 +24,10 @@ struct TrainConfig {
   bool reshard_after_forward = true;  // blocks free gathered parameters after forward
   // >= 2: blocks keep 1/K after forward, gathered within K ranks in backward (hpZ); 0: off
   int reshard_after_forward_world = 0;
+  // How a block's gather is started ahead of its forward: "auto" (FSDP2's implicit prefetch of
+  // the next block), "off", or "unshard" (the model calls unshard(true) on block i + 1 before
+  // block i: FSDP2's manual prefetch with async_op=True).
+  std::string forward_prefetch = "auto";
   bool activation_checkpointing = false;  // blocks recompute their activations in backward
   std::string mixed_precision = "none";   // "none", "bf16" (gather and compute) or "fp16" (CUDA)
   int hsdp = 1;  // replicas of HSDP (init_mesh); 1 = plain FSDP over all ranks

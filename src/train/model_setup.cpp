@@ -21,6 +21,20 @@ MixedPrecisionPolicy mixed_precision_policy(const std::string& name, bool root) 
   return p;
 }
 
+namespace {
+// --forward-prefetch: off or unshard replace the implicit forward prefetch (backward's stays).
+void set_forward_prefetch(const std::string& how, TrainModel& m,
+                          const std::vector<FSDPModule>& blocks) {
+  if (how == "auto") return;
+  for (auto b : blocks) b.set_modules_to_forward_prefetch({});
+  m.root.set_modules_to_forward_prefetch({});
+  if (how == "unshard")
+    m.gpt->before_block = [blocks = std::vector<FSDPModule>(blocks)](size_t i) mutable {
+      if (i + 1 < blocks.size()) blocks[i + 1].unshard(/*async_op=*/true);  // forward waits
+    };
+}
+}  // namespace
+
 std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
                                         const std::shared_ptr<Communicator>& comm) {
   models::GPTConfig mc;
@@ -51,14 +65,16 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
     // block keeps its parameters from forward into backward, whose first use they are (torchtitan
     // does the same): resharding it would gather it again at once, exposed.
     auto& blocks = m->gpt->blocks;
+    std::vector<FSDPModule> handles;
     for (size_t i = 0; i < blocks.size(); ++i) {
       ShardOptions o = block_options;
       if (i + 1 == blocks.size()) o.reshard_after_forward = false;
-      fully_shard(blocks[i], m->mesh, o);
+      handles.push_back(fully_shard(blocks[i], m->mesh, o));
       if (o.reshard_after_forward.value_or(true).world() != 1)
         for (const auto& p : blocks[i]->parameters()) m->regathered_count += p.numel();
     }
     m->root = fully_shard(m->gpt, m->mesh, root_options);
+    set_forward_prefetch(cfg.forward_prefetch, *m, handles);
     fsdp::materialize(m->gpt);
     for (const ShardInfo& s : m->root.shards()) {
       int64_t numel = 1;

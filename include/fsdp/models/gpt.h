@@ -13,6 +13,8 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
+
 namespace fsdp::models {
 
 struct GPTConfig {
@@ -54,6 +56,9 @@ class GPTImpl : public torch::nn::Module {
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   std::vector<fsdp::Sharded<Block>> blocks;  // registered as h.0, h.1, ...
   torch::nn::LayerNorm ln_f{nullptr};
+  // Called with i just before blocks[i] runs in forward (e.g. a manual prefetch of block i + 1
+  // through FSDPModule::unshard(true)). Empty: nothing.
+  std::function<void(size_t)> before_block;
 };
 TORCH_MODULE(GPT);
 
