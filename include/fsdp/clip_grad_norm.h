@@ -16,6 +16,8 @@ namespace fsdp {
 // norm_type: p > 0 (2.0: the Euclidean norm), or std::numeric_limits<double>::infinity() (the
 // largest absolute element). Anything else (0, negative, NaN) is an fsdp::Error.
 // Shards without a gradient (frozen parameters, empty shards on trailing ranks) count as zero.
+// Parameters left whole by ShardOptions::ignored_params are neither counted nor scaled: their
+// gradients are each rank's own, and counting them would give each rank its own coefficient.
 // Non-finite total: like torch (error_if_nonfinite = false, the default), the gradients are
 // scaled by the resulting NaN/0 coefficient and the non-finite total is returned; with
 // error_if_nonfinite = true it is an fsdp::Error naming the total, and no gradient is changed.

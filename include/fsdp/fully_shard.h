@@ -152,6 +152,9 @@ struct ShardInfo {
   int64_t row_offset = 0;             // first global row held by this rank
   int64_t rows_per_rank = 0;          // c = ceil(rows / world), the chunk size
   bool requires_grad = true;
+  // ShardOptions::ignored_params: `shard` is the whole parameter (row_offset 0, rows_per_rank its
+  // rows), this rank's own, never gathered or reduced.
+  bool ignored = false;
 };
 
 template <class Holder>
@@ -184,11 +187,12 @@ class FSDPModule {
   FSDPModule() = default;
 
   // The local shards of every parameter managed at or below this module (for a root: the whole
-  // model), in registration order. Pass these to any torch::optim optimizer.
+  // model), in the module's parameter order, and the parameters fully_shard left whole
+  // (ShardOptions::ignored_params). Pass these to any torch::optim optimizer.
   std::vector<at::Tensor> parameters() const;
-  // The same shards under the original (unsharded) parameter names.
+  // The same under the original (unsharded) parameter names.
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
-  // Full description of each shard (global shape, offsets), for checkpoints.
+  // Full description of each (global shape, offsets, whether ignored), for checkpoints.
   std::vector<ShardInfo> shards() const;
 
   // Gathers this module's own group of parameters, or frees it again. unshard() blocks;

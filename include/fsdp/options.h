@@ -82,6 +82,12 @@ struct ShardOptions {
   MixedPrecisionPolicy mixed_precision;
   // FSDP2's offload_policy: unset is OffloadPolicy() (no offloading).
   std::optional<CPUOffloadPolicy> offload_policy;
+  // FSDP2's ignored_params: parameters of this module (or below it, not in a sharded submodule)
+  // that fully_shard leaves whole on every rank and unmanaged: never gathered, resharded or
+  // reduced (each rank's gradient is its own), not cast by mixed precision. The handle's
+  // parameters() lists them (an optimizer built on it steps them); full_state_dict gives this
+  // rank's values, checkpoints store rank 0's.
+  std::vector<at::Tensor> ignored_params;
 };
 
 }  // namespace fsdp

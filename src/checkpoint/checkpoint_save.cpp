@@ -146,6 +146,7 @@ struct RankFile {
 RankFile collect(const FSDPModule& root, torch::optim::Optimizer* opt, OptKind kind, int rank) {
   RankFile out;
   for (const auto& info : root.shards()) {
+    if (info.ignored && rank != 0) continue;  // whole on every rank: rank 0's rows are the entry
     std::vector<std::pair<std::string, at::Tensor>> state_rows;
     std::optional<int64_t> step;
     state_of(opt, kind, info.shard, &state_rows, &step);

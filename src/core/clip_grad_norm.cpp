@@ -15,6 +15,7 @@ namespace {
 std::vector<at::Tensor> local_grads(const FSDPModule& root) {
   std::vector<at::Tensor> out;
   for (const auto& s : root.shards()) {
+    if (s.ignored) continue;  // each rank's own: the norm would differ between ranks
     const at::Tensor& g = s.shard.grad();
     if (g.defined() && g.numel() > 0) out.push_back(g);
   }

@@ -39,10 +39,27 @@ std::vector<FSDPModule> fully_shard_elements_impl(
              "marks the end of an "
              "element's forward (see fsdp/containers.h). Declare the block fsdp::Sharded<Block> "
              "and call it through the holder to reshard after forward");
+  // ignored_params: each element gets those among its own parameters; one of none is an error,
+  // raised before anything is sharded.
+  std::vector<ShardOptions> own(elements.size(), options);
+  std::vector<char> placed(options.ignored_params.size(), 0);
+  for (size_t k = 0; k < elements.size(); ++k) {
+    own[k].ignored_params.clear();
+    for (size_t i = 0; i < options.ignored_params.size(); ++i)
+      for (const auto& p : elements[k]->parameters(/*recurse=*/true))
+        if (p.is_same(options.ignored_params[i])) {
+          own[k].ignored_params.push_back(p);
+          placed[i] = 1;
+        }
+  }
+  for (size_t i = 0; i < placed.size(); ++i)
+    FSDP_CHECK(placed[i], "fully_shard_elements: ignored_params[", i, "] (shape ",
+               options.ignored_params[i].sizes(),
+               ") is not a parameter of any element; pass parameters of the container's elements");
   std::vector<FSDPModule> out;
-  for (const auto& e : elements) {
-    if (e->parameters(/*recurse=*/true).empty()) continue;
-    out.push_back(fully_shard_impl(e, comm, replicate, options, CallPath::kGatherOnUse));
+  for (size_t k = 0; k < elements.size(); ++k) {
+    if (elements[k]->parameters(/*recurse=*/true).empty()) continue;
+    out.push_back(fully_shard_impl(elements[k], comm, replicate, own[k], CallPath::kGatherOnUse));
   }
   return out;
 }

@@ -90,7 +90,7 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   if (reg.is_sharded(*module)) reject_second_fully_shard(*module);
   check_reshard_after_forward(type, *comm, options);
   const ModulePaths paths = module_paths(*module);
-  auto mine = reg.claim_parameters(*module, paths);
+  auto mine = reg.claim_parameters(*module, paths, options.ignored_params);
   check_placement(type, *comm, mine);
   check_same_model(*comm, type, mine);
   agree_on_values(*comm, type, mine, options.sync_module_states);

@@ -107,6 +107,8 @@ class Group : public std::enable_shared_from_this<Group> {
   // reduce-scatter's.
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   at::Device device() const { return device_; }
+  // ShardOptions::ignored_params: left whole and unmanaged; held so that their identity stays.
+  const std::vector<at::Tensor>& ignored() const { return options_.ignored_params; }
   int64_t full_bytes() const;
 
   // Deferred initialisation: parameter i's values (full shape); its shard takes this rank's rows.

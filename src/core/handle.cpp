@@ -58,12 +58,26 @@ detail::Group& checked(const std::shared_ptr<detail::Group>& g) {
 std::vector<ShardInfo> FSDPModule::shards() const {
   auto& g = checked(group_);
   std::unordered_map<const c10::TensorImpl*, const detail::ParamState*> by_impl;
-  for (detail::Group* x : detail::groups_at_or_below(&g))
+  std::set<const c10::TensorImpl*> ignored;
+  for (detail::Group* x : detail::groups_at_or_below(&g)) {
     for (const auto& p : x->params()) by_impl[p.param().unsafeGetTensorImpl()] = &p;
+    for (const auto& t : x->ignored()) ignored.insert(t.unsafeGetTensorImpl());
+  }
   std::vector<ShardInfo> out;
   std::set<const c10::TensorImpl*> seen;
   for (const auto& item : g.module()->named_parameters(/*recurse=*/true)) {
     const auto* impl = item.value().unsafeGetTensorImpl();
+    if (ignored.count(impl) && seen.insert(impl).second) {
+      ShardInfo s;
+      s.name = item.key();
+      s.global_shape = item.value().sizes().vec();
+      s.shard = item.value();
+      s.rows_per_rank = item.value().dim() == 0 ? 1 : item.value().size(0);
+      s.requires_grad = item.value().requires_grad();
+      s.ignored = true;
+      out.push_back(std::move(s));
+      continue;
+    }
     auto it = by_impl.find(impl);
     if (it == by_impl.end() || !seen.insert(impl).second) continue;
     const auto& p = *it->second;

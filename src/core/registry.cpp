@@ -43,13 +43,18 @@ std::shared_ptr<Group> Registry::group_of(const at::Tensor& param) {
   return find(params_, param.unsafeGetTensorImpl());
 }
 
-NamedTensors Registry::claim_parameters(const torch::nn::Module& module, const ModulePaths& paths) {
+NamedTensors Registry::claim_parameters(const torch::nn::Module& module, const ModulePaths& paths,
+                                        const std::vector<at::Tensor>& ignored_params) {
   MutexLock lock(mu_);
   const std::string type = module.name();
+  std::set<const c10::TensorImpl*> ignored;
+  for (const auto& t : ignored_params) ignored.insert(t.unsafeGetTensorImpl());
+  check_ignored(module, ignored_params);
   NamedTensors mine;
   std::set<const c10::TensorImpl*> seen;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     const auto* impl = item.value().unsafeGetTensorImpl();
+    if (ignored.count(impl) || find(ignored_, impl)) continue;  // left whole, unmanaged
     if (auto owner = find(params_, impl)) {
       auto p = paths.path_of.find(owner->module());
       if (p != paths.path_of.end()) {
@@ -114,6 +119,7 @@ void Registry::add(const std::shared_ptr<Group>& group) {
   if (group->gathers_on_use()) unowned_elements_.push_back(group);
   modules_[group->module()] = group;
   for (const auto& p : group->params()) params_[p.param().unsafeGetTensorImpl()] = group;
+  for (const auto& t : group->ignored()) ignored_[t.unsafeGetTensorImpl()] = group;
 }
 
 // The container elements below `group`'s module that no sharded ancestor owned yet become owned
@@ -129,6 +135,33 @@ void Registry::adopt_elements(Group& group) {
     } else {
       ++it;
     }
+  }
+}
+
+// Each ignored tensor must be a parameter of `module` that no sharded descendant manages, with
+// values (deferred_init's materialize fills managed parameters only).
+void Registry::check_ignored(const torch::nn::Module& module,
+                             const std::vector<at::Tensor>& ignored_params) {
+  const std::string type = module.name();
+  std::map<const c10::TensorImpl*, std::string> names;
+  for (const auto& item : module.named_parameters(/*recurse=*/true))
+    names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  for (size_t i = 0; i < ignored_params.size(); ++i) {
+    const at::Tensor& t = ignored_params[i];
+    FSDP_CHECK(t.defined(), "fully_shard(", type, "): ignored_params[", i,
+               "] is an undefined tensor; pass the module's parameters to leave unsharded");
+    auto it = names.find(t.unsafeGetTensorImpl());
+    FSDP_CHECK(it != names.end(), "fully_shard(", type, "): ignored_params[", i, "] (shape ",
+               t.sizes(),
+               ") is not a parameter of this module; pass parameters of the module "
+               "being sharded (e.g. module->sub->weight)");
+    if (auto owner = find(params_, t.unsafeGetTensorImpl()))
+      throw Error(detail::cat("fully_shard(", type, "): ignored parameter '", it->second,
+                              "' is already managed by sharded submodule '", owner->name(), "' (",
+                              owner->type_name(), "); pass it in that submodule's ignored_params"));
+    FSDP_CHECK(!deferred::is_pending(t), "fully_shard(", type, "): ignored parameter '", it->second,
+               "' was built under fsdp::deferred_init and has no values (materialize fills "
+               "sharded parameters only); build it eagerly, or shard it");
   }
 }
 

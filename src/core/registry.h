@@ -50,7 +50,10 @@ class Registry {
   // The parameters a fully_shard call on `module` manages: those no sharded descendant owns, each
   // once (a parameter tied within the group counts once). A parameter shared with another group,
   // or a module sharded after its parent, is an error naming both.
-  NamedTensors claim_parameters(const torch::nn::Module& module, const ModulePaths& paths);
+  // ignored_params (checked to be parameters of `module` that no sharded descendant manages) and
+  // those a descendant ignored are left out.
+  NamedTensors claim_parameters(const torch::nn::Module& module, const ModulePaths& paths,
+                                const std::vector<at::Tensor>& ignored_params);
   // A new context holding every group registered on a descendant (with everything their contexts
   // held), renamed by their path under the module.
   std::shared_ptr<Context> absorb_children(const ModulePaths& paths,
@@ -70,10 +73,13 @@ class Registry {
   template <class K>
   static std::shared_ptr<Group> find(Index<K>& index, const K* key);
   void adopt_elements(Group& group) FSDP_REQUIRES(mu_);
+  void check_ignored(const torch::nn::Module& module, const std::vector<at::Tensor>& ignored_params)
+      FSDP_REQUIRES(mu_);
 
   Mutex mu_;
   Index<torch::nn::Module> modules_ FSDP_GUARDED_BY(mu_);
   Index<c10::TensorImpl> params_ FSDP_GUARDED_BY(mu_);
+  Index<c10::TensorImpl> ignored_ FSDP_GUARDED_BY(mu_);  // by the group that ignored them
   std::vector<std::shared_ptr<Group>> unowned_elements_ FSDP_GUARDED_BY(mu_);
 };
 

@@ -58,7 +58,9 @@ StateDict full_state_dict(const FSDPModule& root, const StateDictOptions& option
   at::NoGradGuard no_grad;
   StateDict out;
   for (const auto& s : root.shards()) {
-    at::Tensor full = gather_full(s, comm);  // collective: every rank, same order
+    // collective (every rank, same order); an ignored parameter is this rank's own
+    at::Tensor full =
+        s.ignored ? s.shard.detach().to(at::kCPU, false, /*copy=*/true) : gather_full(s, comm);
     if (keep) out.insert(s.name, full);
   }
   if (keep)

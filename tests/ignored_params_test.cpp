@@ -1,0 +1,231 @@
+// ShardOptions::ignored_params (FSDP2's ignored_params): the parameters named stay whole on every
+// rank, are never gathered, freed or reduced (each rank's gradient is its own), are listed by the
+// handle for the optimizer, and travel in state dicts (this rank's values) and checkpoints (rank
+// 0's, with their optimizer state); every other parameter trains exactly as unsharded.
+#include <fsdp/checkpoint.h>
+#include <fsdp/clip_grad_norm.h>
+#include <fsdp/state_dict.h>
+
+#include <filesystem>
+
+#include "adversarial.h"
+#include "fsdp_test_util.h"
+
+// A namespace of its own: the unity build compiles this file in one unit with others.
+namespace fsdp::testing::ignored_params_test {
+namespace {
+
+namespace fs = std::filesystem;
+using adv::Plain;
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+#define EXPECT_HAS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
+
+// Plain's a.bias (in a sharded child) and scale (the root's own) left whole.
+struct Sharded {
+  fsdp::Sharded<Plain> m{Plain()};
+  FSDPModule root;
+  explicit Sharded(Rank& r) {
+    m->to(torch::kDouble);
+    ShardOptions child = audited();
+    child.ignored_params = {m->a->bias};
+    fully_shard(m->a, r.world(), child);
+    fully_shard(m->b, r.world(), audited());
+    ShardOptions top = audited();
+    top.ignored_params = {m->scale};
+    root = fully_shard(m, r.world(), top);
+  }
+};
+
+at::Tensor batch(int step, int rank) {
+  torch::manual_seed(100 * step + rank);
+  return torch::randn({4, 5}, torch::kDouble);
+}
+
+TEST(IgnoredParams, StayWholeWithEachRanksOwnGradientAndTheRestIsExact) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
+    Sharded s(r);
+    torch::manual_seed(0);
+    Plain ref;
+    ref->to(torch::kDouble);
+    std::map<std::string, ShardInfo> by;
+    for (auto& i : s.root.shards()) by[i.name] = i;
+    ASSERT_EQ(by.size(), 6u);
+    EXPECT_TRUE(by["a.bias"].ignored && by["scale"].ignored);
+    EXPECT_FALSE(by["a.weight"].ignored || by["b.bias"].ignored || by["tiny"].ignored);
+    EXPECT_TRUE(by["a.bias"].shard.is_same(s.m->a->bias));
+    EXPECT_EQ(by["scale"].row_offset, 0);
+    EXPECT_EQ(s.root.parameters().size(), 6u);
+    const void* bias_at = s.m->a->bias.data_ptr();
+    torch::optim::SGD opt(s.root.parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+    auto named_ref = ref->named_parameters();
+    for (int step = 0; step < 3; ++step) {
+      s.m(batch(step, r.rank)).pow(2).mean().backward();
+      // The reference: the mean over ranks, and this rank's own gradient of the ignored ones.
+      for (int rr = 0; rr < 2; ++rr) (ref(batch(step, rr)).pow(2).mean() / 2).backward();
+      auto own = torch::autograd::grad({ref(batch(step, r.rank)).pow(2).mean()},
+                                       {ref->a->bias, ref->scale});
+      EXPECT_TRUE(torch::allclose(s.m->a->bias.grad(), own[0], 0, 1e-12));
+      EXPECT_TRUE(torch::allclose(s.m->scale.grad(), own[1], 0, 1e-12));
+      EXPECT_EQ(s.m->a->bias.data_ptr(), bias_at);  // never freed nor moved
+      for (auto& i : s.root.shards()) {
+        if (i.ignored) continue;
+        const at::Tensor& full = named_ref[i.name].grad();
+        const int64_t n = i.shard.dim() == 0 ? 1 : i.shard.size(0);
+        at::Tensor rows = i.global_shape.empty() ? full.reshape({1}).narrow(0, i.row_offset, n)
+                                                 : full.narrow(0, i.row_offset, n);
+        EXPECT_TRUE(torch::allclose(i.shard.grad().reshape(rows.sizes()), rows, 0, 1e-12))
+            << i.name;
+      }
+      // The user's own synchronisation of the ignored gradients: then every rank steps alike.
+      for (auto* t : {&s.m->a->bias, &s.m->scale})
+        r.world()->all_reduce(t->mutable_grad(), ReduceOp::kAvg).wait();
+      opt.step();
+      ref_opt.step();
+      opt.zero_grad();
+      ref_opt.zero_grad();
+    }
+    auto full = full_state_dict(s.root);
+    for (const auto& p : named_ref)
+      EXPECT_TRUE(torch::allclose(full[p.key()], p.value(), 0, 1e-12)) << p.key();
+  });
+}
+
+// clip_grad_norm_ counts and scales the sharded gradients only: the ignored ones are each rank's
+// own, and counting them would give each rank a coefficient of its own.
+TEST(IgnoredParams, ClipGradNormLeavesThemOut) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
+    Sharded s(r);
+    s.m(batch(0, r.rank)).pow(2).mean().backward();
+    const at::Tensor bias = s.m->a->bias.grad().clone();
+    double local = 0;
+    for (auto& i : s.root.shards())
+      if (!i.ignored) local += i.shard.grad().pow(2).sum().item<double>();
+    auto sum = torch::tensor({local}, torch::kDouble);
+    r.world()->all_reduce(sum, ReduceOp::kSum).wait();
+    EXPECT_NEAR(clip_grad_norm_(s.root, 1e-3), std::sqrt(sum.item<double>()), 1e-12);
+    EXPECT_TRUE(torch::equal(s.m->a->bias.grad(), bias));
+  });
+}
+
+constexpr const char* kDirEnv = "FSDP_TEST_IGNORED_DIR";
+
+// full_state_dict holds them (this rank's values); a checkpoint restores rank 0's values and their
+// AdamW state on every rank, and the run continues as the saving run did.
+TEST(IgnoredParams, StateDictsAndCheckpointsCarryThem) {
+  auto dir = fs::temp_directory_path() / ("fsdp_ignored_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  RunOptions o;
+  o.env[kDirEnv] = dir.string();
+  run_ranks(
+      2,
+      [](Rank& r) {
+        const std::string d = std::getenv(kDirEnv);
+        auto train = [&](Sharded& s, torch::optim::AdamW& opt, int from, int to) {
+          std::vector<double> losses;
+          for (int step = from; step < to; ++step) {
+            auto loss = s.m(batch(step, r.rank)).pow(2).mean();
+            loss.backward();
+            for (auto* t : {&s.m->a->bias, &s.m->scale})
+              r.world()->all_reduce(t->mutable_grad(), ReduceOp::kAvg).wait();
+            opt.step();
+            opt.zero_grad();
+            losses.push_back(loss.item<double>());
+          }
+          return losses;
+        };
+        torch::manual_seed(0);
+        Sharded s(r);
+        torch::optim::AdamW opt(s.root.parameters(), torch::optim::AdamWOptions(0.01));
+        train(s, opt, 0, 2);
+        auto sd = full_state_dict(s.root);
+        EXPECT_TRUE(torch::equal(sd["scale"], s.m->scale.detach()));
+        EXPECT_TRUE(torch::equal(sd["a.bias"], s.m->a->bias.detach()));
+        auto ckpt = checkpoint::save(d, s.root, &opt, {2, 0, {}, {}}, *r.world());
+        const auto straight = train(s, opt, 2, 4);
+
+        torch::manual_seed(1);  // other initial values, overwritten by the load
+        Sharded t(r);
+        torch::optim::AdamW topt(t.root.parameters(), torch::optim::AdamWOptions(0.01));
+        checkpoint::load(ckpt, t.root, &topt, *r.world());
+        EXPECT_EQ(train(t, topt, 2, 4), straight);
+
+        // load_full_state_dict sets them too.
+        sd["scale"].fill_(0.25);
+        load_full_state_dict(t.root, sd);
+        EXPECT_TRUE(torch::equal(t.m->scale.detach(), torch::full({3}, 0.25, torch::kDouble)));
+        {  // each rank's own values, not rank 0's
+          torch::NoGradGuard no_grad;
+          t.m->scale.fill_(r.rank);
+        }
+        EXPECT_TRUE(torch::equal(full_state_dict(t.root)["scale"],
+                                 torch::full({3}, r.rank, torch::kDouble)));
+      },
+      o);
+  fs::remove_all(dir);
+}
+
+// fully_shard_elements hands each element the ignored parameters that are its own; one that
+// belongs to no element is refused before anything is sharded.
+TEST(IgnoredParams, ContainerElementsTakeTheirOwn) {
+  run_ranks(2, [](Rank& r) {
+    auto mlp = [] {
+      return torch::nn::Sequential(torch::nn::Linear(5, 6), torch::nn::ReLU(),
+                                   torch::nn::Linear(6, 3));
+    };
+    torch::manual_seed(0);
+    fsdp::Sharded<torch::nn::Sequential> other{mlp()};
+    ShardOptions bad;
+    bad.ignored_params = {torch::zeros({3})};
+    EXPECT_HAS(error_of([&] { fully_shard_elements(other, r.world(), bad); }),
+               "ignored_params[0] (shape [3]) is not a parameter of any element");
+    EXPECT_EQ(fully_shard_elements(other, r.world()).size(), 2u);  // nothing was claimed
+
+    torch::manual_seed(0);
+    fsdp::Sharded<torch::nn::Sequential> seq{mlp()};
+    auto* last = seq->ptr(2)->as<torch::nn::Linear>();
+    ShardOptions o = audited();
+    o.ignored_params = {last->bias};
+    fully_shard_elements(seq, r.world(), o);
+    auto root = fully_shard(seq, r.world(), audited());
+    int ignored = 0;
+    for (auto& i : root.shards()) ignored += i.ignored && i.shard.is_same(last->bias);
+    EXPECT_EQ(ignored, 1);
+    seq(torch::randn({4, 5})).sum().backward();
+    // d(sum)/d(bias) = the rows of this rank's batch: 4 each, not reduced.
+    EXPECT_TRUE(torch::equal(last->bias.grad(), torch::full({3}, 4.0)));
+    EXPECT_GT(last->bias.storage().nbytes(), 0u);
+  });
+}
+
+TEST(IgnoredParamsErrors, NameTheTensorAndTheFix) {
+  run_ranks(1, [](Rank& r) {
+    fsdp::Sharded<Plain> m{Plain()};
+    ShardOptions o;
+    o.ignored_params = {torch::ones({2})};
+    auto msg = error_of([&] { fully_shard(m->a, r.world(), o); });
+    EXPECT_HAS(msg, "ignored_params[0] (shape [2]) is not a parameter of this module");
+    fully_shard(m->a, r.world());
+    o.ignored_params = {m->a->weight};
+    msg = error_of([&] { fully_shard(m, r.world(), o); });
+    EXPECT_HAS(msg, "ignored parameter 'a.weight' is already managed by sharded submodule");
+    EXPECT_HAS(msg, "pass it in that submodule's ignored_params");
+    EXPECT_NO_THROW(fully_shard(m, r.world()));  // the failed calls claimed nothing
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing::ignored_params_test
