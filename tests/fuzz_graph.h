@@ -176,6 +176,9 @@ struct Program {
   // ShardOptions::offload_policy for every group: 0 none, 1 CPUOffloadPolicy{}, 2 with
   // pin_memory false. On CPU parameters it must change nothing (and pin nothing).
   int offload = 0;
+  // Per block and for the root (last entry): custom collectives (bit 1: set_custom_all_gather,
+  // bit 2: set_custom_reduce_scatter), exact re-implementations through other collectives.
+  std::vector<char> custom;
   std::vector<Iteration> iterations;
 
   // The entry of per-group settings `v` (per block, the root last; empty: none) for parameter
@@ -212,11 +215,14 @@ struct Program {
           " reshard " + std::to_string(child_reshard[b]) + (checkpointed[b] ? " AC" : "") +
           (b < no_backward_unshard.size() && no_backward_unshard[b] ? " no-backward-unshard" : "") +
           (b < encode.size() && encode[b] ? " encode" : "") +
-          (b < keep_storage.size() && keep_storage[b] ? " keep-storage" : "");
+          (b < keep_storage.size() && keep_storage[b] ? " keep-storage" : "") +
+          (b < custom.size() && custom[b] ? " custom" + std::to_string(custom[b]) : "");
     }
     s +=
         "], root reshard " + std::to_string(root_reshard) +
         (keep_storage.size() > kinds.size() && keep_storage.back() ? " keep-storage" : "") +
+        (custom.size() > kinds.size() && custom.back() ? " custom" + std::to_string(custom.back())
+                                                       : "") +
         (offload ? offload == 1 ? ", offload pinned" : ", offload" : "") + ", audit " +
         (audit ? "on" : "off") + ", max_unsharded_groups " + std::to_string(max_unsharded_groups) +
         ", " +
@@ -431,6 +437,10 @@ inline Program make_program(uint64_t seed, int world) {
       p.keep_storage.push_back((g == blocks || p.modes[g] == BlockMode::kHolder) && d.chance(2));
   // Then CPUOffloadPolicy.
   if (d.chance(4)) p.offload = 1 + d.pick(2);
+  // Then custom collectives (holders and the root).
+  if (d.chance(4))
+    for (int g = 0; g <= blocks; ++g)
+      p.custom.push_back(g == blocks || p.modes[g] == BlockMode::kHolder ? d.pick(4) : 0);
   return p;
 }
 

@@ -129,13 +129,49 @@ struct ShardedSide {
         if (!p.hook.empty() && p.hook[b] > 0) blocks[b].set_all_reduce_hook(hook(comm, p.hook[b]));
         if (b < p.keep_storage.size() && p.keep_storage[b])
           blocks[b].set_keep_unsharded_storage(true);
+        if (b < p.custom.size()) set_custom(blocks[b], p.custom[b]);
       }
     }
     root = shard(model, p.root_reshard, false);
     if (!p.divide.empty() && p.divide.back() > 0) root.set_gradient_divide_factor(p.divide.back());
     if (!p.hook.empty() && p.hook.back() > 0) root.set_all_reduce_hook(hook(comm, p.hook.back()));
     if (!p.keep_storage.empty() && p.keep_storage.back()) root.set_keep_unsharded_storage(true);
+    if (p.custom.size() > p.kinds.size()) set_custom(root, p.custom.back());
     opt = make_optimizer(p, root.parameters());
+  }
+  // Custom collectives, exact and asynchronous (they issue and return, as the contract asks): an
+  // all-gather as an all-reduce of the output, zero but for this rank's place (x + 0 = x), and a
+  // reduce-scatter as an all-reduce of the whole input in place (this rank's block, the output,
+  // is reduced with the others). Each counts its calls.
+  struct AllReduceAllGather : AllGather {
+    int calls = 0;
+    Work operator()(const at::Tensor& out, const at::Tensor& in, Communicator& g) override {
+      ++calls;
+      out.zero_();
+      out.narrow(0, g.rank() * in.numel(), in.numel()).copy_(in);
+      return g.all_reduce(out, ReduceOp::kSum);
+    }
+  };
+  struct AllReduceReduceScatter : ReduceScatter {
+    int calls = 0;
+    Work operator()(const at::Tensor& out, const at::Tensor& in, ReduceOp op,
+                    Communicator& g) override {
+      ++calls;
+      EXPECT_EQ(out.data_ptr(), in.narrow(0, g.rank() * out.numel(), out.numel()).data_ptr());
+      return g.all_reduce(in, op);
+    }
+  };
+  std::vector<std::shared_ptr<AllReduceAllGather>> custom_gathers;
+  std::vector<std::shared_ptr<AllReduceReduceScatter>> custom_reduces;
+  void set_custom(FSDPModule& m, int which) {
+    if (which & 1) {
+      custom_gathers.push_back(std::make_shared<AllReduceAllGather>());
+      m.set_custom_all_gather(custom_gathers.back());
+    }
+    if (which & 2) {
+      custom_reduces.push_back(std::make_shared<AllReduceReduceScatter>());
+      m.set_custom_reduce_scatter(custom_reduces.back());
+    }
   }
   // An all-reduce hook that issues a collective of its own (every rank's 1, summed) and scales.
   static std::function<void(at::Tensor&)> hook(std::shared_ptr<Communicator> comm, double scale) {
@@ -771,6 +807,29 @@ TEST(Fsdp2Settings, CpuOffloadPolicyOnCpuParametersChangesNothing) {
     p.offload = offload;
     expect_program_passes(p);
   }
+}
+
+// set_custom_all_gather / set_custom_reduce_scatter: that group's gathers and reductions, and only
+// its, go through the user's collectives (exact ones: training stays exact). Six synced backwards:
+// six reductions each.
+TEST(Fsdp2Settings, CustomCollectivesCarryTheirGroupsGathersAndReductions) {
+  Program p = settings_program(2, 1, Accumulate::kSyncEvery);
+  p.custom = {3, 0, 1, 2};  // block 0 both, block 1 none, block 2 the gather, the root the reduce
+  expect_program_passes(p);
+  run_ranks(2, [&](Rank& r) {
+    torch::manual_seed(static_cast<int64_t>(p.seed));
+    Reference ref(p);
+    torch::manual_seed(static_cast<int64_t>(p.seed));
+    ShardedSide s(p, r);
+    for (int it = 0; it < static_cast<int>(p.iterations.size()); ++it)
+      run_iteration(p, r, s, ref, it);
+    ASSERT_EQ(s.custom_gathers.size(), 2u);
+    ASSERT_EQ(s.custom_reduces.size(), 2u);
+    EXPECT_GE(s.custom_gathers[0]->calls, 6);  // block 0: a gather per forward at least
+    EXPECT_GE(s.custom_gathers[1]->calls, 6);  // block 2
+    EXPECT_EQ(s.custom_reduces[0]->calls, 6);  // block 0
+    EXPECT_EQ(s.custom_reduces[1]->calls, 6);  // the root
+  });
 }
 
 // A post-forward world that does not divide the shard group, or is not positive (-1 too, which

@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <fsdp/communicator.h>
+#include <fsdp/custom_collectives.h>
 #include <fsdp/error.h>
 #include <fsdp/mesh.h>
 #include <fsdp/options.h>
@@ -230,6 +231,12 @@ class FSDPModule {
   // empty function removes it. Under HSDP with set_requires_all_reduce(false) it runs at the
   // backward that all-reduces.
   void set_all_reduce_hook(std::function<void(at::Tensor&)> hook);
+  // This module's group only (FSDP2's set_custom_all_gather / set_custom_reduce_scatter): its
+  // all-gathers (also hpZ's within the post-forward ranks) or reduce-scatters run through `comm`
+  // (fsdp/custom_collectives.h). The same kind on every rank, between steps; null restores the
+  // communicator's.
+  void set_custom_all_gather(std::shared_ptr<AllGather> comm);
+  void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm);
   // This module's group only (FSDP2's set_keep_unsharded_storage): true keeps the storage of the
   // gathered parameters allocated when the group reshards, and every later gather fills the same
   // bytes, so each full parameter has the same address every time it is gathered (what a CUDA

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <fsdp/communicator.h>
+#include <fsdp/custom_collectives.h>
 #include <fsdp/options.h>
 #include <fsdp/trace.h>
 
@@ -217,6 +218,11 @@ class Group : public std::enable_shared_from_this<Group> {
   // FSDP2's set_all_reduce_hook: run on the reduced block before it reaches the shards' grads.
   void set_all_reduce_hook(std::function<void(at::Tensor&)> hook) { hook_ = std::move(hook); }
   bool has_all_reduce_hook() const { return static_cast<bool>(hook_); }
+  // FSDP2's custom collectives: this group's all-gathers and reduce-scatters go through them.
+  void set_custom_all_gather(std::shared_ptr<AllGather> c) { custom_gather_ = std::move(c); }
+  void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> c) {
+    custom_reduce_ = std::move(c);
+  }
   // FSDP2's set_keep_unsharded_storage: the full block outlives a reshard, reused by every gather.
   void set_keep_unsharded_storage(bool keep);
   bool unshard_in_backward() const { return unshard_in_backward_; }
@@ -258,6 +264,8 @@ class Group : public std::enable_shared_from_this<Group> {
   void give_back_full_block();
   // Issues the all-gather of `g.send` into `block` (gathered into places) or `g.recv`; `own`:
   // the group's own gather (its full block), else one served for other ranks.
+  // The communicator's all-gather, or set_custom_all_gather's.
+  Work all_gather(Communicator& lane, const at::Tensor& recv, const at::Tensor& send);
   void issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g, at::Tensor& block,
                     bool own);
   void pack_send(PendingGather& g, bool own_gather);  // the all-gather's send block
@@ -315,6 +323,8 @@ class Group : public std::enable_shared_from_this<Group> {
   bool unshard_in_backward_ = true;
   std::optional<double> divide_factor_;
   std::function<void(at::Tensor&)> hook_;  // set_all_reduce_hook
+  std::shared_ptr<AllGather> custom_gather_;
+  std::shared_ptr<ReduceScatter> custom_reduce_;
   // HSDP with requires_all_reduce off: the reduce-scattered blocks summed since the last
   // all-reduce (S elements in the reduction's dtype), added in before the next one.
   at::Tensor partial_reduce_;

@@ -104,7 +104,9 @@ PendingReduce Group::issue_reduce_scatter() {
   p.output = p.send.view({-1}).narrow(0, lane.rank() * flat_numel_, flat_numel_);
   p.all_reduce = all_reduces();
   p.divide_by = divide_factor_;
-  p.work = lane.reduce_scatter(p.output, p.send, p.divide_by ? ReduceOp::kSum : ReduceOp::kAvg);
+  const ReduceOp op = p.divide_by ? ReduceOp::kSum : ReduceOp::kAvg;
+  p.work = custom_reduce_ ? (*custom_reduce_)(p.output, p.send.view({-1}), op, lane)
+                          : lane.reduce_scatter(p.output, p.send, op);
   return p;
 }
 

@@ -84,7 +84,7 @@ void Group::unshard() {
       gather_.send = take_chunk();
       gather_.send_pooled = true;
       gather_.recv = pool.acquire(comm_->size() * flat_numel_, gather_dtype_, device_);
-      gather_.work = post_forward_lane_->all_gather(gather_.recv, gather_.send);
+      gather_.work = all_gather(*post_forward_lane_, gather_.recv, gather_.send);
     } else {
       pack_send(gather_, /*own_gather=*/true);
       issue_gather(context_->gather_lane(), pool, gather_, full_block_, /*own=*/true);
@@ -113,7 +113,7 @@ void Group::issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g,
   pieces.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i)
     pieces.push_back(params_[i].rows_to_send(g.send, offsets_[i]));
-  if (detail::gathers_into_places(lane, pieces)) {
+  if (!custom_gather_ && detail::gathers_into_places(lane, pieces)) {
     block = own ? take_full_block() : pool.acquire(full_block_numel_, gather_dtype_, device_);
     std::vector<std::vector<at::Tensor>> places(lane.size());
     for (int r = 0; r < lane.size(); ++r)
@@ -123,7 +123,11 @@ void Group::issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g,
     return;
   }
   g.recv = pool.acquire(lane.size() * flat_numel_, gather_dtype_, device_);
-  g.work = lane.all_gather(g.recv, g.send);
+  g.work = all_gather(lane, g.recv, g.send);
+}
+
+Work Group::all_gather(Communicator& lane, const at::Tensor& recv, const at::Tensor& send) {
+  return custom_gather_ ? (*custom_gather_)(recv, send, lane) : lane.all_gather(recv, send);
 }
 
 // The send side: the flat shard itself where every shard still lives in it, else a pooled copy

@@ -142,6 +142,14 @@ void FSDPModule::set_gradient_divide_factor(double factor) {
   checked(group_).set_gradient_divide_factor(factor);
 }
 
+void FSDPModule::set_custom_all_gather(std::shared_ptr<AllGather> comm) {
+  checked(group_).set_custom_all_gather(std::move(comm));
+}
+
+void FSDPModule::set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm) {
+  checked(group_).set_custom_reduce_scatter(std::move(comm));
+}
+
 void FSDPModule::set_all_reduce_hook(std::function<void(at::Tensor&)> hook) {
   checked(group_).set_all_reduce_hook(std::move(hook));
 }
