@@ -49,6 +49,17 @@ std::pair<torch::Tensor, torch::Tensor> batch(const GPTConfig& cfg, int s, int m
   return {tok.narrow(1, 0, cfg.seq_len).to(kCuda), tok.narrow(1, 1, cfg.seq_len).to(kCuda)};
 }
 
+// The checks' GPT: 96 tokens, 32 positions, width 64, 4 heads.
+GPTConfig small_gpt(int64_t layers) {
+  GPTConfig cfg;
+  cfg.vocab_size = 96;
+  cfg.seq_len = 32;
+  cfg.n_layer = layers;
+  cfg.n_head = 4;
+  cfg.n_embd = 64;
+  return cfg;
+}
+
 struct Outcome {
   double loss = 0, norm = 0, params = 0;  // largest relative differences
   std::string placement;                  // CPUOffloadPolicy: where shards and gradients were
@@ -75,12 +86,7 @@ std::string where(const fsdp::FSDPModule& root) {
 Outcome train_against_reference(const std::shared_ptr<fsdp::Communicator>& world,
                                 const fsdp::ShardOptions& block_options, torch::Dtype dtype,
                                 int steps, bool async_unshard = false) {
-  GPTConfig cfg;
-  cfg.vocab_size = 96;
-  cfg.seq_len = 32;
-  cfg.n_layer = 3;
-  cfg.n_head = 4;
-  cfg.n_embd = 64;
+  const GPTConfig cfg = small_gpt(3);
   const int micro = 2, ranks = world->size(), me = world->rank();
   torch::manual_seed(0);
   fsdp::Sharded<GPT> model(cfg);
@@ -152,12 +158,7 @@ bool report(const char* name, const Outcome& o, double tol) {
 // One rank in bf16: every gather goes through a gathered block (no borrowed shard), so the
 // address is the kept block's; without keep_unsharded_storage it is a new block each time.
 bool graph_replay(const std::shared_ptr<fsdp::Communicator>& world) {
-  GPTConfig cfg;
-  cfg.vocab_size = 96;
-  cfg.seq_len = 32;
-  cfg.n_layer = 2;
-  cfg.n_head = 4;
-  cfg.n_embd = 64;
+  const GPTConfig cfg = small_gpt(2);
   torch::manual_seed(0);
   fsdp::Sharded<GPT> model(cfg);
   model->to(kCuda);
@@ -226,12 +227,7 @@ bool graph_replay(const std::shared_ptr<fsdp::Communicator>& world) {
 // fsdp::checkpoint::save of a CUDA model after two steps, loaded into a model built from another
 // seed: the next two steps' losses are the same bits as the saved run's.
 bool checkpoint_roundtrip(const std::shared_ptr<fsdp::Communicator>& world) {
-  GPTConfig cfg;
-  cfg.vocab_size = 96;
-  cfg.seq_len = 32;
-  cfg.n_layer = 2;
-  cfg.n_head = 4;
-  cfg.n_embd = 64;
+  const GPTConfig cfg = small_gpt(2);
   const std::string dir = "/tmp/fsdp-gpu-check-ckpt";
   std::filesystem::remove_all(dir);
   auto train = [&](int seed, int first, int last, bool save, const std::string& load) {

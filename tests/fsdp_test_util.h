@@ -97,6 +97,20 @@ inline void expect_shards_equal(const FSDPModule& root, torch::nn::Module& refer
   }
 }
 
+// The message of the exception f throws, or "<no error>".
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+#define EXPECT_HAS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
+
 inline ShardOptions audited(std::optional<bool> reshard_after_forward = std::nullopt) {
   ShardOptions o;
   o.audit = true;

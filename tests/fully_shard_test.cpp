@@ -16,19 +16,6 @@ namespace {
 using adv::Plain;
 using adv::SLinear;
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
-
-#define EXPECT_HAS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
-
 // A root with a 0-d parameter, a buffer, and a parameter with fewer rows than ranks.
 struct OddImpl : torch::nn::Module {
   OddImpl() {

@@ -18,19 +18,6 @@ namespace {
 namespace fs = std::filesystem;
 using adv::Plain;
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
-
-#define EXPECT_HAS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
-
 // Plain's a.bias (in a sharded child) and scale (the root's own) left whole.
 struct Sharded {
   fsdp::Sharded<Plain> m{Plain()};
