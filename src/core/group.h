@@ -262,10 +262,10 @@ class Group : public std::enable_shared_from_this<Group> {
   // a pooled one; and its return when the group reshards.
   at::Tensor take_full_block();
   void give_back_full_block();
-  // Issues the all-gather of `g.send` into `block` (gathered into places) or `g.recv`; `own`:
-  // the group's own gather (its full block), else one served for other ranks.
   // The communicator's all-gather, or set_custom_all_gather's.
   Work all_gather(Communicator& lane, const at::Tensor& recv, const at::Tensor& send);
+  // Issues the all-gather of `g.send` into `block` (gathered into places) or `g.recv`; `own`:
+  // the group's own gather (its full block), else one served for other ranks.
   void issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g, at::Tensor& block,
                     bool own);
   void pack_send(PendingGather& g, bool own_gather);  // the all-gather's send block
