@@ -113,6 +113,38 @@ struct TwoSiblingsImpl : torch::nn::Module {
 };
 TORCH_MODULE(TwoSiblings);
 
+// A forward whose all-gather throws (here a custom one, once) leaves the module as it was: the
+// next forward gathers and trains as if nothing had happened.
+struct ThrowsOnce : AllGather {
+  bool thrown = false;
+  Work operator()(const at::Tensor& out, const at::Tensor& in, Communicator& g) override {
+    if (!thrown) {
+      thrown = true;
+      throw std::runtime_error("custom all-gather failed once");
+    }
+    return g.all_gather(out, in);
+  }
+};
+
+TEST(FullyShard, AForwardWhoseGatherThrowsLeavesTheModuleUsable) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
+    fsdp::Sharded<Plain> m{Plain()};
+    torch::manual_seed(0);
+    Plain ref;
+    auto a = fully_shard(m->a, r.world(), audited());
+    fully_shard(m->b, r.world(), audited());
+    auto root = fully_shard(m, r.world(), audited());
+    a.set_custom_all_gather(std::make_shared<ThrowsOnce>());
+    auto x = torch::randn({4, 5});
+    EXPECT_HAS(error_of([&] { m(x); }), "custom all-gather failed once");
+    auto y = m(x);
+    EXPECT_TRUE(torch::allclose(y, ref(x), 1e-5, 1e-6));
+    y.sum().backward();
+    for (auto& s : root.shards()) EXPECT_TRUE(s.shard.grad().defined()) << s.name;
+  });
+}
+
 TEST(FullyShard, ReshardAfterBackwardOffKeepsParametersGathered) {
   run_ranks(2, [](Rank& r) {
     torch::manual_seed(0);

@@ -18,13 +18,15 @@ namespace {
 namespace fs = std::filesystem;
 using adv::Plain;
 
-// Plain's a.bias (in a sharded child) and scale (the root's own) left whole.
+// Plain's a.bias (in a sharded child, activation-checkpointed or not) and scale (the root's own)
+// left whole.
 struct Sharded {
   fsdp::Sharded<Plain> m{Plain()};
   FSDPModule root;
-  explicit Sharded(Rank& r) {
+  explicit Sharded(Rank& r, bool checkpointed = false) {
     m->to(torch::kDouble);
     ShardOptions child = audited();
+    child.activation_checkpointing = checkpointed;
     child.ignored_params = {m->a->bias};
     fully_shard(m->a, r.world(), child);
     fully_shard(m->b, r.world(), audited());
@@ -39,10 +41,11 @@ at::Tensor batch(int step, int rank) {
   return torch::randn({4, 5}, torch::kDouble);
 }
 
-TEST(IgnoredParams, StayWholeWithEachRanksOwnGradientAndTheRestIsExact) {
-  run_ranks(2, [](Rank& r) {
+// Under activation checkpointing the recompute's backward reaches them too.
+void trains_exactly(bool checkpointed) {
+  run_ranks(2, [&](Rank& r) {
     torch::manual_seed(0);
-    Sharded s(r);
+    Sharded s(r, checkpointed);
     torch::manual_seed(0);
     Plain ref;
     ref->to(torch::kDouble);
@@ -64,6 +67,7 @@ TEST(IgnoredParams, StayWholeWithEachRanksOwnGradientAndTheRestIsExact) {
       for (int rr = 0; rr < 2; ++rr) (ref(batch(step, rr)).pow(2).mean() / 2).backward();
       auto own = torch::autograd::grad({ref(batch(step, r.rank)).pow(2).mean()},
                                        {ref->a->bias, ref->scale});
+      ASSERT_TRUE(s.m->a->bias.grad().defined());
       EXPECT_TRUE(torch::allclose(s.m->a->bias.grad(), own[0], 0, 1e-12));
       EXPECT_TRUE(torch::allclose(s.m->scale.grad(), own[1], 0, 1e-12));
       EXPECT_EQ(s.m->a->bias.data_ptr(), bias_at);  // never freed nor moved
@@ -89,6 +93,9 @@ TEST(IgnoredParams, StayWholeWithEachRanksOwnGradientAndTheRestIsExact) {
       EXPECT_TRUE(torch::allclose(full[p.key()], p.value(), 0, 1e-12)) << p.key();
   });
 }
+
+TEST(IgnoredParams, StayWholeWithEachRanksOwnGradientAndTheRestIsExact) { trains_exactly(false); }
+TEST(IgnoredParams, ActivationCheckpointingReachesThem) { trains_exactly(true); }
 
 // clip_grad_norm_ counts and scales the sharded gradients only: the ignored ones are each rank's
 // own, and counting them would give each rank a coefficient of its own.
@@ -208,7 +215,7 @@ TEST(IgnoredParamsErrors, NameTheTensorAndTheFix) {
     fully_shard(m->a, r.world());
     o.ignored_params = {m->a->weight};
     msg = error_of([&] { fully_shard(m, r.world(), o); });
-    EXPECT_HAS(msg, "ignored parameter 'a.weight' is already managed by sharded submodule");
+    EXPECT_HAS(msg, "ignored parameter 'a.weight' is already managed by sharded submodule 'a'");
     EXPECT_HAS(msg, "pass it in that submodule's ignored_params");
     EXPECT_NO_THROW(fully_shard(m, r.world()));  // the failed calls claimed nothing
   });

@@ -185,6 +185,9 @@ std::vector<at::Tensor> checkpoint_parameters(Group& group) {
   std::vector<at::Tensor> out;
   for (const auto& p : group.params())
     if (p.trainable()) out.push_back(p.param());
+  // ignored_params are the module's parameters too: the recompute's backward must reach them.
+  for (const auto& t : group.ignored())
+    if (t.requires_grad()) out.push_back(t);
   return out;
 }
 

@@ -73,15 +73,20 @@ void Group::pre_forward() {
   state_before_forward_ = training_state_;
   transition(TrainingState::kForward,
              {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
-  context_->on_pre_forward(this);
-  if (is_root() && options_.broadcast_buffers && state_before_forward_ == TrainingState::kIdle)
-    broadcast_buffers_to_all();
-  // Gathered values older than the shards (an optimizer step since the gather, e.g. after an
-  // evaluation forward that kept the root gathered) are dropped and gathered again; the ranks
-  // decide together in the first round of the call.
-  if (top_level && !in_backward()) context_->calls().begin_top_level(*this);
-  gather_for_call();
-  wait_for_unshard();
+  try {
+    context_->on_pre_forward(this);
+    if (is_root() && options_.broadcast_buffers && state_before_forward_ == TrainingState::kIdle)
+      broadcast_buffers_to_all();
+    // Gathered values older than the shards (an optimizer step since the gather, e.g. after an
+    // evaluation forward that kept the root gathered) are dropped and gathered again; the ranks
+    // decide together in the first round of the call.
+    if (top_level && !in_backward()) context_->calls().begin_top_level(*this);
+    gather_for_call();
+    wait_for_unshard();
+  } catch (...) {
+    abort_forward();  // a failed gather (a custom all-gather that threw): usable again after
+    throw;
+  }
   if (at::GradMode::is_enabled()) forwarded_with_grad_ = true;
   forward_start_us_ = trace::enabled() ? trace::now_us() : -1;
 }

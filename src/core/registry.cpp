@@ -49,7 +49,7 @@ NamedTensors Registry::claim_parameters(const torch::nn::Module& module, const M
   const std::string type = module.name();
   std::set<const c10::TensorImpl*> ignored;
   for (const auto& t : ignored_params) ignored.insert(t.unsafeGetTensorImpl());
-  check_ignored(module, ignored_params);
+  check_ignored(module, paths, ignored_params);
   NamedTensors mine;
   std::set<const c10::TensorImpl*> seen;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
@@ -140,7 +140,7 @@ void Registry::adopt_elements(Group& group) {
 
 // Each ignored tensor must be a parameter of `module` that no sharded descendant manages, with
 // values (deferred_init's materialize fills managed parameters only).
-void Registry::check_ignored(const torch::nn::Module& module,
+void Registry::check_ignored(const torch::nn::Module& module, const ModulePaths& paths,
                              const std::vector<at::Tensor>& ignored_params) {
   const std::string type = module.name();
   std::map<const c10::TensorImpl*, std::string> names;
@@ -155,10 +155,13 @@ void Registry::check_ignored(const torch::nn::Module& module,
                t.sizes(),
                ") is not a parameter of this module; pass parameters of the module "
                "being sharded (e.g. module->sub->weight)");
-    if (auto owner = find(params_, t.unsafeGetTensorImpl()))
+    if (auto owner = find(params_, t.unsafeGetTensorImpl())) {
+      auto path = paths.path_of.find(owner->module());
       throw Error(detail::cat("fully_shard(", type, "): ignored parameter '", it->second,
-                              "' is already managed by sharded submodule '", owner->name(), "' (",
+                              "' is already managed by sharded submodule '",
+                              path != paths.path_of.end() ? path->second : owner->name(), "' (",
                               owner->type_name(), "); pass it in that submodule's ignored_params"));
+    }
     FSDP_CHECK(!deferred::is_pending(t), "fully_shard(", type, "): ignored parameter '", it->second,
                "' was built under fsdp::deferred_init and has no values (materialize fills "
                "sharded parameters only); build it eagerly, or shard it");

@@ -73,8 +73,8 @@ class Registry {
   template <class K>
   static std::shared_ptr<Group> find(Index<K>& index, const K* key);
   void adopt_elements(Group& group) FSDP_REQUIRES(mu_);
-  void check_ignored(const torch::nn::Module& module, const std::vector<at::Tensor>& ignored_params)
-      FSDP_REQUIRES(mu_);
+  void check_ignored(const torch::nn::Module& module, const ModulePaths& paths,
+                     const std::vector<at::Tensor>& ignored_params) FSDP_REQUIRES(mu_);
 
   Mutex mu_;
   Index<torch::nn::Module> modules_ FSDP_GUARDED_BY(mu_);
