@@ -258,6 +258,20 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
   run_extras(p, r, s, ref, it, micro + 1);
 }
 
+// The reference and this rank's sharded side, each built right after seeding torch with `seed`
+// (members are built in declaration order), so both start from the same weights.
+struct Sides {
+  struct Seed {
+    explicit Seed(uint64_t s) { torch::manual_seed(static_cast<int64_t>(s)); }
+  };
+  Seed seed_reference;
+  Reference ref;
+  Seed seed_sharded;
+  ShardedSide sharded;
+  Sides(const Program& p, Rank& r, uint64_t seed)
+      : seed_reference(seed), ref(p), seed_sharded(seed), sharded(p, r) {}
+};
+
 // One program on this rank: returns false when it failed (the caller stops: collectives may be
 // out of step after a failure).
 bool run_program(Rank& r, const Program& p) {
@@ -265,10 +279,9 @@ bool run_program(Rank& r, const Program& p) {
   SCOPED_TRACE(p.describe());
   const bool had_failure = ::testing::Test::HasFailure();
   try {
-    torch::manual_seed(static_cast<int64_t>(seed));
-    Reference ref(p);
-    torch::manual_seed(static_cast<int64_t>(seed));
-    ShardedSide s(p, r);
+    Sides both(p, r, seed);
+    auto& ref = both.ref;
+    auto& s = both.sharded;
     for (int it = 0; it < static_cast<int>(p.iterations.size()); ++it)
       run_iteration(p, r, s, ref, it);
   } catch (const std::exception& e) {
@@ -565,10 +578,9 @@ TEST(DifferentCalls, StateDictAndCheckpointAfterDifferentCalls) {
   run_ranks(
       2,
       [&](Rank& r) {
-        torch::manual_seed(static_cast<int64_t>(p.seed));
-        Reference ref(p);
-        torch::manual_seed(static_cast<int64_t>(p.seed));
-        ShardedSide s(p, r);
+        Sides both(p, r, p.seed);
+        auto& ref = both.ref;
+        auto& s = both.sharded;
         run_iteration(p, r, s, ref, 0);
         {
           torch::NoGradGuard no_grad;
@@ -775,10 +787,9 @@ TEST(Fsdp2Settings, KeepUnshardedStorageKeepsEachParametersAddress) {
   p.iterations[1].micro[1] = per_rank_pass({{2, 0}, {1}});
   expect_program_passes(p);
   run_ranks(2, [&](Rank& r) {
-    torch::manual_seed(static_cast<int64_t>(p.seed));
-    Reference ref(p);
-    torch::manual_seed(static_cast<int64_t>(p.seed));
-    ShardedSide s(p, r);
+    Sides both(p, r, p.seed);
+    auto& ref = both.ref;
+    auto& s = both.sharded;
     auto address = [&](int b) {
       s.blocks[b].unshard();
       const void* at = s.model->blocks[b]->parameters()[0].data_ptr();
@@ -817,10 +828,9 @@ TEST(Fsdp2Settings, CustomCollectivesCarryTheirGroupsGathersAndReductions) {
   p.custom = {3, 0, 1, 2};  // block 0 both, block 1 none, block 2 the gather, the root the reduce
   expect_program_passes(p);
   run_ranks(2, [&](Rank& r) {
-    torch::manual_seed(static_cast<int64_t>(p.seed));
-    Reference ref(p);
-    torch::manual_seed(static_cast<int64_t>(p.seed));
-    ShardedSide s(p, r);
+    Sides both(p, r, p.seed);
+    auto& ref = both.ref;
+    auto& s = both.sharded;
     for (int it = 0; it < static_cast<int>(p.iterations.size()); ++it)
       run_iteration(p, r, s, ref, it);
     ASSERT_EQ(s.custom_gathers.size(), 2u);
@@ -919,10 +929,9 @@ TEST(Fsdp2Settings, AsyncUnshardIsWaitedByItsHandleOrItsForward) {
   p.iterations[1].async_unshard = 2;  // left to the forward
   expect_program_passes(p);
   run_ranks(2, [&](Rank& r) {
-    torch::manual_seed(1);
-    Reference ref(p);
-    torch::manual_seed(1);
-    ShardedSide s(p, r);
+    Sides both(p, r, 1);
+    auto& ref = both.ref;
+    auto& s = both.sharded;
     auto handle = s.blocks[0].unshard(/*async_op=*/true);
     handle.wait();
     // Waited: the full parameters hold the gathered values (read outside any forward).
