@@ -63,7 +63,7 @@ try:
     import torch.nn.functional as F  # noqa: E402
     from safetensors import safe_open  # noqa: E402
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-    from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
 except ImportError as e:  # bench/torch_ddp.py (fsdp-bench --compare) reports status 3
     print(f"fsdp2_peer: {sys.executable} lacks torch 2.15's FSDP2 or safetensors ({e}); "
           "run scripts/torch_pip.sh and use its venv's python", file=sys.stderr)
@@ -92,6 +92,8 @@ def parse_args(argv):
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
     p.add_argument("--reshard-after-forward-world", type=int, default=0,
                    help="K >= 2: the blocks' reshard_after_forward=K (hpZ); 0: True")
+    p.add_argument("--shard-dim", type=int, choices=[0, 1], default=0,
+                   help="1: shard_placement_fn gives Shard(1) to every parameter of 2 dims")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--json", help="write the results here (rank 0)")
     for name in ("layers", "heads", "width", "seq", "batch"):
@@ -255,10 +257,13 @@ def build(args, rank, world):
                 param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
                 output_dtype=torch.float32 if root else None)
         reshard = args.reshard_after_forward_world or True
+        placement = None
+        if args.shard_dim:
+            placement = lambda p: Shard(args.shard_dim) if p.dim() >= 2 else None
         for i, b in enumerate(model.h):  # the last block keeps its parameters for backward
             fully_shard(b, reshard_after_forward=reshard if i + 1 < len(model.h) else False,
-                        mp_policy=mp(False))
-        fully_shard(model, mp_policy=mp(True))
+                        mp_policy=mp(False), shard_placement_fn=placement)
+        fully_shard(model, mp_policy=mp(True), shard_placement_fn=placement)
         model.to_empty(device="cpu")
         load_weights(model, args)
         wrapped = model

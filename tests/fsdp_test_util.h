@@ -49,6 +49,14 @@ inline GradMap mean_of_accumulated_grads(torch::nn::Module& ref, int world) {
   return out;
 }
 
+// The part of the full tensor `full` (the parameter's shape) that shard `s` holds: its rows of
+// dim s.dim, shaped like the shard.
+inline torch::Tensor rows_of(const ShardInfo& s, const torch::Tensor& full) {
+  const torch::Tensor t = full.dim() == 0 ? full.reshape({1}) : full;
+  return t.narrow(s.dim, s.row_offset, s.shard.dim() == 0 ? 1 : s.shard.size(s.dim))
+      .reshape(s.shard.sizes());
+}
+
 // Every trainable shard's grad equals its rows of the reference (zeros where the reference has
 // none). Returns the number of parameters compared.
 inline int expect_shard_grads(const FSDPModule& root, const GradMap& ref, double rtol = 1e-5,
@@ -66,10 +74,8 @@ inline int expect_shard_grads(const FSDPModule& root, const GradMap& ref, double
     }
     torch::Tensor expect;
     auto it = ref.find(s.name);
-    int64_t rows = s.global_shape.empty() ? 1 : s.global_shape[0];
     if (it != ref.end()) {
-      expect = it->second.reshape({rows, -1})
-                   .narrow(0, s.row_offset, s.shard.numel() ? s.shard.size(0) : 0);
+      expect = rows_of(s, it->second);
     } else {
       expect = torch::zeros_like(s.shard);
     }
@@ -87,10 +93,7 @@ inline void expect_shards_equal(const FSDPModule& root, torch::nn::Module& refer
   std::map<std::string, torch::Tensor> ref;
   for (auto& item : reference.named_parameters()) ref[item.key()] = item.value().detach();
   for (const auto& s : root.shards()) {
-    auto r = ref.at(s.name);
-    int64_t rows = s.global_shape.empty() ? 1 : s.global_shape[0];
-    auto expect =
-        r.reshape({rows, -1}).narrow(0, s.row_offset, s.shard.numel() ? s.shard.size(0) : 0);
+    auto expect = rows_of(s, ref.at(s.name));
     auto got = s.shard.detach().reshape(expect.sizes());
     EXPECT_TRUE(torch::allclose(got, expect, rtol, atol))
         << s.name << ": max abs diff " << (got - expect).abs().max().item<double>();

@@ -179,6 +179,10 @@ struct Program {
   // Per block and for the root (last entry): custom collectives (bit 1: set_custom_all_gather,
   // bit 2: set_custom_reduce_scatter), exact re-implementations through other collectives.
   std::vector<char> custom;
+  // ShardOptions::shard_placement_fn for every group: 0 none (dim 0), else a salt that picks, for
+  // each parameter of two or more dims, a dim (sometimes counted from the end) or dim 0
+  // (shard_dim below).
+  uint32_t placement = 0;
   std::vector<Iteration> iterations;
 
   // The entry of per-group settings `v` (per block, the root last; empty: none) for parameter
@@ -223,7 +227,8 @@ struct Program {
         (keep_storage.size() > kinds.size() && keep_storage.back() ? " keep-storage" : "") +
         (custom.size() > kinds.size() && custom.back() ? " custom" + std::to_string(custom.back())
                                                        : "") +
-        (offload ? offload == 1 ? ", offload pinned" : ", offload" : "") + ", audit " +
+        (offload ? offload == 1 ? ", offload pinned" : ", offload" : "") +
+        (placement ? ", placement " + std::to_string(placement) : "") + ", audit " +
         (audit ? "on" : "off") + ", max_unsharded_groups " + std::to_string(max_unsharded_groups) +
         ", " +
         (optim == Optim::kSGD ? "SGD momentum " + std::to_string(momentum) : std::string("AdamW")) +
@@ -441,7 +446,20 @@ inline Program make_program(uint64_t seed, int world) {
   if (d.chance(4))
     for (int g = 0; g <= blocks; ++g)
       p.custom.push_back(g == blocks || p.modes[g] == BlockMode::kHolder ? d.pick(4) : 0);
+  // Then shard placements other than dim 0.
+  if (d.chance(3)) p.placement = 1 + static_cast<uint32_t>(d.pick(1 << 20));
   return p;
+}
+
+// Program::placement's choice for a parameter (the same on every rank: a hash of its name).
+inline std::optional<fsdp::Shard> shard_dim(uint32_t placement, const std::string& name,
+                                            const at::Tensor& t) {
+  if (!placement || t.dim() < 2) return std::nullopt;
+  uint32_t h = 2166136261u ^ placement;  // FNV-1a
+  for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 16777619u;
+  const int64_t pick = h % (t.dim() + 1);
+  if (pick == t.dim()) return std::nullopt;
+  return fsdp::Shard{(h >> 16) & 1 ? pick - t.dim() : pick};
 }
 
 struct NetImpl : torch::nn::Module {

@@ -186,6 +186,10 @@ struct ShardedSide {
     o.audit = p.audit;
     o.max_unsharded_groups = p.max_unsharded_groups;
     if (p.offload) o.offload_policy = CPUOffloadPolicy{p.offload == 1};
+    if (p.placement)
+      o.shard_placement_fn = [placement = p.placement](const std::string& n, const at::Tensor& t) {
+        return shard_dim(placement, n, t);
+      };
     if (reshard >= 2)
       o.reshard_after_forward = reshard;  // hpZ: a world of `reshard` ranks
     else if (reshard >= 0)

@@ -277,7 +277,9 @@ ck::Index sample_index() {
   }
   ck::IndexEntry w{"w", "F32", {3, 4}, false, {{0, 0, 2}, {1, 2, 3}}};
   ck::IndexEntry s{"w::step", "I64", {}, true, {{0, 0, 1}}};
-  idx.tensors = {w, s};
+  // Split on dim 1 (ShardOptions::shard_placement_fn): 5 columns as 3 + 2.
+  ck::IndexEntry e{"x", "F32", {2, 5}, false, {{0, 0, 3}, {1, 3, 5}}, 1};
+  idx.tensors = {w, s, e};
   return idx;
 }
 }  // namespace
@@ -294,7 +296,15 @@ TEST(CheckpointIndex, RoundTrip) {
   EXPECT_EQ(back.find("w")->pieces.size(), 2u);
   EXPECT_EQ(back.find("w")->pieces[1].row_end, 3);
   EXPECT_TRUE(back.find("w::step")->replicated);
+  EXPECT_EQ(back.find("w")->dim, 0);
+  EXPECT_EQ(back.find("x")->dim, 1);
+  EXPECT_EQ(back.find("x")->rows(), 5);
+  EXPECT_EQ(back.find("x")->pieces[1].row_end, 5);
   EXPECT_EQ(back.files[1].sums.xxh64, 43u);
+  auto j = nlohmann::json::parse(ck::index_to_json(idx));
+  EXPECT_EQ(j["tensors"]["x"]["kind"], "slices");
+  EXPECT_EQ(j["tensors"]["w"]["kind"], "rows");
+  EXPECT_FALSE(j["tensors"]["w"].contains("dim"));
 }
 
 TEST(CheckpointIndexHostile, RejectsBadIndexes) {
@@ -325,6 +335,21 @@ TEST(CheckpointIndexHostile, RejectsBadIndexes) {
       },
       {"tensor 'w'", "overflows"});
   bad([](auto& j) { j["tensors"]["w"]["dtype"] = "Q4"; }, {"tensor 'w'", "unknown dtype"});
+  bad([](auto& j) { j["tensors"]["x"]["dim"] = 2; }, {"tensor 'x' dim = 2"});
+  bad([](auto& j) { j["tensors"]["x"].erase("dim"); }, {"tensor 'x'", "dim"});
+  bad(
+      [](auto& j) {
+        j["tensors"]["x"]["pieces"][1]["rows"] = {3, 4};
+      },
+      {"tensor 'x'", "rows are missing"});
+  bad(
+      [](auto& j) {
+        j["tensors"]["w::step"]["kind"] = "slices";
+        j["tensors"]["w::step"]["dim"] = 1;
+      },
+      {"tensor 'w::step'", "kind 'slices' needs at least 2 dims"});
+  bad([](auto& j) { j["tensors"]["x"]["kind"] = "cols"; },
+      {"tensor 'x'", "kind 'cols' is not 'rows', 'slices' or 'replicated'"});
   bad([](auto& j) { j["files"][1]["xxh64"] = "xyz"; }, {"files[1] xxh64", "16 hex"});
   bad([](auto& j) { j["files"][1]["block_xxh64"].erase(0); }, {"files[1] block_xxh64 must list 2"});
   bad([](auto& j) { j["rng_state_hex"] = "abc"; }, {"rng_state_hex (3 characters) is not hex"});

@@ -38,6 +38,8 @@ struct IndexEntry {
   std::vector<int64_t> global_shape;  // [] for a 0-d tensor (one row)
   // "rows": sharded on dim 0, each piece holds global rows [row_begin, row_end) in the file of
   // `rank` as a tensor of shape [row_end - row_begin, global_shape[1:]...] (a 0-d tensor: [1]).
+  // "slices": the same on dim `dim` (ShardOptions::shard_placement_fn): a piece holds indices
+  // [row_begin, row_end) of that dim, its shape global_shape with that dim row_end - row_begin.
   // "replicated": every listed rank's file holds the whole tensor; any one may be read.
   bool replicated = false;
   struct Piece {
@@ -46,7 +48,8 @@ struct IndexEntry {
     int64_t row_end = 0;
   };
   std::vector<Piece> pieces;  // rows: ordered, exactly covering [0, rows); replicated: >= 1
-  int64_t rows() const { return global_shape.empty() ? 1 : global_shape[0]; }
+  int64_t dim = 0;            // the dim the pieces split ("rows": 0)
+  int64_t rows() const { return global_shape.empty() ? 1 : global_shape[dim]; }
 };
 
 struct FileEntry {

@@ -3,9 +3,10 @@
 // Usage (see README): declare each module to shard as fsdp::Sharded<Holder> in place of Holder,
 // call fully_shard bottom-up (blocks first, then the root), build the optimizer on the root
 // handle's parameters(), and train as usual. Each parameter is sharded on dim 0 across ranks
-// (torch.chunk rule); it is all-gathered before its module's forward and again before its backward;
-// its gradient is reduce-scattered (mean over ranks) once every participating gradient of its group
-// is final. See docs/design.md, [Note: the post-backward guarantee].
+// (torch.chunk rule; ShardOptions::shard_placement_fn picks another dim); it is all-gathered before
+// its module's forward and again before its backward; its gradient is reduce-scattered (mean over
+// ranks) once every participating gradient of its group is final. See docs/design.md, [Note: the
+// post-backward guarantee].
 //
 // Thread-safety: a sharded model is used by one thread at a time, like any torch::nn module.
 #pragma once
@@ -149,12 +150,15 @@ std::decay_t<std::invoke_result_t<const Method&, Impl&, std::decay_t<Args>&...>>
 struct ShardInfo {
   std::string name;                   // original name, relative to the handle's module
   std::vector<int64_t> global_shape;  // the full parameter's shape (a 0-d parameter is [] here)
-  at::Tensor shard;                   // this rank's rows [row_offset, row_offset + shard.size(0))
-  int64_t row_offset = 0;             // first global row held by this rank
-  int64_t rows_per_rank = 0;          // c = ceil(rows / world), the chunk size
+  // This rank's slice [row_offset, row_offset + shard.size(dim)) of dim `dim` (0 unless
+  // ShardOptions::shard_placement_fn says otherwise), contiguous; the full shape elsewhere.
+  at::Tensor shard;
+  int64_t dim = 0;
+  int64_t row_offset = 0;     // first global index of dim `dim` held by this rank
+  int64_t rows_per_rank = 0;  // c = ceil(global_shape[dim] / world), the chunk size
   bool requires_grad = true;
-  // ShardOptions::ignored_params: `shard` is the whole parameter (row_offset 0, rows_per_rank its
-  // rows), this rank's own, never gathered or reduced.
+  // ShardOptions::ignored_params: `shard` is the whole parameter (dim 0, row_offset 0,
+  // rows_per_rank its rows), this rank's own, never gathered or reduced.
   bool ignored = false;
 };
 

@@ -3,7 +3,15 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <cstdint>
+#include <functional>
 #include <optional>
+#include <string>
+#include <vector>
+
+namespace at {
+class Tensor;
+}
 
 namespace fsdp {
 
@@ -57,6 +65,12 @@ struct CPUOffloadPolicy {
   bool pin_memory = true;
 };
 
+// FSDP2's Shard(dim), returned by ShardOptions::shard_placement_fn: the parameter is split on
+// `dim` (negative counts from the end) by the torch.chunk rule, as dim 0 is by default.
+struct Shard {
+  int64_t dim = 0;
+};
+
 struct ShardOptions {
   // See ReshardAfterForward. Default: true for sharded submodules, false for the root (whose
   // parameters are needed first in backward).
@@ -88,6 +102,16 @@ struct ShardOptions {
   // parameters() lists them (an optimizer built on it steps them); full_state_dict gives this
   // rank's values, checkpoints store rank 0's.
   std::vector<at::Tensor> ignored_params;
+  // FSDP2's shard_placement_fn: called once per parameter of the group at fully_shard, with the
+  // parameter's name (relative to the module) and the parameter; Shard{d} shards it on dim d
+  // instead of 0 (e.g. expert weights whose dim 0, the experts, is smaller than the world), and
+  // std::nullopt (or no function) keeps dim 0. Each rank holds the slice
+  // [offset, offset + chunk) of dim d, chunk = ceil(size(d) / world), trailing ranks fewer or
+  // none (FSDP2 asks sizes on a dim other than 0 to divide evenly; here they need not). The same
+  // placements on every rank (fully_shard checks). ShardInfo::dim reports it; checkpoints and
+  // state dicts hold the full parameters as ever.
+  std::function<std::optional<Shard>(const std::string& name, const at::Tensor& param)>
+      shard_placement_fn;
 };
 
 }  // namespace fsdp

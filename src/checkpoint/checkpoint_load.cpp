@@ -142,7 +142,7 @@ TrainState load(const std::string& ckpt_dir, const FSDPModule& root, torch::opti
     for (const auto& info : shards) {
       const IndexEntry& e = *rd.index().find(info.name);
       check_against_model(e, info, where);
-      rd.fill_rows(e, info.shard, info.row_offset);
+      rd.fill(e, info.shard, info.dim, info.row_offset);
     }
     load_buffers(rd, buffers, where, comm.rank());
     if (opt) load_optimizer(opt, kind, shards, rd, where);
@@ -168,7 +168,7 @@ void consolidate(const std::string& ckpt_dir, const std::string& out_file) {
         e.global_shape.empty() ? std::vector<int64_t>{1} : e.global_shape;
     at::Tensor full = at::empty(
         rows_shape, at::TensorOptions().dtype(st::scalar_type(e.dtype, ckpt_dir, e.name)));
-    rd.fill_rows(e, full, 0);
+    rd.fill(e, full, 0, 0);
     keep.push_back(full.reshape(e.global_shape).contiguous());
     views.push_back(st::view_of(e.name, keep.back()));
   }
@@ -200,10 +200,14 @@ void init_from(const std::string& file, const FSDPModule& root) {
                         " in the file, ", dtype, " ", shape_str(info.global_shape),
                         " in the model; the file is from a different model or dtype"));
       }
-      int64_t n = info.shard.dim() == 0 ? 1 : info.shard.size(0);
-      at::Tensor src = st::read_rows(*f, info.name, info.row_offset, info.row_offset + n);
+      const int64_t n = info.shard.dim() == 0 ? 1 : info.shard.size(info.dim);
+      // Dim 0: only this rank's rows are read; another dim reads the whole tensor.
+      at::Tensor src =
+          info.dim == 0
+              ? st::read_rows(*f, info.name, info.row_offset, info.row_offset + n)
+              : st::read_tensor(*f, info.name).narrow(info.dim, info.row_offset, n).contiguous();
       at::NoGradGuard no_grad;
-      info.shard.view({-1}).copy_(src.view({-1}));
+      info.shard.view({-1}).copy_(src.reshape({-1}));
     }
     init_buffers(*f, named_buffers(root), where, root.communicator().rank());
   });

@@ -46,6 +46,7 @@ namespace {
 // What one rank wrote, sent to rank 0 for the index.
 json local_manifest(const std::vector<st::TensorView>& views,
                     const std::vector<std::pair<int64_t, int64_t>>& rows,
+                    const std::vector<int64_t>& dims,
                     const std::vector<std::vector<int64_t>>& global_shapes,
                     const std::vector<bool>& replicated, const st::Checksums& sums) {
   json m;
@@ -61,6 +62,7 @@ json local_manifest(const std::vector<st::TensorView>& views,
                             {"dtype", views[i].dtype},
                             {"shape", global_shapes[i]},
                             {"replicated", replicated[i]},
+                            {"dim", dims[i]},
                             {"rows", {rows[i].first, rows[i].second}}});
   }
   return m;
@@ -90,15 +92,18 @@ Index build_index(const std::vector<std::string>& manifests, const std::string& 
       auto shape = t["shape"].get<std::vector<int64_t>>();
       auto dtype = t["dtype"].get<std::string>();
       bool repl = t["replicated"].get<bool>();
+      auto dim = t["dim"].get<int64_t>();
       if (fresh) {
         e.name = name;
         e.dtype = dtype;
         e.global_shape = shape;
         e.replicated = repl;
-      } else if (e.dtype != dtype || e.global_shape != shape || e.replicated != repl) {
+        e.dim = dim;
+      } else if (e.dtype != dtype || e.global_shape != shape || e.replicated != repl ||
+                 e.dim != dim) {
         throw Error(cat("checkpoint save '", ckpt, "': tensor '", name, "' is ", dtype, " ",
-                        shape_str(shape), " on rank ", r, " but ", e.dtype, " ",
-                        shape_str(e.global_shape),
+                        shape_str(shape), " sharded on dim ", dim, " on rank ", r, " but ", e.dtype,
+                        " ", shape_str(e.global_shape), " sharded on dim ", e.dim,
                         " on a lower rank; every rank must shard the same model"));
       }
       IndexEntry::Piece p;
@@ -122,24 +127,26 @@ struct RankFile {
   std::vector<at::Tensor> keep;  // the host copies the views point into
   std::vector<st::TensorView> views;
   std::vector<std::pair<int64_t, int64_t>> rows;
+  std::vector<int64_t> dims;
   std::vector<std::vector<int64_t>> shapes;
   std::vector<bool> replicated;
 
-  void add(const std::string& name, at::Tensor host, std::pair<int64_t, int64_t> r,
+  void add(const std::string& name, at::Tensor host, std::pair<int64_t, int64_t> r, int64_t dim,
            std::vector<int64_t> shape, bool repl) {
     keep.push_back(std::move(host));
     views.push_back(st::view_of(name, keep.back()));
     rows.push_back(r);
+    dims.push_back(dim);
     shapes.push_back(std::move(shape));
     replicated.push_back(repl);
   }
 
-  // A shard's rows under `name`; an empty shard contributes no piece.
+  // A shard's rows (of dim info.dim) under `name`; an empty shard contributes no piece.
   void add_rows(const std::string& name, const at::Tensor& t, const ShardInfo& info) {
     at::Tensor c = t.detach().contiguous().cpu();
-    int64_t n = c.dim() == 0 ? 1 : c.size(0);
+    int64_t n = c.dim() == 0 ? 1 : c.size(info.dim);
     if (n == 0) return;
-    add(name, c, {info.row_offset, info.row_offset + n}, info.global_shape, false);
+    add(name, c, {info.row_offset, info.row_offset + n}, info.dim, info.global_shape, false);
   }
 };
 
@@ -152,11 +159,12 @@ RankFile collect(const FSDPModule& root, torch::optim::Optimizer* opt, OptKind k
     state_of(opt, kind, info.shard, &state_rows, &step);
     out.add_rows(info.name, info.shard, info);
     for (const auto& [suffix, t] : state_rows) out.add_rows(info.name + "::" + suffix, t, info);
-    if (step) out.add(info.name + "::step", at::scalar_tensor(*step, at::kLong), {0, 1}, {}, true);
+    if (step)
+      out.add(info.name + "::step", at::scalar_tensor(*step, at::kLong), {0, 1}, 0, {}, true);
   }
   if (rank == 0) {
     for (const auto& [name, b] : named_buffers(root))
-      out.add(name, b.detach().contiguous().cpu(), {0, 1}, b.sizes().vec(), true);
+      out.add(name, b.detach().contiguous().cpu(), {0, 1}, 0, b.sizes().vec(), true);
   }
   return out;
 }
@@ -238,7 +246,8 @@ std::string save_shards(const std::string& dir, const FSDPModule& root,
 
   // 3. Rank 0 writes the index last.
   auto manifests = detail::all_gather_strings(
-      comm, local_manifest(file.views, file.rows, file.shapes, file.replicated, sums).dump());
+      comm,
+      local_manifest(file.views, file.rows, file.dims, file.shapes, file.replicated, sums).dump());
   error = rank != 0 ? std::string() : detail::error_of([&] {
     Index idx = build_index(manifests, kind_name(kind), state, ckpt);
     std::string text = index_to_json(idx);

@@ -201,9 +201,16 @@ IndexEntry parse_tensor_entry(const std::string& name, const json& t, int world_
     fail_tensor(source, name, cat("shape ", shape.dump(), " is too large for its dtype"));
   }
   std::string kind = get_str(field(t, "kind", source, where), source, where + "kind");
-  if (kind != "rows" && kind != "replicated")
-    fail_tensor(source, name, cat("kind ", shown(kind), " is not 'rows' or 'replicated'"));
+  if (kind != "rows" && kind != "slices" && kind != "replicated")
+    fail_tensor(source, name,
+                cat("kind ", shown(kind), " is not 'rows', 'slices' or 'replicated'"));
   e.replicated = kind == "replicated";
+  if (kind == "slices") {
+    // Dim 0 is "rows"; a 0-d tensor has one row and no other dim.
+    const int64_t n = static_cast<int64_t>(e.global_shape.size());
+    if (n < 2) fail_tensor(source, name, cat("kind 'slices' needs at least 2 dims, shape has ", n));
+    e.dim = get_int(field(t, "dim", source, where), 1, n - 1, source, where + "dim");
+  }
   parse_pieces(t, name, where, world_size, source, e);
   return e;
 }
@@ -278,8 +285,11 @@ std::string index_to_json(const Index& idx) {
     }
     j["tensors"][e.name] = {{"dtype", e.dtype},
                             {"shape", e.global_shape},
-                            {"kind", e.replicated ? "replicated" : "rows"},
+                            {"kind", e.replicated ? "replicated"
+                                     : e.dim      ? "slices"
+                                                  : "rows"},
                             {"pieces", pieces}};
+    if (e.dim) j["tensors"][e.name]["dim"] = e.dim;
   }
   return j.dump(1) + "\n";
 }

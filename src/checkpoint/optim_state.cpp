@@ -58,7 +58,7 @@ void adam_state_in(torch::optim::Optimizer* opt, const compat::OptimStateKey& ke
         ", its parameter is ", st::dtype_name(shard.scalar_type()), " ",
         shape_str(info.global_shape), "; the checkpoint is inconsistent");
     at::Tensor t = at::zeros_like(shard, at::MemoryFormat::Preserve);
-    rd.fill_rows(e, t, info.row_offset);
+    rd.fill(e, t, info.dim, info.row_offset);
     return t;
   };
   FSDP_CHECK(step->dtype == "I64" && step->global_shape.empty(), where, ": '", step->name, "' is ",
@@ -151,7 +151,7 @@ void load_optimizer(torch::optim::Optimizer* opt, OptKind kind,
                      e->dtype == st::dtype_name(info.shard.scalar_type()),
                  where, ": optimizer state '", e->name, "' does not match its parameter");
       at::Tensor buf = at::zeros_like(info.shard, at::MemoryFormat::Preserve);
-      rd.fill_rows(*e, buf, info.row_offset);
+      rd.fill(*e, buf, info.dim, info.row_offset);
       auto s = std::make_unique<torch::optim::SGDParamState>();
       s->momentum_buffer(buf);
       opt->state()[key] = std::move(s);

@@ -14,16 +14,6 @@ namespace fs = std::filesystem;
 namespace st = fsdp::safetensors;
 using fsdp::detail::cat;
 
-namespace {
-
-int64_t row_numel(const IndexEntry& e) {
-  int64_t n = 1;
-  for (size_t i = 1; i < e.global_shape.size(); ++i) n *= e.global_shape[i];
-  return n;
-}
-
-}  // namespace
-
 CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   std::string path = dir_ + "/" + kIndexFile;
   if (!fs::exists(path)) {
@@ -43,18 +33,28 @@ st::File& CheckpointReader::file(int rank) {
   return *f;
 }
 
-void CheckpointReader::fill_rows(const IndexEntry& e, const at::Tensor& dst, int64_t row_offset) {
-  int64_t n = dst.dim() == 0 ? 1 : dst.size(0);
+void CheckpointReader::fill(const IndexEntry& e, const at::Tensor& dst, int64_t dim,
+                            int64_t offset) {
+  const at::Tensor out = dst.dim() == 0 ? dst.reshape({1}) : dst;
+  const int64_t n = out.size(dim);
+  at::NoGradGuard no_grad;
   for (const auto& p : e.pieces) {
-    int64_t lo = std::max(row_offset, p.row_begin), hi = std::min(row_offset + n, p.row_end);
-    if (lo >= hi) continue;
-    st::File& f = file(p.rank);
-    check_piece(f, e, p);
-    at::Tensor src = st::read_rows(f, e.name, lo - p.row_begin, hi - p.row_begin);
-    at::NoGradGuard no_grad;
-    dst.view({-1})
-        .narrow(0, (lo - row_offset) * row_numel(e), (hi - lo) * row_numel(e))
-        .copy_(src.view({-1}));
+    if (dim == e.dim) {  // the same split: the overlap of two ranges of one dim
+      const int64_t lo = std::max(offset, p.row_begin), hi = std::min(offset + n, p.row_end);
+      if (lo >= hi) continue;
+      st::File& f = file(p.rank);
+      check_piece(f, e, p);
+      at::Tensor part = out.narrow(dim, lo - offset, hi - lo);
+      at::Tensor src = dim == 0  // dim 0: only the rows needed, read in place
+                           ? st::read_rows(f, e.name, lo - p.row_begin, hi - p.row_begin)
+                           : st::read_tensor(f, e.name).narrow(dim, lo - p.row_begin, hi - lo);
+      part.copy_(src.reshape(part.sizes()));
+    } else {  // the piece is whole on `dim`, dst whole on e.dim: each holds a part of the other
+      st::File& f = file(p.rank);
+      check_piece(f, e, p);
+      out.narrow(e.dim, p.row_begin, p.row_end - p.row_begin)
+          .copy_(st::read_tensor(f, e.name).narrow(dim, offset, n));
+    }
   }
 }
 
@@ -73,7 +73,7 @@ void CheckpointReader::check_piece(st::File& f, const IndexEntry& e, const Index
   std::vector<int64_t> want = e.global_shape;
   if (!e.replicated) {
     if (want.empty()) want = {1};
-    want[0] = p.row_end - p.row_begin;
+    want[e.dim] = p.row_end - p.row_begin;
   }
   if (m.dtype != e.dtype || m.shape != want) {
     throw Error(cat("checkpoint file '", f.path(), "': tensor '", e.name, "' is ", m.dtype, " ",

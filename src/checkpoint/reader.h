@@ -23,9 +23,9 @@ class CheckpointReader {
   // The rank file of `rank`, opened (and verified) on first use.
   safetensors::File& file(int rank);
 
-  // Copies global rows [row_offset, row_offset + dst.size(0)) of `e` into dst (shape
-  // [n, global_shape[1:]...]; [n] for a 0-d tensor).
-  void fill_rows(const IndexEntry& e, const at::Tensor& dst, int64_t row_offset);
+  // Copies the global slice [offset, offset + n) of dim `dim` of `e` into dst (the global shape
+  // with n at `dim`; [n] for a 0-d tensor), whichever dim the checkpoint split `e` on.
+  void fill(const IndexEntry& e, const at::Tensor& dst, int64_t dim, int64_t offset);
 
   // Checks every piece of `e` against its file's header before anything is allocated for it, so
   // an index claiming a huge shape cannot make the reader allocate more than the files hold.

@@ -46,6 +46,29 @@ void check_reshard_after_forward(const std::string& type, const Communicator& co
              " (the ranks of one host, say), or true / false");
 }
 
+// ShardOptions::shard_placement_fn: each parameter's shard dim, normalised to [0, dim).
+std::vector<int64_t> shard_dims(const std::string& type, const NamedTensors& mine,
+                                const ShardOptions& options) {
+  std::vector<int64_t> dims;
+  for (const auto& [name, t] : mine) {
+    std::optional<Shard> placement;
+    if (options.shard_placement_fn) placement = options.shard_placement_fn(name, t);
+    int64_t d = placement ? placement->dim : 0;
+    const int64_t n = t.dim();
+    FSDP_CHECK(n > 0 || d == 0, "fully_shard(", type, "): shard_placement_fn gave Shard(", d,
+               ") for '", name,
+               "', a 0-d parameter (a scalar): it can only be split as one row. "
+               "Fix: return std::nullopt for it");
+    FSDP_CHECK(n == 0 || (d >= -n && d < n), "fully_shard(", type,
+               "): shard_placement_fn gave Shard(", d, ") for '", name, "' of shape ", t.sizes(),
+               ", which has no dim ", d, ". Fix: return a dim in [", -n, ", ", n,
+               ") (negative counts from the end), or "
+               "std::nullopt for dim 0");
+    dims.push_back(d < 0 ? d + n : d);
+  }
+  return dims;
+}
+
 // hpZ's post-forward lane: this rank's k consecutive ranks of `comm`, one communicator per
 // (communicator, k), shared by the groups that use it. Every rank calls fully_shard with the same
 // options in the same order, so every rank creates the same lanes in the same order.
@@ -92,14 +115,15 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   const ModulePaths paths = module_paths(*module);
   auto mine = reg.claim_parameters(*module, paths, options.ignored_params);
   check_placement(type, *comm, mine);
-  check_same_model(*comm, type, mine);
+  const std::vector<int64_t> dims = shard_dims(type, mine, options);
+  check_same_model(*comm, type, mine, dims);
   agree_on_values(*comm, type, mine, options.sync_module_states);
 
   auto context = reg.absorb_children(paths, comm, replicate, options);
   std::vector<ParamState> params;
-  for (auto& [name, t] : mine)
-    params.emplace_back(name, t, comm->rank(), comm->size(), options.offload_policy,
-                        options.mixed_precision.param_dtype);
+  for (size_t i = 0; i < mine.size(); ++i)
+    params.emplace_back(mine[i].first, mine[i].second, dims[i], comm->rank(), comm->size(),
+                        options.offload_policy, options.mixed_precision.param_dtype);
   auto lane = post_forward_lane(comm, options);
   auto group = std::make_shared<Group>(module.get(), type, std::move(params), comm, options);
   group->set_post_forward_lane(std::move(lane));

@@ -83,6 +83,7 @@ Group::Group(torch::nn::Module* module, std::string type_name, std::vector<Param
   for (auto& p : params_) {
     offsets_.push_back(flat_numel_);
     flat_numel_ += p.padded_numel();
+    rows_contiguous_ = rows_contiguous_ && p.dim() == 0;
   }
   size_t bytes = 0;
   for (auto& p : params_) {

@@ -104,16 +104,16 @@ void Group::unshard() {
                                  : "unshard: all-gather issued (SHARDED->GATHERING)");
 }
 
-// The pieces land in the full block where the lane can put them there (point to point on CPU):
-// no gather buffer and no copy-out. Otherwise (a collective backend) into a flat (world, S)
-// buffer that wait_for_unshard copies out.
+// The pieces land in the full block where the lane can put them there (point to point on CPU,
+// every parameter sharded on dim 0): no gather buffer and no copy-out. Otherwise (a collective
+// backend) into a flat (world, S) buffer that wait_for_unshard copies out.
 void Group::issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g, at::Tensor& block,
                          bool own) {
   std::vector<at::Tensor> pieces;
   pieces.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i)
     pieces.push_back(params_[i].rows_to_send(g.send, offsets_[i]));
-  if (!custom_gather_ && detail::gathers_into_places(lane, pieces)) {
+  if (!custom_gather_ && rows_contiguous_ && detail::gathers_into_places(lane, pieces)) {
     block = own ? take_full_block() : pool.acquire(full_block_numel_, gather_dtype_, device_);
     std::vector<std::vector<at::Tensor>> places(lane.size());
     for (int r = 0; r < lane.size(); ++r)
@@ -247,9 +247,10 @@ void Group::keep_chunk() {
   at::NoGradGuard no_grad;
   for (int j = 0; j < per; ++j)
     for (size_t i = 0; i < params_.size(); ++i) {
-      at::Tensor place = params_[i].place_of_rows(full_block_, full_offsets_[i], first + j);
-      auto slot = rows[j].narrow(0, offsets_[i], params_[i].padded_numel());
-      slot.narrow(0, 0, place.numel()).copy_(place);
+      const ParamState& p = params_[i];
+      at::Tensor place = p.rows_in(p.full_in(full_block_, full_offsets_[i]), first + j);
+      auto slot = rows[j].narrow(0, offsets_[i], p.padded_numel());
+      slot.narrow(0, 0, place.numel()).view(place.sizes()).copy_(place);
       slot.narrow(0, place.numel(), slot.numel() - place.numel()).zero_();
     }
   chunk_ = std::move(chunk);

@@ -85,6 +85,7 @@ std::vector<ShardInfo> FSDPModule::shards() const {
     s.name = item.key();
     s.global_shape = p.param().sizes().vec();
     s.shard = p.shard();
+    s.dim = p.dim();
     s.row_offset = p.row_offset();
     s.rows_per_rank = p.chunk();
     s.requires_grad = p.trainable();

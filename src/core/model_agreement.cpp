@@ -10,17 +10,19 @@
 namespace fsdp::detail {
 
 namespace {
-std::string describe(const at::Tensor& t) {
-  return detail::cat(t.sizes(), " ", t.scalar_type(), t.requires_grad() ? "" : " (frozen)");
+std::string describe(const at::Tensor& t, int64_t dim) {
+  return detail::cat(t.sizes(), " ", t.scalar_type(), t.requires_grad() ? "" : " (frozen)",
+                     dim == 0 ? "" : detail::cat(" sharded on dim ", dim));
 }
 
 }  // namespace
 
-void check_same_model(Communicator& comm, const std::string& module, const NamedTensors& params) {
+void check_same_model(Communicator& comm, const std::string& module, const NamedTensors& params,
+                      const std::vector<int64_t>& dims) {
   if (comm.size() == 1) return;
   std::vector<int64_t> hashes;
-  for (const auto& [name, t] : params) {
-    const std::string text = name + "|" + describe(t);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string text = params[i].first + "|" + describe(params[i].second, dims[i]);
     hashes.push_back(static_cast<int64_t>(checksum_bytes(text.data(), text.size()) >> 1));
   }
   const auto per_rank = all_gather_values(comm, hashes);
@@ -30,15 +32,16 @@ void check_same_model(Communicator& comm, const std::string& module, const Named
   std::string counts;
   for (size_t r = 0; r < per_rank.size(); ++r)
     counts += detail::cat(r ? ", " : "", per_rank[r].size());
-  std::string mine_desc = first < params.size() ? detail::cat("'", params[first].first, "' ",
-                                                              describe(params[first].second))
-                                                : "no such parameter";
+  std::string mine_desc =
+      first < params.size()
+          ? detail::cat("'", params[first].first, "' ", describe(params[first].second, dims[first]))
+          : "no such parameter";
   throw Error(detail::cat(
       "fully_shard(", module, "): the model differs across ranks at parameter #", first,
       " (first seen on rank ", diff->rank, "); on this rank (", comm.rank(), ") it is ", mine_desc,
       "; parameter counts per rank: ", counts,
-      ". Every rank must construct the same model (same config, same parameter shapes) before "
-      "fully_shard."));
+      ". Every rank must construct the same model (same config, same parameter shapes) and give "
+      "it the same shard_placement_fn before fully_shard."));
 }
 
 void agree_on_values(Communicator& comm, const std::string& module, const NamedTensors& params,

@@ -11,8 +11,9 @@
 
 namespace fsdp::detail {
 
-// Compares (name, shape, dtype, requires_grad) of `params` with rank 0's.
-void check_same_model(Communicator& comm, const std::string& module, const NamedTensors& params);
+// Compares (name, shape, dtype, requires_grad, shard dim) of `params` with rank 0's.
+void check_same_model(Communicator& comm, const std::string& module, const NamedTensors& params,
+                      const std::vector<int64_t>& dims);
 // Broadcasts rank 0's values (`sync`), or compares checksums with rank 0's. Parameters pending
 // under deferred_init are skipped (materialize compares them).
 void agree_on_values(Communicator& comm, const std::string& module, const NamedTensors& params,

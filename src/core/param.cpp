@@ -11,31 +11,31 @@
 
 namespace fsdp::detail {
 
-ParamState::ParamState(std::string name, at::Tensor param, int rank, int world,
+ParamState::ParamState(std::string name, at::Tensor param, int64_t dim, int rank, int world,
                        const std::optional<CPUOffloadPolicy>& offload,
                        std::optional<at::ScalarType> compute_dtype)
-    : name_(std::move(name)), param_(std::move(param)), rank_(rank), world_(world) {
-  rows_ = param_.dim() == 0 ? 1 : param_.size(0);
+    : name_(std::move(name)), param_(std::move(param)), rank_(rank), world_(world), dim_(dim) {
+  rows_ = param_.dim() == 0 ? 1 : param_.size(dim_);
   row_numel_ = 1;
-  for (int64_t d = 1; d < param_.dim(); ++d) row_numel_ *= param_.size(d);
+  for (int64_t d = 0; d < param_.dim(); ++d)
+    if (d != dim_) row_numel_ *= param_.size(d);
   chunk_ = (rows_ + world_ - 1) / world_;
   const int64_t mine = rows_of(rank_);
   std::vector<int64_t> shape = param_.sizes().vec();
   if (shape.empty()) shape = {1};
-  shape[0] = mine;
+  shape[dim_] = mine;
   if (deferred::is_pending(param_)) {
     materialized_ = false;  // values come with materialize(); no operator may touch param_
     shard_ = at::empty(shape, at::TensorOptions().dtype(param_.scalar_type()));
   } else {
-    at::Tensor source = param_.detach().reshape({rows_, row_numel_});
-    at::Tensor rows = source.narrow(0, row_offset(), mine).reshape(shape);
+    at::Tensor rows = rows_in(param_.detach(), rank_);
     if (offload && !param_.is_cpu()) {
       shard_ = at::empty(
           shape,
           at::TensorOptions().dtype(param_.scalar_type()).pinned_memory(offload->pin_memory));
       shard_.copy_(rows);
     } else {
-      shard_ = rows.clone();
+      shard_ = rows.clone(at::MemoryFormat::Contiguous);
     }
   }
   shard_.set_requires_grad(param_.requires_grad());
@@ -54,12 +54,18 @@ void ParamState::materialize(const at::Tensor& full) {
   FSDP_CHECK(full.sizes() == param_.sizes(), "materialize: '", name_, "' has shape ",
              param_.sizes(), " but its recorded values have shape ", full.sizes());
   at::NoGradGuard no_grad;
-  if (shard_.numel() > 0)
-    shard_.detach().copy_(full.detach()
-                              .reshape({rows_, row_numel_})
-                              .narrow(0, row_offset(), rows_of(rank_))
-                              .reshape(shard_.sizes()));
+  if (shard_.numel() > 0) shard_.detach().copy_(rows_in(full.detach(), rank_));
   materialized_ = true;
+}
+
+at::Tensor ParamState::rows_in(const at::Tensor& full, int r) const {
+  const at::Tensor t = full.dim() == 0 ? full.reshape({1}) : full;
+  return t.narrow(dim_, std::min<int64_t>(r * chunk_, rows_), rows_of(r));
+}
+
+at::Tensor ParamState::full_in(const at::Tensor& block, size_t byte_offset) const {
+  const int64_t start = static_cast<int64_t>(byte_offset) / block.element_size();
+  return block.narrow(0, start, param_.numel()).view(param_.sizes());
 }
 
 int64_t ParamState::rows_of(int rank) const {
@@ -129,9 +135,11 @@ at::Tensor ParamState::place_of_rows(const at::Tensor& block, size_t byte_offset
 void ParamState::copy_out(const at::Tensor& gathered, int64_t offset, const at::Tensor& block,
                           size_t byte_offset) {
   bind_full(block, byte_offset);
+  const at::Tensor full = full_in(block, byte_offset);
   for (int r = 0; r < world_; ++r) {
-    at::Tensor place = place_of_rows(block, byte_offset, r);
-    if (place.numel() > 0) place.copy_(gathered[r].narrow(0, offset, place.numel()));
+    at::Tensor place = rows_in(full, r);
+    if (place.numel() > 0)
+      place.copy_(gathered[r].narrow(0, offset, place.numel()).view(place.sizes()));
   }
 }
 
@@ -152,10 +160,12 @@ void ParamState::pack_grad(const at::Tensor& send, int64_t offset) {
   // The marker means the last gradient was handed over already and nothing accumulated since
   // (the parameter got no gradient in this backward): zeros, like an undefined gradient.
   at::Tensor g = trainable() && !grad_is_marker() ? param_.grad() : at::Tensor();
-  at::Tensor flat = g.defined() ? g.reshape({-1}) : at::Tensor();
   for (int r = 0; r < world_; ++r) {
     const int64_t n = g.defined() ? rows_of(r) * row_numel_ : 0;
-    if (n > 0) send[r].narrow(0, offset, n).copy_(flat.narrow(0, r * chunk_ * row_numel_, n));
+    if (n > 0) {
+      at::Tensor rows = rows_in(g, r);
+      send[r].narrow(0, offset, n).view(rows.sizes()).copy_(rows);
+    }
     if (n < padded_numel()) send[r].narrow(0, offset + n, padded_numel() - n).zero_();
   }
   if (g.defined()) param_.mutable_grad() = moved_grad_;

@@ -6,7 +6,9 @@
 // `shard`, a separate tensor holding this rank's rows.
 //
 // Layout in a group's flat buffers: every rank contributes `padded_numel` = chunk * row_numel
-// elements per parameter, rows beyond the parameter's end are zero padding.
+// elements per parameter, rows beyond the parameter's end are zero padding. A "row" is one index
+// of the shard dim (0 unless ShardOptions::shard_placement_fn says otherwise): rank r's rows are
+// the slice [r * chunk, ...) of that dim, held contiguously in their own shape (the shard's).
 // Thread-safety: owned by its Group; used on the backward/forward thread only.
 #pragma once
 
@@ -30,7 +32,7 @@ class ParamState {
   // that forward, backward and the unsharded gradient run in it.
   // With `offload` and a parameter off the CPU, the shard lives in host memory (page-locked with
   // pin_memory) while the full parameter stays on its device.
-  ParamState(std::string name, at::Tensor param, int rank, int world,
+  ParamState(std::string name, at::Tensor param, int64_t dim, int rank, int world,
              const std::optional<CPUOffloadPolicy>& offload,
              std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
@@ -44,7 +46,8 @@ class ParamState {
   const at::Tensor& shard() const { return shard_; }
   bool trainable() const { return param_.requires_grad(); }
 
-  int64_t rows() const { return rows_; }            // dim-0 size (1 for a 0-d parameter)
+  int64_t dim() const { return dim_; }              // the shard dim
+  int64_t rows() const { return rows_; }            // its size (1 for a 0-d parameter)
   int64_t row_numel() const { return row_numel_; }  // elements per row
   int64_t chunk() const { return chunk_; }          // rows per rank, ceil(rows / world)
   int64_t rows_of(int rank) const;                  // rows rank holds (0 for trailing ranks)
@@ -78,9 +81,15 @@ class ParamState {
   // rank's row.
   void copy_out(const at::Tensor& gathered, int64_t offset, const at::Tensor& block,
                 size_t byte_offset);
-  // The all-gather into places (no gather buffer): this rank's rows in its slot at `offset` of
-  // the flat send buffer, without the padding; and where rank r's rows go in the full parameter
-  // at `byte_offset` of `block` (empty for a rank that holds no rows).
+  // Rank r's rows of `full` (a tensor of the parameter's shape): a view, strided unless dim 0.
+  at::Tensor rows_in(const at::Tensor& full, int r) const;
+  // The parameter's full shape over `block` at `byte_offset` (the group's pooled block of full
+  // parameters), a view with the block's version counter, not the parameter's.
+  at::Tensor full_in(const at::Tensor& block, size_t byte_offset) const;
+  // The all-gather into places (no gather buffer; dim 0 only, where each rank's rows are
+  // contiguous in the full parameter): this rank's rows in its slot at `offset` of the flat send
+  // buffer, without the padding; and where rank r's rows go in the full parameter at
+  // `byte_offset` of `block` (empty for a rank that holds no rows).
   at::Tensor rows_to_send(const at::Tensor& send, int64_t offset) const;
   at::Tensor place_of_rows(const at::Tensor& block, size_t byte_offset, int r) const;
   // Once the gather into places has completed: gives the full parameter its storage at
@@ -123,7 +132,7 @@ class ParamState {
   at::Tensor param_;
   at::Tensor shard_;
   int rank_, world_;
-  int64_t rows_, row_numel_, chunk_;
+  int64_t dim_, rows_, row_numel_, chunk_;
   compat::NodePtr acc_;
   uintptr_t hook_key_ = 0;
   at::Tensor moved_grad_;

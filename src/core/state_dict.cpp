@@ -29,23 +29,25 @@ std::string join(const std::vector<std::string>& names) {
   return out;
 }
 
-// The full tensor of one parameter, from every rank's rows: (rows, ...) padded to
-// world * rows_per_rank rows on the wire, then cut to the global shape.
+// The full tensor of one parameter, from every rank's rows (slices of dim s.dim): each padded to
+// rows_per_rank on the wire, then joined on the dim and cut to the global shape.
 at::Tensor gather_full(const ShardInfo& s, Communicator& comm) {
-  const int64_t rows = s.global_shape.empty() ? 1 : s.global_shape[0];
-  const int64_t inner = rows == 0 ? 0 : [&] {
-    int64_t n = 1;
-    for (size_t d = 1; d < s.global_shape.size(); ++d) n *= s.global_shape[d];
-    return n;
-  }();
-  const int64_t held = s.shard.numel() == 0 ? 0 : s.shard.numel() / std::max<int64_t>(inner, 1);
-  // (rows_per_rank, inner): this rank's rows, zero padded.
-  at::Tensor mine = at::zeros({s.rows_per_rank, inner}, s.shard.options().requires_grad(false));
-  if (held > 0) mine.narrow(0, 0, held).copy_(s.shard.detach().reshape({held, inner}));
-  // (world * rows_per_rank, inner)
-  at::Tensor all = at::empty({comm.size() * s.rows_per_rank, inner}, mine.options());
+  std::vector<int64_t> shape = s.global_shape;
+  if (shape.empty()) shape = {1};  // a 0-d parameter: one row
+  const int64_t rows = shape[s.dim];
+  shape[s.dim] = s.rows_per_rank;
+  at::Tensor mine = at::zeros(shape, s.shard.options().requires_grad(false));
+  const int64_t held = s.shard.dim() == 0 ? 1 : s.shard.size(s.dim);
+  if (s.shard.numel() > 0)
+    mine.narrow(s.dim, 0, held)
+        .copy_(s.shard.detach().reshape(mine.narrow(s.dim, 0, held).sizes()));
+  shape.insert(shape.begin(), comm.size());
+  at::Tensor all = at::empty(shape, mine.options());  // (world, rows_per_rank-sliced shape)
   comm.all_gather(all, mine).wait();
-  return all.narrow(0, 0, rows).reshape(s.global_shape).to(at::kCPU, false, /*copy=*/true);
+  return at::cat(all.unbind(0), s.dim)
+      .narrow(s.dim, 0, rows)
+      .reshape(s.global_shape)
+      .to(at::kCPU, false, /*copy=*/true);
 }
 
 }  // namespace
@@ -108,11 +110,10 @@ void load_full_state_dict(const FSDPModule& root, const StateDict& dict) {
   at::NoGradGuard no_grad;
   for (const auto& s : shards) {
     const at::Tensor& full = dict[s.name];
-    const int64_t rows = s.global_shape.empty() ? 1 : s.global_shape[0];
-    const int64_t held = s.shard.dim() == 0 ? 1 : s.shard.size(0);
     if (s.shard.numel() == 0) continue;
-    at::Tensor mine = full.reshape({rows, -1}).narrow(0, s.row_offset, held);
-    s.shard.view({-1}).copy_(mine.reshape({-1}));
+    const at::Tensor rows = full.dim() == 0 ? full.reshape({1}) : full;
+    const int64_t held = s.shard.dim() == 0 ? 1 : s.shard.size(s.dim);
+    s.shard.copy_(rows.narrow(s.dim, s.row_offset, held).reshape(s.shard.sizes()));
   }
   for (const auto& [name, b] : buffers) b.copy_(dict[name]);
 }

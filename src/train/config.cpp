@@ -158,6 +158,11 @@ void add_options(App& a, TrainConfig& c) {
       ->check(CLI::IsMember({"auto", "off", "unshard"}))
       ->capture_default_str()
       ->group("Processes");
+  app.add_option("--shard-dim", c.shard_dim,
+                 "1: shard every weight and embedding on dim 1 (columns) instead of dim 0 "
+                 "(FSDP2's shard_placement_fn returning Shard(1)); 0: dim 0")
+      ->capture_default_str()
+      ->group("Processes");
   app.add_flag("--activation-checkpointing", c.activation_checkpointing,
                "blocks keep no activations after forward and recompute them in backward (less "
                "memory, about one more forward of compute; sharded runs only)")
@@ -224,6 +229,7 @@ std::string TrainConfig::to_json() const {
   j["reshard-after-forward"] = reshard_after_forward;
   j["reshard-after-forward-world"] = reshard_after_forward_world;
   j["forward-prefetch"] = forward_prefetch;
+  j["shard-dim"] = shard_dim;
   j["activation-checkpointing"] = activation_checkpointing;
   j["mixed-precision"] = mixed_precision;
   j["hsdp"] = hsdp;
@@ -308,6 +314,7 @@ const std::vector<std::string>& resumable_keys() {
                                                 "malloc",
                                                 "reshard-after-forward",
                                                 "reshard-after-forward-world",
+                                                "shard-dim",
                                                 "activation-checkpointing",
                                                 "hsdp",
                                                 "steps",

@@ -28,6 +28,9 @@ struct TrainConfig {
   // the next block), "off", or "unshard" (the model calls unshard(true) on block i + 1 before
   // block i: FSDP2's manual prefetch with async_op=True).
   std::string forward_prefetch = "auto";
+  // 1: every parameter of two dims (the weights and embeddings) is sharded on dim 1 instead of 0
+  // (ShardOptions::shard_placement_fn returning Shard{1}); 0: dim 0.
+  int shard_dim = 0;
   bool activation_checkpointing = false;  // blocks recompute their activations in backward
   std::string mixed_precision = "none";   // "none", "bf16" (gather and compute) or "fp16" (CUDA)
   int hsdp = 1;  // replicas of HSDP (init_mesh); 1 = plain FSDP over all ranks

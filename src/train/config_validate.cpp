@@ -31,6 +31,8 @@ void check_ranges(const TrainConfig& c) {
              " with --no-reshard-after-forward: the blocks would both keep all and 1/",
              c.reshard_after_forward_world,
              " of their parameters after forward. Fix: drop one of the two flags");
+  FSDP_CHECK(c.shard_dim == 0 || c.shard_dim == 1, "--shard-dim is ", c.shard_dim,
+             "; the GPT's parameters have at most two dims: use 0 (rows) or 1 (columns)");
   FSDP_CHECK(std::isfinite(c.clip) && c.clip >= 0, "--clip is ", c.clip,
              "; it must be a finite gradient norm >= 0 (e.g. --clip 1.0; 0 = no clipping)");
   positive("eval-batches", c.eval_batches, "e.g. --eval-batches 4");
@@ -86,6 +88,9 @@ void check_policies(const TrainConfig& c) {
              "one of the two");
   FSDP_CHECK(c.hsdp >= 1, "--hsdp is ", c.hsdp,
              "; it must be a positive number of replicas that divides the ranks (1: plain FSDP)");
+  FSDP_CHECK(!(c.shard_dim != 0 && c.no_shard), "--shard-dim ", c.shard_dim,
+             " places the shards of the sharded model, but --no-shard trains the plain model; "
+             "drop one of the two");
   FSDP_CHECK(!(c.hsdp > 1 && c.no_shard), "--hsdp ", c.hsdp,
              " shards within replicas, but --no-shard trains the plain model in one process; "
              "drop one of the two");

@@ -61,6 +61,14 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
     block_options.mixed_precision = mixed_precision_policy(cfg.mixed_precision, false);
     ShardOptions root_options;
     root_options.mixed_precision = mixed_precision_policy(cfg.mixed_precision, true);
+    if (cfg.shard_dim != 0) {
+      const int64_t dim = cfg.shard_dim;
+      block_options.shard_placement_fn = root_options.shard_placement_fn =
+          [dim](const std::string&, const at::Tensor& p) -> std::optional<fsdp::Shard> {
+        if (p.dim() >= 2) return fsdp::Shard{dim};
+        return std::nullopt;
+      };
+    }
     // models::shard_gpt's layout (one group per block, the root another), over the mesh. The last
     // block keeps its parameters from forward into backward, whose first use they are (torchtitan
     // does the same): resharding it would gather it again at once, exposed.
