@@ -164,6 +164,57 @@ TEST(FullyShard, ReshardAfterBackwardOffKeepsParametersGathered) {
   });
 }
 
+// Parameters that are not contiguous tensors of their own: a transposed one, and two views into
+// one larger tensor (one at an offset). Their gathered values are laid out contiguously in fresh
+// storage, so each reads as unsharded and freeing one frees nothing of another.
+struct ViewsImpl : torch::nn::Module {
+  torch::Tensor t, a, b;
+  ViewsImpl() {
+    t = register_parameter("t", torch::randn({7, 5}, torch::kDouble).t());  // [5, 7], strided
+    auto base = torch::randn({30}, torch::kDouble);
+    a = register_parameter("a", base.narrow(0, 0, 14).view({2, 7}));
+    b = register_parameter("b", base.narrow(0, 16, 14).view({7, 2}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x.matmul(t).matmul(b) + a.sum(0).sum(); }
+};
+TORCH_MODULE(Views);
+
+TEST(FullyShard, TransposedAndViewParametersTrainAsUnsharded) {
+  for (int dim : {0, 1}) {
+    run_ranks(2, [dim](Rank& r) {
+      torch::manual_seed(0);
+      fsdp::Sharded<Views> m{Views()};
+      torch::manual_seed(0);
+      Views ref;
+      ShardOptions o = audited();
+      o.shard_placement_fn = [dim](const std::string&, const at::Tensor&) {
+        return std::optional<Shard>(Shard{dim});
+      };
+      auto root = fully_shard(m, r.world(), o);
+      expect_shards_equal(root, *ref, 0, 0);
+      torch::optim::SGD opt(root.parameters(), torch::optim::SGDOptions(0.1));
+      torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+      for (int step = 0; step < 2; ++step) {
+        torch::manual_seed(step * 10 + r.rank);
+        auto x = torch::randn({3, 5}, torch::kDouble);
+        auto y = m(x);
+        EXPECT_TRUE(torch::allclose(y, ref(x), 0, 1e-12)) << "step " << step;
+        y.pow(2).mean().backward();
+        for (int k = 0; k < 2; ++k) {
+          torch::manual_seed(step * 10 + k);
+          (ref(torch::randn({3, 5}, torch::kDouble)).pow(2).mean() / 2).backward();
+        }
+        expect_shard_grads(root, full_grads(*ref), 0, 1e-12);
+        opt.step();
+        ref_opt.step();
+        opt.zero_grad();
+        ref_opt.zero_grad();
+      }
+      expect_shards_equal(root, *ref, 0, 1e-12);
+    });
+  }
+}
+
 TEST(FullyShardErrors, ParameterSharedByTwoGroups) {
   run_ranks(1, [](Rank& r) {
     fsdp::Sharded<TwoSiblings> m{TwoSiblings()};

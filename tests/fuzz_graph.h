@@ -183,6 +183,9 @@ struct Program {
   // each parameter of two or more dims, a dim (sometimes counted from the end) or dim 0
   // (shard_dim below).
   uint32_t placement = 0;
+  // Per block: 1 when it and the next block are sharded together as one group (fully_shard of a
+  // module list); the next block then has this one's group settings.
+  std::vector<char> listed;
   std::vector<Iteration> iterations;
 
   // The entry of per-group settings `v` (per block, the root last; empty: none) for parameter
@@ -220,7 +223,8 @@ struct Program {
           (b < no_backward_unshard.size() && no_backward_unshard[b] ? " no-backward-unshard" : "") +
           (b < encode.size() && encode[b] ? " encode" : "") +
           (b < keep_storage.size() && keep_storage[b] ? " keep-storage" : "") +
-          (b < custom.size() && custom[b] ? " custom" + std::to_string(custom[b]) : "");
+          (b < custom.size() && custom[b] ? " custom" + std::to_string(custom[b]) : "") +
+          (b < listed.size() && listed[b] ? " LISTED with the next" : "");
     }
     s +=
         "], root reshard " + std::to_string(root_reshard) +
@@ -448,6 +452,25 @@ inline Program make_program(uint64_t seed, int world) {
       p.custom.push_back(g == blocks || p.modes[g] == BlockMode::kHolder ? d.pick(4) : 0);
   // Then shard placements other than dim 0.
   if (d.chance(3)) p.placement = 1 + static_cast<uint32_t>(d.pick(1 << 20));
+  // Then module lists: two neighbouring holders as one group, the second taking the first's
+  // group settings (the reference reads them per block).
+  if (d.chance(3)) {
+    p.listed.assign(blocks, 0);
+    for (int b = 0; b + 1 < blocks; ++b) {
+      const bool pair = p.modes[b] == BlockMode::kHolder && p.modes[b + 1] == BlockMode::kHolder &&
+                        !p.no_backward_unshard[b] && !p.no_backward_unshard[b + 1] &&
+                        !(p.checkpointed[b] && p.kinds[b + 1] == BlockKind::kInPlace) &&
+                        (b == 0 || !p.listed[b - 1]);
+      if (!pair || !d.chance(2)) continue;
+      p.listed[b] = 1;
+      p.child_reshard[b + 1] = p.child_reshard[b];
+      p.checkpointed[b + 1] = p.checkpointed[b];
+      for (auto* v : {&p.divide, &p.hook})
+        if (!v->empty()) (*v)[b + 1] = (*v)[b];
+      for (auto* v : {&p.keep_storage, &p.custom})
+        if (!v->empty()) (*v)[b + 1] = (*v)[b];
+    }
+  }
   return p;
 }
 

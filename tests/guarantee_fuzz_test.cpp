@@ -113,6 +113,12 @@ struct ShardedSide {
       o.activation_checkpointing = checkpointed;
       return p.replicas > 1 ? fully_shard(holder, mesh, o) : fully_shard(holder, comm, o);
     };
+    auto shard_list = [&](size_t b) {  // blocks b and b + 1 as one group
+      ShardOptions o = options(p, p.child_reshard[b]);
+      o.activation_checkpointing = p.checkpointed[b];
+      std::vector<ShardedRef> both = {model->blocks[b], model->blocks[b + 1]};
+      return p.replicas > 1 ? fully_shard(both, mesh, o) : fully_shard(both, comm, o);
+    };
     blocks.resize(model->blocks.size());
     for (size_t b = 0; b < model->blocks.size(); ++b) {
       if (p.modes[b] == BlockMode::kOnUse) {
@@ -121,8 +127,12 @@ struct ShardedSide {
         detail::fully_shard_impl(model->blocks[b].ptr(), p.replicas > 1 ? mesh.shard : comm,
                                  p.replicas > 1 ? mesh.replicate : nullptr, options(p, -1),
                                  detail::CallPath::kGatherOnUse);
+      } else if (b > 0 && b - 1 < p.listed.size() && p.listed[b - 1]) {
+        blocks[b] = blocks[b - 1];  // sharded with the block before, its settings applied
       } else if (p.modes[b] == BlockMode::kHolder) {
-        blocks[b] = shard(model->blocks[b], p.child_reshard[b], p.checkpointed[b]);
+        blocks[b] = b < p.listed.size() && p.listed[b]
+                        ? shard_list(b)
+                        : shard(model->blocks[b], p.child_reshard[b], p.checkpointed[b]);
         if (!p.divide.empty() && p.divide[b] > 0) blocks[b].set_gradient_divide_factor(p.divide[b]);
         if (b < p.no_backward_unshard.size() && p.no_backward_unshard[b])
           blocks[b].set_unshard_in_backward(false);

@@ -283,8 +283,33 @@ TEST(ShardPlacement, PlacementsThatDifferBetweenRanksAreAnError) {
     };
     auto err = error_of([&] { fully_shard(e, r.world(), o); });
     EXPECT_HAS(err, "the model differs across ranks at parameter #0");
-    EXPECT_HAS(err, r.rank == 1 ? "'w' [7, 5] Float sharded on dim 1" : "'w' [7, 5] Float;");
+    EXPECT_HAS(err, r.rank == 1 ? "'w' [7, 5] Float sharded on dim 1"
+                                : "'w' [7, 5] Float sharded on dim 0");
     EXPECT_HAS(err, "the same shard_placement_fn");
+  });
+}
+
+// A placement function that throws, on every rank or on one: every rank stops at fully_shard with
+// an error naming the parameter (none waits in a collective), and the module stays unsharded.
+TEST(ShardPlacement, APlacementFunctionThatThrowsStopsEveryRank) {
+  run_ranks(3, [](Rank& r) {
+    torch::manual_seed(0);
+    fsdp::Sharded<Experts> e{Experts(5, 7, 5)};
+    for (int thrower : {-1, 1}) {
+      ShardOptions o;
+      o.shard_placement_fn = [&](const std::string& name, const at::Tensor&) {
+        if (name == "experts" && (thrower < 0 || thrower == r.rank))
+          throw std::runtime_error("no placement for experts");
+        return std::optional<Shard>();
+      };
+      auto err = error_of([&] { fully_shard(e, r.world(), o); });
+      if (thrower >= 0 && r.rank != thrower)
+        EXPECT_HAS(err, "shard_placement_fn failed on rank 1: ");
+      EXPECT_HAS(err,
+                 "shard_placement_fn threw for parameter 'experts' (shape [2, 7, 5]): no "
+                 "placement for experts");
+      EXPECT_FALSE(e.is_sharded());
+    }
   });
 }
 

@@ -363,6 +363,8 @@ Archive& operator<<(Archive& archive, const Sharded<Holder>& module) {
   return archive << static_cast<const Holder&>(module);
 }
 
+class ShardedRef;
+
 namespace detail {
 // How the calls of a module sharded by fully_shard_impl reach its group.
 enum class CallPath : uint8_t {
@@ -371,12 +373,17 @@ enum class CallPath : uint8_t {
   // reads its parameters. Owned by the registry until a sharded ancestor absorbs it.
   kGatherOnUse,
 };
+// `members`: set for a module list (fully_shard_list), whose `module` is the container built
+// around them.
 FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                             std::shared_ptr<Communicator> comm,
                             std::shared_ptr<Communicator> replicate, const ShardOptions& options,
-                            CallPath path);
+                            CallPath path, const std::vector<torch::nn::Module*>& members = {});
 // Throws the error of a second fully_shard on one module.
 [[noreturn]] void reject_second_fully_shard(const torch::nn::Module& module);
+FSDPModule fully_shard_list(const std::vector<ShardedRef>& modules,
+                            std::shared_ptr<Communicator> comm,
+                            std::shared_ptr<Communicator> replicate, const ShardOptions& options);
 }  // namespace detail
 
 // Shards `module`'s parameters that no sharded descendant manages. Apply bottom-up. The module must
@@ -405,7 +412,40 @@ FSDPModule fully_shard(Sharded<Holder>& module, const DeviceMesh& mesh,
   return handle;
 }
 
-template <class Holder>
+// One of several modules sharded together as one group (FSDP2's fully_shard([a, b])): any
+// fsdp::Sharded<T>, converted implicitly, so that the call reads
+// fsdp::fully_shard({model->norm, model->output}, world, options).
+class ShardedRef {
+ public:
+  template <class Holder>
+  ShardedRef(Sharded<Holder>& module)  // NOLINT: implicit on purpose
+      : module_(module.ptr()), attach_([&module](const FSDPModule& handle) {
+          detail::HandleAccess::attach(module, handle);
+        }) {}
+
+ private:
+  friend FSDPModule detail::fully_shard_list(const std::vector<ShardedRef>&,
+                                             std::shared_ptr<Communicator>,
+                                             std::shared_ptr<Communicator>, const ShardOptions&);
+  std::shared_ptr<torch::nn::Module> module_;
+  std::function<void(const FSDPModule&)> attach_;
+};
+
+// Shards the parameters of several modules (and of no sharded module below them) as one group,
+// FSDP2's fully_shard([a, b]): one all-gather before the first of them runs in a forward, one
+// reduce-scatter for all their gradients, e.g. the final norm and the output projection, or an
+// embedding and an output layer that share their weight. The group is resharded (as
+// reshard_after_forward says; default true) when the top-level forward ends, not between its
+// modules. Apply before sharding their common parent, which must be sharded before the first
+// forward (a module list is never the root). Every returned handle method applies to the group;
+// each module's holder calls it.
+FSDPModule fully_shard(const std::vector<ShardedRef>& modules, std::shared_ptr<Communicator> comm,
+                       const ShardOptions& options = {});
+FSDPModule fully_shard(const std::vector<ShardedRef>& modules, const DeviceMesh& mesh,
+                       const ShardOptions& options = {});
+
+template <class Holder,
+          class = std::enable_if_t<!std::is_same_v<std::decay_t<Holder>, std::vector<ShardedRef>>>>
 FSDPModule fully_shard(Holder&, std::shared_ptr<Communicator>, const ShardOptions& = {}) {
   static_assert(sizeof(Holder) == 0,
                 "fsdp::fully_shard needs the module declared as fsdp::Sharded<T> (a one-word "

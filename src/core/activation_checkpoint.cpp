@@ -173,9 +173,9 @@ bool activation_checkpointing(Group& group) {
   std::set<const torch::nn::Module*> below;
   for (const auto& m : group.module()->modules(/*include_self=*/false)) below.insert(m.get());
   for (Group* g : group.context().groups())
-    FSDP_CHECK(g == &group || !below.count(g->module()), "activation checkpointing on '",
-               group.name(), "' (", group.type_name(), "): it contains the sharded module '",
-               g->name(), "' (", g->type_name(),
+    FSDP_CHECK(g == &group || !g->inside(below), "activation checkpointing on '", group.name(),
+               "' (", group.type_name(), "): it contains the sharded module '", g->name(), "' (",
+               g->type_name(),
                "), whose hooks would run again during backward's recomputation. Checkpoint the "
                "innermost sharded modules instead (e.g. each block), not their parent");
   return true;

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/rank_agreement.h"
 #include "core/buffers.h"
 #include "core/context.h"
 #include "core/group.h"
@@ -52,7 +53,13 @@ std::vector<int64_t> shard_dims(const std::string& type, const NamedTensors& min
   std::vector<int64_t> dims;
   for (const auto& [name, t] : mine) {
     std::optional<Shard> placement;
-    if (options.shard_placement_fn) placement = options.shard_placement_fn(name, t);
+    try {
+      if (options.shard_placement_fn) placement = options.shard_placement_fn(name, t);
+    } catch (const std::exception& e) {
+      throw Error(cat("fully_shard(", type, "): shard_placement_fn threw for parameter '", name,
+                      "' (shape ", t.sizes(), "): ", e.what(),
+                      ". Fix: return fsdp::Shard{dim} or std::nullopt for every parameter"));
+    }
     int64_t d = placement ? placement->dim : 0;
     const int64_t n = t.dim();
     FSDP_CHECK(n > 0 || d == 0, "fully_shard(", type, "): shard_placement_fn gave Shard(", d,
@@ -105,7 +112,7 @@ std::shared_ptr<Communicator> post_forward_lane(const std::shared_ptr<Communicat
 FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                             std::shared_ptr<Communicator> comm,
                             std::shared_ptr<Communicator> replicate, const ShardOptions& options,
-                            CallPath path) {
+                            CallPath path, const std::vector<torch::nn::Module*>& members) {
   FSDP_CHECK(module != nullptr, "fully_shard: the module is empty (construct it first)");
   FSDP_CHECK(comm != nullptr, "fully_shard: the communicator is null (call init_process_group)");
   const std::string type = module->name();
@@ -115,7 +122,11 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   const ModulePaths paths = module_paths(*module);
   auto mine = reg.claim_parameters(*module, paths, options.ignored_params);
   check_placement(type, *comm, mine);
-  const std::vector<int64_t> dims = shard_dims(type, mine, options);
+  // A placement error on one rank stops every rank (the others would wait in the next collective).
+  std::vector<int64_t> dims;
+  const std::string placement_error = error_of([&] { dims = shard_dims(type, mine, options); });
+  if (options.shard_placement_fn)  // without one nothing can fail
+    raise_together(*comm, placement_error, cat("fully_shard(", type, ")'s shard_placement_fn"));
   check_same_model(*comm, type, mine, dims);
   agree_on_values(*comm, type, mine, options.sync_module_states);
 
@@ -126,6 +137,7 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                         options.offload_policy, options.mixed_precision.param_dtype);
   auto lane = post_forward_lane(comm, options);
   auto group = std::make_shared<Group>(module.get(), type, std::move(params), comm, options);
+  if (!members.empty()) group->set_members(module, members);
   group->set_post_forward_lane(std::move(lane));
   group->set_path("");
   group->set_context(context);
@@ -141,9 +153,72 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   return HandleAccess::make(group);
 }
 
+// A container holds the modules as "0", "1", ... and is sharded as one module; the group keeps
+// it and knows its members, whose holders all call it.
+FSDPModule fully_shard_list(const std::vector<ShardedRef>& modules,
+                            std::shared_ptr<Communicator> comm,
+                            std::shared_ptr<Communicator> replicate, const ShardOptions& options) {
+  FSDP_CHECK(!modules.empty(),
+             "fully_shard: the list of modules is empty; pass the modules to shard together");
+  std::string type;
+  std::vector<torch::nn::Module*> members;
+  for (size_t k = 0; k < modules.size(); ++k) {
+    const auto& m = modules[k].module_;
+    FSDP_CHECK(m != nullptr, "fully_shard: module #", k,
+               " of the list is empty (construct it first)");
+    if (Registry::instance().is_sharded(*m)) reject_second_fully_shard(*m);
+    for (size_t j = 0; j < k; ++j) {
+      FSDP_CHECK(members[j] != m.get(), "fully_shard: module '", m->name(),
+                 "' is in the list twice (#", j, " and #", k, "); list each module once");
+      for (const auto& d : m->modules(/*include_self=*/false))
+        FSDP_CHECK(d.get() != members[j], "fully_shard: module #", j, " of the list ('",
+                   members[j]->name(), "') lies inside module #", k, " ('", m->name(),
+                   "'); list modules that do not contain each other (the outer one's group would "
+                   "hold it)");
+      for (const auto& d : members[j]->modules(/*include_self=*/false))
+        FSDP_CHECK(d.get() != m.get(), "fully_shard: module #", k, " of the list ('", m->name(),
+                   "') lies inside module #", j, " ('", members[j]->name(),
+                   "'); list modules that do not contain each other (the outer one's group would "
+                   "hold it)");
+    }
+    members.push_back(m.get());
+    type += (k ? ", " : "") + m->name();
+  }
+  if (modules.size() == 1) {
+    auto handle = fully_shard_impl(modules[0].module_, std::move(comm), std::move(replicate),
+                                   options, CallPath::kHolder);
+    modules[0].attach_(handle);
+    return handle;
+  }
+  auto list = std::make_shared<torch::nn::Module>("ModuleList(" + type + ")");
+  for (size_t k = 0; k < modules.size(); ++k)
+    list->register_module(std::to_string(k), modules[k].module_);
+  auto handle = fully_shard_impl(list, std::move(comm), std::move(replicate), options,
+                                 CallPath::kHolder, members);
+  for (const auto& m : modules) m.attach_(handle);
+  return handle;
+}
+
 void reject_second_fully_shard(const torch::nn::Module& module) {
   throw Error(cat("fully_shard was applied twice to module '", module.name(),
                   "': apply it once per module (blocks first, then the root)"));
 }
 
 }  // namespace fsdp::detail
+
+namespace fsdp {
+
+FSDPModule fully_shard(const std::vector<ShardedRef>& modules, std::shared_ptr<Communicator> comm,
+                       const ShardOptions& options) {
+  FSDP_CHECK(comm != nullptr, "fully_shard: the communicator is null (call init_process_group)");
+  return detail::fully_shard_list(modules, std::move(comm), nullptr, options);
+}
+
+FSDPModule fully_shard(const std::vector<ShardedRef>& modules, const DeviceMesh& mesh,
+                       const ShardOptions& options) {
+  FSDP_CHECK(mesh.shard != nullptr,
+             "fully_shard: the DeviceMesh is empty (build it with init_mesh)");
+  return detail::fully_shard_list(modules, mesh.shard, mesh.replicate, options);
+}
+
+}  // namespace fsdp

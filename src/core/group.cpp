@@ -75,6 +75,7 @@ struct ClearMarkerHook : torch::autograd::FunctionPreHook {
 Group::Group(torch::nn::Module* module, std::string type_name, std::vector<ParamState> params,
              std::shared_ptr<Communicator> comm, ShardOptions options)
     : module_(module),
+      members_{module},
       type_name_(std::move(type_name)),
       name_(type_name_),
       params_(std::move(params)),
@@ -144,6 +145,33 @@ void Group::attach_hooks() {
 void Group::set_path(const std::string& path) {
   name_ = path.empty() ? "root" : path;
   prefix_ = path.empty() ? "" : path + ".";
+}
+
+void Group::set_members(std::shared_ptr<torch::nn::Module> container,
+                        std::vector<torch::nn::Module*> members) {
+  container_ = std::move(container);
+  members_ = std::move(members);
+  // Named "k.rest" by the container: member k, and the name within it.
+  for (const auto& p : params_) {
+    const size_t dot = p.name().find('.');
+    member_names_.emplace_back(std::stoul(p.name().substr(0, dot)), p.name().substr(dot + 1));
+  }
+}
+
+bool Group::inside(const std::set<const torch::nn::Module*>& modules) const {
+  for (const auto* m : members_)
+    if (modules.count(m)) return true;
+  return false;
+}
+
+void Group::set_member_paths(const std::vector<std::string>& paths) {
+  name_.clear();
+  for (const auto& p : paths) name_ += (name_.empty() ? "" : "+") + p;
+  prefix_.clear();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [k, name] = member_names_[i];
+    params_[i].rename(paths.at(k).empty() ? name : paths.at(k) + "." + name);
+  }
 }
 
 bool Group::is_root() const { return context_ && context_->root() == this; }

@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -94,6 +95,19 @@ class Group : public std::enable_shared_from_this<Group> {
   void set_path(const std::string& path);                // when a parent absorbs this group
   const std::string& type_name() const { return type_name_; }
   torch::nn::Module* module() const { return module_; }
+  // ---- a module list (fully_shard of several modules: FSDP2's fully_shard([a, b])) ----
+  // module() is then a container holding the members as "0", "1", ..., owned by the group; the
+  // parameters are named by it until a parent absorbs the group (set_member_paths).
+  void set_members(std::shared_ptr<torch::nn::Module> container,
+                   std::vector<torch::nn::Module*> members);
+  bool is_list() const { return container_ != nullptr; }
+  // The modules whose calls reach this group: its module, or the members of a list.
+  const std::vector<torch::nn::Module*>& members() const { return members_; }
+  // One of members() is in `modules`.
+  bool inside(const std::set<const torch::nn::Module*>& modules) const;
+  // A parent absorbs a list: each member's path under it; the group is named after them and its
+  // parameters by their paths under the parent.
+  void set_member_paths(const std::vector<std::string>& paths);
   const std::vector<ParamState>& params() const { return params_; }
   std::vector<ParamState>& params() { return params_; }
   Context& context() const { return *context_; }
@@ -271,9 +285,13 @@ class Group : public std::enable_shared_from_this<Group> {
   void pack_send(PendingGather& g, bool own_gather);  // the all-gather's send block
   void gather_for_call();                             // pre_forward's gathers (CallAgreement)
   void rebase_modified_inputs();          // post_forward: [Note: inputs modified in place]
+  void reshard_after_forward();           // post_forward, as configured (hpZ keeps a chunk)
   void release_gather(PendingGather& g);  // returns its pooled buffers
 
   torch::nn::Module* module_;
+  std::vector<torch::nn::Module*> members_;
+  std::shared_ptr<torch::nn::Module> container_;              // a module list's
+  std::vector<std::pair<size_t, std::string>> member_names_;  // per parameter: member, name
   std::string type_name_;
   std::string name_;
   std::string prefix_;

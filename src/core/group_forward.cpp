@@ -70,6 +70,10 @@ void Group::pre_forward() {
   const bool top_level = !context_->in_forward();
   if (top_level) context_->advance_epoch();
   check_materialized();  // before any state changes: the module stays usable after the error
+  FSDP_CHECK(!is_list() || !is_root(), "sharded module list ", type_name_,
+             " was called with no sharded parent: a module list is one group inside a model "
+             "and cannot be its root. Fix: fully_shard the model that holds its modules (its "
+             "root) after the list, before the first forward");
   state_before_forward_ = training_state_;
   transition(TrainingState::kForward,
              {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
@@ -111,17 +115,22 @@ void Group::post_forward(const std::vector<at::Tensor>& outs) {
   }
   context_->on_post_forward(this);
   transition(state_before_forward_, {TrainingState::kForward});
-  if (resolved_reshard_after_forward() && state_before_forward_ == TrainingState::kIdle) {
-    // hpZ: a backward will gather it again, within the post-forward lane, from what stays here.
-    if (at::GradMode::is_enabled()) keep_chunk();
-    release_full();
-  }
+  // A module list waits for the end of the top-level forward (below): its other modules may
+  // come next.
+  if (resolved_reshard_after_forward() && state_before_forward_ == TrainingState::kIdle &&
+      !is_list())
+    reshard_after_forward();
   // Elements gathered on use in a forward without grad mode have no backward to wait for.
   if (is_root() && !at::GradMode::is_enabled())
     for (Group* g : context_->groups())
       if (g->gathers_on_use() && g->training_state() == TrainingState::kIdle) g->reshard();
   const bool top_level_ends =
       state_before_forward_ == TrainingState::kIdle && !context_->in_forward();
+  if (top_level_ends)
+    for (Group* g : context_->groups())
+      if (g->is_list() && g->training_state() == TrainingState::kIdle &&
+          g->shard_state() != ShardState::kSharded && g->resolved_reshard_after_forward())
+        g->reshard_after_forward();
   // The ranks' calls may have differed: serve the others' gathers until every rank is done.
   if (top_level_ends && !in_backward()) context_->calls().end_top_level(*this);
   // Every forward of the root ends by checking that the ranks gathered the same groups, before a
@@ -136,6 +145,12 @@ void Group::post_forward(const std::vector<at::Tensor>& outs) {
 void Group::gather_for_call() {
   if (in_backward()) return unshard();
   context_->calls().gather_for_call(*this);
+}
+
+void Group::reshard_after_forward() {
+  // hpZ: a backward will gather it again, within the post-forward lane, from what stays here.
+  if (at::GradMode::is_enabled()) keep_chunk();
+  release_full();
 }
 
 bool Group::gather_on_use() {

@@ -17,9 +17,10 @@ namespace {
 std::vector<Group*> groups_at_or_below(Group* g) {
   std::set<const torch::nn::Module*> below{g->module()};
   for (const auto& m : g->module()->modules(/*include_self=*/false)) below.insert(m.get());
+  for (const auto* m : g->members()) below.insert(m);
   std::vector<Group*> out;
   for (Group* x : g->context().groups())
-    if (below.count(x->module())) out.push_back(x);
+    if (x == g || x->inside(below)) out.push_back(x);
   return out;
 }
 

@@ -12,7 +12,7 @@ namespace fsdp::detail {
 namespace {
 std::string describe(const at::Tensor& t, int64_t dim) {
   return detail::cat(t.sizes(), " ", t.scalar_type(), t.requires_grad() ? "" : " (frozen)",
-                     dim == 0 ? "" : detail::cat(" sharded on dim ", dim));
+                     " sharded on dim ", dim);
 }
 
 }  // namespace

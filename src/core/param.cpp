@@ -11,6 +11,14 @@
 
 namespace fsdp::detail {
 
+namespace {
+// Contiguous, from the start of a storage that holds nothing else.
+bool owns_contiguous_storage(const at::Tensor& t) {
+  return t.is_contiguous() && t.storage_offset() == 0 &&
+         t.storage().nbytes() == static_cast<size_t>(t.numel()) * t.element_size();
+}
+}  // namespace
+
 ParamState::ParamState(std::string name, at::Tensor param, int64_t dim, int rank, int world,
                        const std::optional<CPUOffloadPolicy>& offload,
                        std::optional<at::ScalarType> compute_dtype)
@@ -46,6 +54,13 @@ ParamState::ParamState(std::string name, at::Tensor param, int64_t dim, int rank
     at::NoGradGuard no_grad;
     param_.mutable_grad() = at::Tensor();
     param_.set_data(at::empty(param_.sizes(), param_.options().dtype(*compute_dtype)));
+  } else if (materialized_ && !owns_contiguous_storage(param_)) {
+    // The full parameter's storage comes and goes as the bytes of the gathered block, laid out
+    // contiguously, as FSDP2's unsharded parameters are: a transposed parameter, or a view into
+    // a larger tensor (whose storage others share), gets storage of its own in that layout. Its
+    // values come from the first gather (the shard holds them).
+    at::NoGradGuard no_grad;
+    param_.set_data(at::empty(param_.sizes(), param_.options()));
   }
   if (param_.requires_grad()) acc_ = torch::autograd::impl::grad_accumulator(param_);
 }

@@ -42,6 +42,7 @@ class ParamState {
   void materialize(const at::Tensor& full);
 
   const std::string& name() const { return name_; }
+  void rename(std::string name) { name_ = std::move(name); }  // a module list absorbed
   const at::Tensor& param() const { return param_; }
   const at::Tensor& shard() const { return shard_; }
   bool trainable() const { return param_.requires_grad(); }

@@ -3,6 +3,7 @@
 #include <fsdp/error.h>
 
 #include <algorithm>
+#include <optional>
 #include <set>
 
 #include "core/context.h"
@@ -18,6 +19,23 @@ ModulePaths module_paths(const torch::nn::Module& module) {
       m.order.push_back(item.value().get());
   return m;
 }
+
+namespace {
+// Where `owner` lies under `paths` for its parameter `key`: the path of its module, or for a
+// module list of the member whose parameters `key` names (else of its first member there);
+// nullopt when it is not under `paths`.
+std::optional<std::string> owner_path(const ModulePaths& paths, const Group& owner,
+                                      const std::string& key) {
+  std::optional<std::string> first;
+  for (const auto* m : owner.members()) {
+    auto p = paths.path_of.find(m);
+    if (p == paths.path_of.end()) continue;
+    if (key.rfind(p->second + ".", 0) == 0) return p->second;
+    if (!first) first = p->second;
+  }
+  return first;
+}
+}  // namespace
 
 Registry& Registry::instance() {
   static Registry r;
@@ -56,20 +74,21 @@ NamedTensors Registry::claim_parameters(const torch::nn::Module& module, const M
     const auto* impl = item.value().unsafeGetTensorImpl();
     if (ignored.count(impl) || find(ignored_, impl)) continue;  // left whole, unmanaged
     if (auto owner = find(params_, impl)) {
-      auto p = paths.path_of.find(owner->module());
-      if (p != paths.path_of.end()) {
-        FSDP_CHECK(item.key().rfind(p->second + ".", 0) == 0, "parameter '", item.key(),
-                   "' of module '", type, "' is also a parameter of sharded submodule '", p->second,
-                   "' (", owner->type_name(),
+      if (auto p = owner_path(paths, *owner, item.key())) {
+        FSDP_CHECK(item.key().rfind(*p + ".", 0) == 0, "parameter '", item.key(), "' of module '",
+                   type, "' is also a parameter of sharded submodule '", *p, "' (",
+                   owner->type_name(),
                    "): a parameter shared by two groups cannot be sharded. Fix: do not "
                    "fully_shard '",
-                   p->second,
-                   "' separately, so that both uses fall in one group (shard their common parent)");
+                   *p,
+                   "' separately, so that both uses fall in one group (shard their common parent, "
+                   "or pass both modules to one fully_shard call)");
         continue;
       }
       bool owner_is_ancestor = false;
-      for (const auto& m : owner->module()->modules(/*include_self=*/false))
-        if (m.get() == &module) owner_is_ancestor = true;
+      for (const auto* member : owner->members())
+        for (const auto& m : member->modules(/*include_self=*/false))
+          if (m.get() == &module) owner_is_ancestor = true;
       FSDP_CHECK(!owner_is_ancestor, "fully_shard(", type, ") was called after its parent (",
                  owner->type_name(),
                  ") was sharded: apply fully_shard bottom-up, children first, then the parent");
@@ -100,12 +119,28 @@ std::shared_ptr<Context> Registry::absorb_children(const ModulePaths& paths,
   }
   for (const auto& old : absorbed) {
     FSDP_CHECK(old->replicate() == replicate && &old->groups().front()->comm() == comm.get(),
-               "fully_shard: sharded submodule '", paths.path_of.at(old->root()->module()),
+               "fully_shard: sharded submodule '", owner_path(paths, *old->root(), "").value_or(""),
                "' was sharded over a different communicator or mesh than its parent; shard "
                "every module of a model with the same communicator (or the same DeviceMesh)");
     if (old->audit().enabled) context->audit().enabled = true;
     for (Group* g : std::vector<Group*>(old->groups())) {
-      g->set_path(paths.path_of.at(g->module()));
+      if (g->is_list()) {
+        std::vector<std::string> member_paths;
+        for (const auto* m : g->members()) {
+          auto p = paths.path_of.find(m);
+          FSDP_CHECK(p != paths.path_of.end(), "fully_shard: the sharded module list '", g->name(),
+                     "' (", g->type_name(),
+                     ") lies partly outside the module being "
+                     "sharded (its ",
+                     m->name(),
+                     " is not a submodule of it): a parent absorbs a "
+                     "list only whole. Fix: shard a module that holds every module of the list");
+          member_paths.push_back(p->second);
+        }
+        g->set_member_paths(member_paths);
+      } else {
+        g->set_path(paths.path_of.at(g->module()));
+      }
       g->set_context(context);
       context->add(g);
     }
@@ -118,6 +153,7 @@ void Registry::add(const std::shared_ptr<Group>& group) {
   adopt_elements(*group);
   if (group->gathers_on_use()) unowned_elements_.push_back(group);
   modules_[group->module()] = group;
+  for (const auto* m : group->members()) modules_[m] = group;
   for (const auto& p : group->params()) params_[p.param().unsafeGetTensorImpl()] = group;
   for (const auto& t : group->ignored()) ignored_[t.unsafeGetTensorImpl()] = group;
 }
