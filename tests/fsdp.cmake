@@ -10,7 +10,8 @@ fsdp_model_tests(LABEL hsdp SOURCES hsdp_test.cpp)
 fsdp_model_tests(LABEL adoption
                  SOURCES outputs_test.cpp misuse_test.cpp state_dict_test.cpp buffers_test.cpp
                          checkpoint_buffers_test.cpp adoption_models_test.cpp containers_test.cpp
-                         ignored_params_test.cpp shard_placement_test.cpp module_list_test.cpp)
+                         ignored_params_test.cpp shard_placement_test.cpp module_list_test.cpp
+                         finalize_backward_test.cpp)
 # The operator interception under the guard, elements gathered on use and deferred_init: fails
 # naming the LibTorch version when a LibTorch upgrade breaks it (src/compat/interception.h).
 fsdp_add_test(interception_test LABEL interception PCH core

@@ -118,8 +118,9 @@ enum class ZeroGrad { kSetToNone, kZeroInPlace, kOptimizer };
 enum class Extra { kEval, kGrad };  // a forward without backward: no grad / grad mode
 // How micro-batches reduce: only the last syncs (set_requires_gradient_sync), every one syncs, or
 // (HSDP) every one reduce-scatters and only the last all-reduces (set_requires_all_reduce).
-enum class Accumulate { kSyncLast, kSyncEvery, kAllReduceLast };
-const char* const kAccumulateNames[] = {"sync-last", "sync-every", "all-reduce-last"};
+// kFinalize: every micro-batch without sync, then FSDPModule::finalize_backward reduces them.
+enum class Accumulate { kSyncLast, kSyncEvery, kAllReduceLast, kFinalize };
+const char* const kAccumulateNames[] = {"sync-last", "sync-every", "all-reduce-last", "finalize"};
 
 struct ExtraForward {
   int at;  // before micro-batch `at`; == micro-batches: after the last, before the step; +1: after
@@ -452,6 +453,8 @@ inline Program make_program(uint64_t seed, int world) {
       p.custom.push_back(g == blocks || p.modes[g] == BlockMode::kHolder ? d.pick(4) : 0);
   // Then shard placements other than dim 0.
   if (d.chance(3)) p.placement = 1 + static_cast<uint32_t>(d.pick(1 << 20));
+  // Then finalize_backward after backwards without sync.
+  if (d.chance(6)) p.accumulate = Accumulate::kFinalize;
   // Then module lists: two neighbouring holders as one group, the second taking the first's
   // group settings (the reference reads them per block).
   if (d.chance(3)) {

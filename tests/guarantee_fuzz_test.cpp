@@ -247,7 +247,10 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
     SCOPED_TRACE("iteration " + std::to_string(it) + " micro-batch " + std::to_string(m));
     run_extras(p, r, s, ref, it, m);
     const bool last = m == micro - 1;
-    s.root.set_requires_gradient_sync(p.accumulate != Accumulate::kSyncLast || last);
+    const bool sync = p.accumulate == Accumulate::kSyncLast   ? last
+                      : p.accumulate == Accumulate::kFinalize ? false
+                                                              : true;
+    s.root.set_requires_gradient_sync(sync);
     s.root.set_requires_all_reduce(p.accumulate != Accumulate::kAllReduceLast || last);
     if (m == 0 && iter.async_unshard >= 0) {
       auto handle = s.blocks[iter.async_unshard].unshard(/*async_op=*/true);
@@ -257,6 +260,10 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
     expect_close(loss.item<double>(), ref.loss(p, iter.micro[m], r.rank, it, m, false), "loss");
     loss.backward();
     ref.backward_all(p, iter.micro[m], it, m);
+  }
+  if (p.accumulate == Accumulate::kFinalize) {
+    s.root.set_requires_gradient_sync(true);
+    s.root.finalize_backward();
   }
   EXPECT_EQ(s.root.memory_stats().unsharded_bytes, 0) << "gathered after backward";
   run_extras(p, r, s, ref, it, micro);

@@ -209,6 +209,14 @@ class FSDPModule {
   // their sum. Applies to this module and every sharded module below it.
   void set_requires_gradient_sync(bool sync);
   void set_reshard_after_backward(bool reshard);
+  // FSDP2's finalize_backward, called on the root: reduces now the gradients that backwards with
+  // set_requires_gradient_sync(false) accumulated, without another backward (a pipeline
+  // schedule's last micro-batch ran its backward unsynced, say). Turn sync back on first: every
+  // group with sync on and trainable parameters reduce-scatters what its parameters hold (zeros
+  // where nothing), the shards' gradients get the result, and the groups reshard (as
+  // reshard_after_backward says). A collective: every rank, at the same point, with the same
+  // sync settings (ranks that differ stop, naming it). Not inside a forward or a backward.
+  void finalize_backward();
   void set_reshard_after_forward(bool reshard);
   // This module's group only (as FSDP2): a reduced gradient is the sum over the data-parallel
   // ranks (HSDP: shards times replicas) divided by `factor`, instead of their mean (e.g. the

@@ -67,6 +67,8 @@ const char* explicit_name(int64_t what) {
       return "checkpoint::save";
     case CallAgreement::Explicit::kCheckpointLoad:
       return "checkpoint::load";
+    case CallAgreement::Explicit::kFinalizeBackward:
+      return "finalize_backward";
   }
   return "an unknown collective";
 }
@@ -350,6 +352,17 @@ void CallAgreement::end_top_level(Group& g) {
   prefetched_.clear();
 }
 
+void CallAgreement::agree_reductions(const std::vector<bool>& my_reductions) {
+  Message opening = message(kBackward, nullptr);  // `need`: the groups reduced
+  opening.who = 0;
+  for (size_t k = 0; k < my_reductions.size(); ++k)
+    if (my_reductions[k]) {
+      set_bit(opening.need, k);
+      ++opening.who;
+    }
+  exchange(opening);
+}
+
 CallAgreement::BackwardOrders CallAgreement::agree_backward(
     const std::vector<Group*>& my_gathers, const std::vector<Group*>& my_reverse_forward,
     const std::vector<bool>& my_reductions) {
@@ -367,14 +380,7 @@ CallAgreement::BackwardOrders CallAgreement::agree_backward(
   std::vector<uint64_t> chunks(words_for(groups.size()), 0);
   for (size_t k = 0; k < groups.size(); ++k)
     if (groups[k]->holds_chunk()) set_bit(chunks, k);
-  Message opening = message(kBackward, nullptr);  // `need`: the groups this backward reduces
-  opening.who = 0;
-  for (size_t k = 0; k < my_reductions.size(); ++k)
-    if (my_reductions[k]) {
-      set_bit(opening.need, k);
-      ++opening.who;
-    }
-  exchange(opening);
+  agree_reductions(my_reductions);
   if (active()) {
     // One row per rank, all of one length: the two counts, both lists, padding, the chunk bits.
     std::vector<int64_t> mine{static_cast<int64_t>(plans[0].size()),

@@ -70,7 +70,8 @@ class CallAgreement {
     kFullStateDict,
     kLoadFullStateDict,
     kCheckpointSave,
-    kCheckpointLoad
+    kCheckpointLoad,
+    kFinalizeBackward
   };
   void explicit_collective(Explicit what);
 
@@ -92,6 +93,10 @@ class CallAgreement {
   BackwardOrders agree_backward(const std::vector<Group*>& my_gathers,
                                 const std::vector<Group*>& my_reverse_forward,
                                 const std::vector<bool>& my_reductions);
+  // The groups a reduction of every group's gradients (a backward's, finalize_backward's) covers
+  // on this rank, per registration index: ranks that differ stop, naming
+  // set_requires_gradient_sync.
+  void agree_reductions(const std::vector<bool>& my_reductions);
 
  private:
   enum Kind : int64_t {

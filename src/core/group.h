@@ -221,6 +221,7 @@ class Group : public std::enable_shared_from_this<Group> {
   bool resolved_reshard_after_forward() const;
   void set_reshard_after_forward(bool v);
   void set_reshard_after_backward(bool v) { reshard_after_backward_ = v; }
+  bool reshard_after_backward() const { return reshard_after_backward_; }
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
   void set_requires_gradient_sync(bool v) { requires_gradient_sync_ = v; }
   // FSDP2's set_gradient_divide_factor: throws fsdp::Error unless positive and finite.

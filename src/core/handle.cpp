@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "core/context.h"
+#include "core/finalize_backward.h"
 #include "core/group.h"
 
 namespace fsdp {
@@ -126,6 +127,13 @@ void UnshardHandle::wait() {
 }
 
 void FSDPModule::reshard() { checked(group_).reshard(); }
+
+void FSDPModule::finalize_backward() {
+  detail::Group& g = checked(group_);
+  FSDP_CHECK(g.is_root(), "finalize_backward on '", g.name(),
+             "': it reduces every group of the model; call it on the root's handle");
+  detail::finalize_backward(g.context());
+}
 
 void FSDPModule::set_requires_gradient_sync(bool sync) {
   for (auto* g : detail::groups_at_or_below(&checked(group_))) g->set_requires_gradient_sync(sync);
