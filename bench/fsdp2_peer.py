@@ -94,6 +94,8 @@ def parse_args(argv):
                    help="K >= 2: the blocks' reshard_after_forward=K (hpZ); 0: True")
     p.add_argument("--shard-dim", type=int, choices=[0, 1], default=0,
                    help="1: shard_placement_fn gives Shard(1) to every parameter of 2 dims")
+    p.add_argument("--ignored-params", default="",
+                   help="comma-separated parameter names for fully_shard's ignored_params")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--json", help="write the results here (rank 0)")
     for name in ("layers", "heads", "width", "seq", "batch"):
@@ -260,10 +262,20 @@ def build(args, rank, world):
         placement = None
         if args.shard_dim:
             placement = lambda p: Shard(args.shard_dim) if p.dim() >= 2 else None
+        named = dict(model.named_parameters())
+        ignored = [n for n in args.ignored_params.split(",") if n]
+        unknown = [n for n in ignored if n not in named]
+        if unknown:
+            sys.exit(f"fsdp2_peer: --ignored-params {', '.join(unknown)}: no such parameter")
+        def ignored_in(prefix):  # block i: its "h.i." names; the root: the rest
+            return {named[n] for n in ignored if n.startswith(prefix)} if prefix else {
+                named[n] for n in ignored if not n.startswith("h.")} or None
         for i, b in enumerate(model.h):  # the last block keeps its parameters for backward
             fully_shard(b, reshard_after_forward=reshard if i + 1 < len(model.h) else False,
-                        mp_policy=mp(False), shard_placement_fn=placement)
-        fully_shard(model, mp_policy=mp(True), shard_placement_fn=placement)
+                        mp_policy=mp(False), shard_placement_fn=placement,
+                        ignored_params=ignored_in(f"h.{i}.") or None)
+        fully_shard(model, mp_policy=mp(True), shard_placement_fn=placement,
+                    ignored_params=ignored_in(""))
         model.to_empty(device="cpu")
         load_weights(model, args)
         wrapped = model

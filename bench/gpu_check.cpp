@@ -12,6 +12,8 @@
 //                   on the GPU: losses, clip norms and final parameters within 1e-9 (relative);
 //                   with reshard after forward on and off, and with activation checkpointing.
 //   bf16            param_dtype bf16, reduce_dtype fp32 against the fp64 model: losses within 2%.
+//   *_placed_list_finalize  the same with 2-d parameters sharded on dim 1, the last two blocks
+//                   one group (a module list), and micro-batches reduced by finalize_backward.
 //   graph_replay    set_keep_unsharded_storage: a CUDA graph captured over a block's forward,
 //                   replayed after an optimizer step and a new gather, equals the eager forward
 //                   with the new values (and differs from the captured step's output).
@@ -82,10 +84,12 @@ std::string where(const fsdp::FSDPModule& root) {
   return "shards " + list(shards) + ", gradients " + list(grads);
 }
 
-// Sharded (blocks and root) against the unsharded model, both on the GPU in `dtype`.
+// Sharded (blocks and root) against the unsharded model, both on the GPU in `dtype`. `placed`:
+// every 2-d parameter sharded on dim 1 (shard_placement_fn), the last two blocks one group (a
+// module list), and the micro-batches accumulated without sync, then finalize_backward.
 Outcome train_against_reference(const std::shared_ptr<fsdp::Communicator>& world,
                                 const fsdp::ShardOptions& block_options, torch::Dtype dtype,
-                                int steps, bool async_unshard = false) {
+                                int steps, bool async_unshard = false, bool placed = false) {
   const GPTConfig cfg = small_gpt(3);
   const int micro = 2, ranks = world->size(), me = world->rank();
   torch::manual_seed(0);
@@ -94,11 +98,25 @@ Outcome train_against_reference(const std::shared_ptr<fsdp::Communicator>& world
   GPT ref(cfg);
   model->to(kCuda, dtype);
   ref->to(kCuda, torch::kDouble);
-  fsdp::ShardOptions root_options;
+  fsdp::ShardOptions root_options, bo = block_options;
   root_options.mixed_precision = block_options.mixed_precision;
   root_options.offload_policy = block_options.offload_policy;
+  if (placed)
+    bo.shard_placement_fn = root_options.shard_placement_fn =
+        [](const std::string&, const at::Tensor& p) -> std::optional<fsdp::Shard> {
+      if (p.dim() >= 2) return fsdp::Shard{1};
+      return std::nullopt;
+    };
   std::vector<fsdp::FSDPModule> blocks;
-  for (auto& b : model->blocks) blocks.push_back(fsdp::fully_shard(b, world, block_options));
+  auto& mb = model->blocks;
+  for (size_t i = 0; i < mb.size(); ++i) {
+    if (placed && i + 2 == mb.size()) {
+      blocks.push_back(fsdp::fully_shard({mb[i], mb[i + 1]}, world, bo));
+      blocks.push_back(blocks.back());
+      break;
+    }
+    blocks.push_back(fsdp::fully_shard(mb[i], world, bo));
+  }
   auto root = fsdp::fully_shard(model, world, root_options);
   if (async_unshard) {  // FSDP2's manual forward prefetch: unshard(async_op=True) of the next block
     for (auto& b : blocks) b.set_modules_to_forward_prefetch({});
@@ -112,7 +130,7 @@ Outcome train_against_reference(const std::shared_ptr<fsdp::Communicator>& world
   Outcome o;
   for (int s = 0; s < steps; ++s) {
     for (int m = 0; m < micro; ++m) {
-      root.set_requires_gradient_sync(m == micro - 1);
+      root.set_requires_gradient_sync(!placed && m == micro - 1);
       auto [x, y] = batch(cfg, s, m, me);
       auto loss = model(x, y);
       (loss / micro).backward();
@@ -124,6 +142,10 @@ Outcome train_against_reference(const std::shared_ptr<fsdp::Communicator>& world
         if (r == me) ref_mine = l.item<double>();
       }
       o.loss = std::max(o.loss, rel(loss.item<double>(), ref_mine));
+    }
+    if (placed) {
+      root.set_requires_gradient_sync(true);
+      root.finalize_backward();
     }
     if (s == steps - 1) o.placement = where(root);
     const double norm = fsdp::clip_grad_norm_(root, 0.5);
@@ -326,6 +348,23 @@ int checks(const std::shared_ptr<fsdp::Communicator>& world) {
         "check bf16_offload: %s (largest relative loss difference against fp64 %.2e; "
         "%s)\n",
         ok ? "pass" : "FAIL", r.loss, r.placement.c_str());
+    return ok;
+  });
+  run("fp64_parity_placed_list_finalize", [&] {
+    return report("fp64_parity_placed_list_finalize",
+                  train_against_reference(world, o, torch::kDouble, 4, false, /*placed=*/true),
+                  1e-9);
+  });
+  run("bf16_placed_list_finalize", [&] {
+    auto b = o;
+    b.mixed_precision.param_dtype = torch::kBFloat16;
+    b.mixed_precision.reduce_dtype = torch::kFloat;
+    auto r = train_against_reference(world, b, torch::kFloat, 4, false, /*placed=*/true);
+    const bool ok = r.loss < 2e-2;
+    std::printf(
+        "check bf16_placed_list_finalize: %s (largest relative loss difference against fp64 "
+        "%.2e; tolerance 2e-2)\n",
+        ok ? "pass" : "FAIL", r.loss);
     return ok;
   });
   run("checkpoint", [&] { return checkpoint_roundtrip(world); });

@@ -43,8 +43,9 @@ void accumulates_then_finalizes(int world, int replicas) {
         m(batch(step, micro, r.rank)).pow(2).mean().backward();
         for (int k = 0; k < world; ++k) ref(batch(step, micro, k)).pow(2).mean().backward();
       }
-      if (step == 0)  // nothing reduced yet: accumulated unsharded
+      if (step == 0) {  // nothing reduced yet: accumulated unsharded
         for (const auto& s : root.shards()) EXPECT_FALSE(s.shard.grad().defined()) << s.name;
+      }
       root.set_requires_gradient_sync(true);
       root.finalize_backward();
       EXPECT_EQ(root.memory_stats().unsharded_bytes, 0) << "resharded";

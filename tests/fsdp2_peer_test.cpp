@@ -289,6 +289,15 @@ TEST(Fsdp2Peer, ShardOnDimOneMatchesPyTorchFsdp2AtTwoAndFourRanks) {
   }
 }
 
+// ignored_params on both sides, in the root (the final norm, the position embedding) and in a
+// block: never reduced, so every rank steps them with its own gradient and the ranks' values
+// drift apart; the losses (the mean over ranks) still equal FSDP2's.
+TEST(Fsdp2Peer, IgnoredParamsMatchPyTorchFsdp2AtTwoAndFourRanks) {
+  const std::vector<std::string> flags = {"--ignored-params",
+                                          "ln_f.weight,ln_f.bias,wpe.weight,h.1.ln_2.bias"};
+  expect_match("none", flags, {{2, 1e-5, 1e-5}, {4, 1e-5, 1e-5}}, flags);
+}
+
 // Item 5: PyTorch reads fsdp-cpp's consolidated checkpoint of step 15 (trained, not the init) with
 // `safetensors` into its own GPT and evaluates the validation batches to the loss fsdp-train
 // logged for that step.

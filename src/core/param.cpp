@@ -29,8 +29,7 @@ ParamState::ParamState(std::string name, at::Tensor param, int64_t dim, int rank
     if (d != dim_) row_numel_ *= param_.size(d);
   chunk_ = (rows_ + world_ - 1) / world_;
   const int64_t mine = rows_of(rank_);
-  std::vector<int64_t> shape = param_.sizes().vec();
-  if (shape.empty()) shape = {1};
+  std::vector<int64_t> shape = param_.dim() == 0 ? std::vector<int64_t>{1} : param_.sizes().vec();
   shape[dim_] = mine;
   if (deferred::is_pending(param_)) {
     materialized_ = false;  // values come with materialize(); no operator may touch param_

@@ -158,6 +158,12 @@ void add_options(App& a, TrainConfig& c) {
       ->check(CLI::IsMember({"auto", "off", "unshard"}))
       ->capture_default_str()
       ->group("Processes");
+  app.add_option("--ignored-params", c.ignored_params,
+                 "comma-separated parameter names (e.g. ln_f.weight,ln_f.bias) left whole and "
+                 "unmanaged on every rank (FSDP2's ignored_params): never gathered or reduced, "
+                 "so each rank steps them with its own gradient and they drift apart; the model "
+                 "is then built eagerly, not under deferred_init")
+      ->group("Processes");
   app.add_option("--shard-dim", c.shard_dim,
                  "1: shard every weight and embedding on dim 1 (columns) instead of dim 0 "
                  "(FSDP2's shard_placement_fn returning Shard(1)); 0: dim 0")
@@ -230,6 +236,7 @@ std::string TrainConfig::to_json() const {
   j["reshard-after-forward-world"] = reshard_after_forward_world;
   j["forward-prefetch"] = forward_prefetch;
   j["shard-dim"] = shard_dim;
+  j["ignored-params"] = ignored_params;
   j["activation-checkpointing"] = activation_checkpointing;
   j["mixed-precision"] = mixed_precision;
   j["hsdp"] = hsdp;

@@ -31,6 +31,9 @@ struct TrainConfig {
   // 1: every parameter of two dims (the weights and embeddings) is sharded on dim 1 instead of 0
   // (ShardOptions::shard_placement_fn returning Shard{1}); 0: dim 0.
   int shard_dim = 0;
+  // Comma-separated parameter names left whole and unmanaged on every rank
+  // (ShardOptions::ignored_params): each rank steps them with its own gradient.
+  std::string ignored_params;
   bool activation_checkpointing = false;  // blocks recompute their activations in backward
   std::string mixed_precision = "none";   // "none", "bf16" (gather and compute) or "fp16" (CUDA)
   int hsdp = 1;  // replicas of HSDP (init_mesh); 1 = plain FSDP over all ranks

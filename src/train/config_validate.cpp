@@ -88,6 +88,9 @@ void check_policies(const TrainConfig& c) {
              "one of the two");
   FSDP_CHECK(c.hsdp >= 1, "--hsdp is ", c.hsdp,
              "; it must be a positive number of replicas that divides the ranks (1: plain FSDP)");
+  FSDP_CHECK(!(!c.ignored_params.empty() && c.no_shard), "--ignored-params ", c.ignored_params,
+             " leaves parameters of the sharded model unsharded, but --no-shard trains the plain "
+             "model; drop one of the two");
   FSDP_CHECK(!(c.shard_dim != 0 && c.no_shard), "--shard-dim ", c.shard_dim,
              " places the shards of the sharded model, but --no-shard trains the plain model; "
              "drop one of the two");

@@ -6,6 +6,8 @@
 #include <fsdp/error.h>
 #include <torch/torch.h>
 
+#include <sstream>
+
 namespace fsdp::train {
 
 MixedPrecisionPolicy mixed_precision_policy(const std::string& name, bool root) {
@@ -33,6 +35,26 @@ void set_forward_prefetch(const std::string& how, TrainModel& m,
       if (i + 1 < blocks.size()) blocks[i + 1].unshard(/*async_op=*/true);  // forward waits
     };
 }
+// --ignored-params: the named parameters, per block ("h.<i>." names) and the root's (the rest,
+// last entry); an unknown name is an error listing what names look like.
+std::vector<std::vector<at::Tensor>> ignored_params(const std::string& names,
+                                                    models::GPTImpl& gpt) {
+  std::vector<std::vector<at::Tensor>> out(gpt.blocks.size() + 1);
+  const auto params = gpt.named_parameters();
+  std::stringstream list(names);
+  for (std::string name; std::getline(list, name, ',');) {
+    if (name.empty()) continue;
+    const at::Tensor* p = params.find(name);
+    FSDP_CHECK(p != nullptr, "--ignored-params: '", name,
+               "' is not a parameter of the GPT; names are those of its checkpoints, e.g. "
+               "ln_f.weight, wpe.weight, h.0.ln_1.bias");
+    size_t group = gpt.blocks.size();
+    for (size_t i = 0; i < gpt.blocks.size(); ++i)
+      if (name.rfind("h." + std::to_string(i) + ".", 0) == 0) group = i;
+    out[group].push_back(*p);
+  }
+  return out;
+}
 }  // namespace
 
 std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
@@ -48,9 +70,11 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
   torch::manual_seed(cfg.seed);
   auto m = std::make_unique<TrainModel>();
   // Sharded: built under deferred_init, so a rank never holds the whole model (only its shards,
-  // filled by materialize with the values an eager build gives, bitwise).
-  m->gpt = comm ? fsdp::deferred_init([&] { return fsdp::Sharded<models::GPT>(mc); })
-                : fsdp::Sharded<models::GPT>(mc);
+  // filled by materialize with the values an eager build gives, bitwise); eagerly with
+  // --ignored-params, which need their values before fully_shard.
+  const bool deferred = comm && cfg.ignored_params.empty();
+  m->gpt = deferred ? fsdp::deferred_init([&] { return fsdp::Sharded<models::GPT>(mc); })
+                    : fsdp::Sharded<models::GPT>(mc);
   if (comm) {
     m->mesh = init_mesh(comm, cfg.hsdp);
     ShardOptions block_options;
@@ -73,9 +97,12 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
     // block keeps its parameters from forward into backward, whose first use they are (torchtitan
     // does the same): resharding it would gather it again at once, exposed.
     auto& blocks = m->gpt->blocks;
+    const auto ignored = ignored_params(cfg.ignored_params, *m->gpt);
+    root_options.ignored_params = ignored.back();
     std::vector<FSDPModule> handles;
     for (size_t i = 0; i < blocks.size(); ++i) {
       ShardOptions o = block_options;
+      o.ignored_params = ignored[i];
       if (i + 1 == blocks.size()) o.reshard_after_forward = false;
       handles.push_back(fully_shard(blocks[i], m->mesh, o));
       if (o.reshard_after_forward.value_or(true).world() != 1)
@@ -83,7 +110,7 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
     }
     m->root = fully_shard(m->gpt, m->mesh, root_options);
     set_forward_prefetch(cfg.forward_prefetch, *m, handles);
-    fsdp::materialize(m->gpt);
+    if (deferred) fsdp::materialize(m->gpt);
     for (const ShardInfo& s : m->root.shards()) {
       int64_t numel = 1;
       for (int64_t d : s.global_shape) numel *= d;
