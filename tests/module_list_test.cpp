@@ -202,9 +202,16 @@ TEST(ModuleList, ATiedWeightInTwoGroupsNamesTheList) {
     torch::manual_seed(0);
     fsdp::Sharded<Net> m(Net(true));
     fully_shard(m->head, r.world());
-    auto err = error_of([&] { fully_shard(m, r.world()); });
+    std::string err = error_of([&] { fully_shard(m, r.world()); });
     EXPECT_HAS(err, "is also a parameter of sharded submodule 'head'");
     EXPECT_HAS(err, "pass both modules to one fully_shard call");
+    // Tied to a module outside a list: the list's member holding it is named.
+    torch::manual_seed(0);
+    fsdp::Sharded<Net> t(Net(true));
+    fully_shard({t->norm, t->head}, r.world());
+    err = error_of([&] { fully_shard(t, r.world()); });
+    EXPECT_HAS(err, "'embed.weight' of module");
+    EXPECT_HAS(err, "is also a parameter of sharded submodule 'head' (in ModuleList(");
   });
 }
 
@@ -236,6 +243,13 @@ TEST(ModuleList, MisuseIsAnErrorNamingTheFix) {
                }),
                "cannot be its root");
     EXPECT_HAS(error_of([&] { fully_shard(n->norm, r.world()); }), "applied twice");
+    // The model sharded before its list.
+    fsdp::Sharded<Net> early(Net(false));
+    fully_shard(early, r.world());
+    EXPECT_HAS(error_of([&] {
+                 fully_shard({early->norm, early->head}, r.world());
+               }),
+               "was called after its parent");
     // A parent holding only part of the list.
     fsdp::Sharded<Net> p(Net(false)), q(Net(false));
     fully_shard({p->norm, q->head}, r.world());

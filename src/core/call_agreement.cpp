@@ -104,8 +104,8 @@ std::string CallAgreement::describe(const Message& m) const {
     case kDone:
       return "had ended a top-level forward of '" + who + "'";
     case kBackward:
-      return detail::cat("began a backward reducing ", m.who, " of ", groups.size(),
-                         " sharded modules");
+      return detail::cat("began a reduction (a backward, or finalize_backward) of ", m.who, " of ",
+                         groups.size(), " sharded modules");
     case kUnshard:
       return "called unshard() of '" + who + "'";
     case kExplicit:

@@ -120,6 +120,13 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   if (reg.is_sharded(*module)) reject_second_fully_shard(*module);
   check_reshard_after_forward(type, *comm, options);
   const ModulePaths paths = module_paths(*module);
+  // Here rather than at the first forward, where ranks whose calls differ would not all see it.
+  if (options.activation_checkpointing)
+    for (const auto* m : paths.order)
+      FSDP_CHECK(!reg.is_sharded(*m), "activation checkpointing on '", type,
+                 "': it contains the sharded module '", paths.path_of.at(m), "' (", m->name(),
+                 "), whose hooks would run again during backward's recomputation. Checkpoint the "
+                 "innermost sharded modules instead (e.g. each block), not their parent");
   auto mine = reg.claim_parameters(*module, paths, options.ignored_params);
   check_placement(type, *comm, mine);
   // A placement error on one rank stops every rank (the others would wait in the next collective).

@@ -21,19 +21,27 @@ ModulePaths module_paths(const torch::nn::Module& module) {
 }
 
 namespace {
-// Where `owner` lies under `paths` for its parameter `key`: the path of its module, or for a
-// module list of the member whose parameters `key` names (else of its first member there);
-// nullopt when it is not under `paths`.
+// Where `owner` lies under `paths` for its parameter `key` (`impl`): the path of its module, or
+// for a module list of the member whose parameters `key` names (else of the member holding
+// `impl`, else of its first member there); nullopt when it is not under `paths`.
 std::optional<std::string> owner_path(const ModulePaths& paths, const Group& owner,
-                                      const std::string& key) {
-  std::optional<std::string> first;
+                                      const std::string& key, const c10::TensorImpl* impl) {
+  std::optional<std::string> holder, first;
   for (const auto* m : owner.members()) {
     auto p = paths.path_of.find(m);
     if (p == paths.path_of.end()) continue;
     if (key.rfind(p->second + ".", 0) == 0) return p->second;
+    for (const auto& t : m->parameters())
+      if (!holder && t.unsafeGetTensorImpl() == impl) holder = p->second;
     if (!first) first = p->second;
   }
-  return first;
+  return holder ? holder : first;
+}
+// A group in messages: its path under its root, or its type while it is a root of its own (not
+// yet absorbed by a sharded parent, where every group is named "root").
+std::string describe_owner(const Group& g) {
+  if (g.is_root()) return detail::cat("module ", g.type_name());
+  return detail::cat("module '", g.name(), "' (", g.type_name(), ")");
 }
 }  // namespace
 
@@ -74,10 +82,10 @@ NamedTensors Registry::claim_parameters(const torch::nn::Module& module, const M
     const auto* impl = item.value().unsafeGetTensorImpl();
     if (ignored.count(impl) || find(ignored_, impl)) continue;  // left whole, unmanaged
     if (auto owner = find(params_, impl)) {
-      if (auto p = owner_path(paths, *owner, item.key())) {
+      if (auto p = owner_path(paths, *owner, item.key(), impl)) {
         FSDP_CHECK(item.key().rfind(*p + ".", 0) == 0, "parameter '", item.key(), "' of module '",
                    type, "' is also a parameter of sharded submodule '", *p, "' (",
-                   owner->type_name(),
+                   owner->is_list() ? "in " + owner->type_name() : owner->type_name(),
                    "): a parameter shared by two groups cannot be sharded. Fix: do not "
                    "fully_shard '",
                    *p,
@@ -85,18 +93,22 @@ NamedTensors Registry::claim_parameters(const torch::nn::Module& module, const M
                    "or pass both modules to one fully_shard call)");
         continue;
       }
+      // The module, or (for a module list's container) one of the modules it holds, lies
+      // inside the owner's.
+      std::set<const torch::nn::Module*> targets{&module};
+      for (const auto& c : module.children()) targets.insert(c.get());
       bool owner_is_ancestor = false;
       for (const auto* member : owner->members())
         for (const auto& m : member->modules(/*include_self=*/false))
-          if (m.get() == &module) owner_is_ancestor = true;
+          if (targets.count(m.get())) owner_is_ancestor = true;
       FSDP_CHECK(!owner_is_ancestor, "fully_shard(", type, ") was called after its parent (",
                  owner->type_name(),
                  ") was sharded: apply fully_shard bottom-up, children first, then the parent");
       throw Error(detail::cat("parameter '", item.key(), "' of module '", type,
-                              "' is already managed by fully_shard on module '", owner->name(),
-                              "' (", owner->type_name(),
-                              "): a parameter shared by two groups cannot be sharded. Fix: shard "
-                              "their common parent only, so that both uses fall in one group"));
+                              "' is already managed by fully_shard on ", describe_owner(*owner),
+                              ": a parameter shared by two groups cannot be sharded. Fix: shard "
+                              "their common parent only, so that both uses fall in one group, "
+                              "or pass both modules to one fully_shard call"));
     }
     if (!seen.insert(impl).second) continue;  // tied within this group: one parameter
     mine.emplace_back(item.key(), item.value());
@@ -119,7 +131,8 @@ std::shared_ptr<Context> Registry::absorb_children(const ModulePaths& paths,
   }
   for (const auto& old : absorbed) {
     FSDP_CHECK(old->replicate() == replicate && &old->groups().front()->comm() == comm.get(),
-               "fully_shard: sharded submodule '", owner_path(paths, *old->root(), "").value_or(""),
+               "fully_shard: sharded submodule '",
+               owner_path(paths, *old->root(), "", nullptr).value_or(""),
                "' was sharded over a different communicator or mesh than its parent; shard "
                "every module of a model with the same communicator (or the same DeviceMesh)");
     if (old->audit().enabled) context->audit().enabled = true;
@@ -128,13 +141,11 @@ std::shared_ptr<Context> Registry::absorb_children(const ModulePaths& paths,
         std::vector<std::string> member_paths;
         for (const auto* m : g->members()) {
           auto p = paths.path_of.find(m);
-          FSDP_CHECK(p != paths.path_of.end(), "fully_shard: the sharded module list '", g->name(),
-                     "' (", g->type_name(),
-                     ") lies partly outside the module being "
-                     "sharded (its ",
+          FSDP_CHECK(p != paths.path_of.end(), "fully_shard: the sharded module list ",
+                     g->type_name(), " lies partly outside the module being sharded (its ",
                      m->name(),
-                     " is not a submodule of it): a parent absorbs a "
-                     "list only whole. Fix: shard a module that holds every module of the list");
+                     " is not a submodule of it): a parent absorbs a list only whole. Fix: shard "
+                     "a module that holds every module of the list");
           member_paths.push_back(p->second);
         }
         g->set_member_paths(member_paths);
