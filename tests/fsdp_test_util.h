@@ -114,6 +114,18 @@ std::string error_of(F&& f) {
 #define EXPECT_HAS(haystack, needle) \
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
 
+// A custom all-gather (FSDPModule::set_custom_all_gather), exact and asynchronous as the contract
+// asks: an all-reduce of the output, zero but for this rank's place (x + 0 = x). Counts its calls.
+struct AllReduceAllGather : AllGather {
+  int calls = 0;
+  Work operator()(const at::Tensor& out, const at::Tensor& in, Communicator& g) override {
+    ++calls;
+    out.zero_();
+    out.narrow(0, g.rank() * in.numel(), in.numel()).copy_(in);
+    return g.all_reduce(out, ReduceOp::kSum);
+  }
+};
+
 inline ShardOptions audited(std::optional<bool> reshard_after_forward = std::nullopt) {
   ShardOptions o;
   o.audit = true;

@@ -150,18 +150,9 @@ struct ShardedSide {
     opt = make_optimizer(p, root.parameters());
   }
   // Custom collectives, exact and asynchronous (they issue and return, as the contract asks): an
-  // all-gather as an all-reduce of the output, zero but for this rank's place (x + 0 = x), and a
-  // reduce-scatter as an all-reduce of the whole input in place (this rank's block, the output,
-  // is reduced with the others). Each counts its calls.
-  struct AllReduceAllGather : AllGather {
-    int calls = 0;
-    Work operator()(const at::Tensor& out, const at::Tensor& in, Communicator& g) override {
-      ++calls;
-      out.zero_();
-      out.narrow(0, g.rank() * in.numel(), in.numel()).copy_(in);
-      return g.all_reduce(out, ReduceOp::kSum);
-    }
-  };
+  // all-gather as an all-reduce of the output (fsdp_test_util.h), and a reduce-scatter as an
+  // all-reduce of the whole input in place (this rank's block, the output, is reduced with the
+  // others). Each counts its calls.
   struct AllReduceReduceScatter : ReduceScatter {
     int calls = 0;
     Work operator()(const at::Tensor& out, const at::Tensor& in, ReduceOp op,

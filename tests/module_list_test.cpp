@@ -70,17 +70,6 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-// Counts the all-gathers it carries (an exact one: an all-reduce of this rank's place).
-struct CountingGather : AllGather {
-  int calls = 0;
-  Work operator()(const at::Tensor& out, const at::Tensor& in, Communicator& g) override {
-    ++calls;
-    out.zero_();
-    out.narrow(0, g.rank() * in.numel(), in.numel()).copy_(in);
-    return g.all_reduce(out, ReduceOp::kSum);
-  }
-};
-
 // The model's parameters, a tied one once (as the shards list it), by name.
 std::vector<std::pair<std::string, at::Tensor>> unique_params(torch::nn::Module& m) {
   std::vector<std::pair<std::string, at::Tensor>> out;
@@ -108,7 +97,7 @@ at::Tensor loss_of(const at::Tensor& logits, int step, int micro, int rank) {
 struct Sharded {
   fsdp::Sharded<Net> m;
   FSDPModule list, root;
-  std::shared_ptr<CountingGather> gathers = std::make_shared<CountingGather>();
+  std::shared_ptr<AllReduceAllGather> gathers = std::make_shared<AllReduceAllGather>();
   Sharded(Rank& r, bool tied, std::optional<ReshardAfterForward> reshard, bool checkpointed)
       : m(Net(tied)) {
     m->to(torch::kDouble);
