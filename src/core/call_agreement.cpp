@@ -104,8 +104,11 @@ std::string CallAgreement::describe(const Message& m) const {
     case kDone:
       return "had ended a top-level forward of '" + who + "'";
     case kBackward:
-      return detail::cat("began a reduction (a backward, or finalize_backward) of ", m.who, " of ",
-                         groups.size(), " sharded modules");
+      return detail::cat("began a backward reducing ", m.who, " of ", groups.size(),
+                         " sharded modules");
+    case kFinalize:
+      return detail::cat("called finalize_backward reducing ", m.who, " of ", groups.size(),
+                         " sharded modules");
     case kUnshard:
       return "called unshard() of '" + who + "'";
     case kExplicit:
@@ -124,7 +127,8 @@ int64_t CallAgreement::mesh_rank() const {
 }
 
 bool CallAgreement::exclusive(int64_t kind) {
-  return kind == kStart || kind == kBackward || kind == kUnshard || kind == kExplicit;
+  return kind == kStart || kind == kBackward || kind == kUnshard || kind == kExplicit ||
+         kind == kFinalize;
 }
 
 // The exclusive kinds pair only with their own kind (two top-level forwards only when of the same
@@ -132,7 +136,8 @@ bool CallAgreement::exclusive(int64_t kind) {
 // collectives only when the same; two backwards only when they reduce the same groups); a forward's
 // calls and the done rounds of a forward that ended pair with each other.
 bool CallAgreement::clash(const Message& a, const Message& b) {
-  if (a.kind == b.kind && a.kind == kBackward) return a.digest != b.digest;  // what it reduces
+  if (a.kind == b.kind && (a.kind == kBackward || a.kind == kFinalize))
+    return a.digest != b.digest;  // what it reduces
   if (a.kind == b.kind) return (a.kind == kStart || a.kind == kExplicit) && a.who != b.who;
   return exclusive(a.kind) || exclusive(b.kind);
 }
@@ -216,7 +221,7 @@ std::optional<CallAgreement::Clash> CallAgreement::agree_across_replicas(
 std::vector<CallAgreement::Message> CallAgreement::exchange(Message mine) {
   // Only a backward's bits (what it reduces) must match: the forward's rounds skip the digest.
   auto digest = [](Message& m) {
-    if (m.kind == kBackward) m.digest = digest_of(m.need);
+    if (m.kind == kBackward || m.kind == kFinalize) m.digest = digest_of(m.need);
   };
   digest(mine);
   std::vector<Message> all = active() ? gather_messages(mine) : std::vector<Message>{mine};
@@ -229,7 +234,7 @@ std::vector<CallAgreement::Message> CallAgreement::exchange(Message mine) {
     found = agree_across_replicas(*rep, mine, found);
   if (!found) return all;
   const Message &a = found->first, &b = found->second;
-  if (a.kind == kBackward && b.kind == kBackward)
+  if (a.kind == b.kind && (a.kind == kBackward || a.kind == kFinalize))
     throw Error(detail::cat(
         "the ranks' gradient synchronisation differs: rank ", a.rank, " ", describe(a),
         " while rank ", b.rank, " ", describe(b),
@@ -352,8 +357,12 @@ void CallAgreement::end_top_level(Group& g) {
   prefetched_.clear();
 }
 
-void CallAgreement::agree_reductions(const std::vector<bool>& my_reductions) {
-  Message opening = message(kBackward, nullptr);  // `need`: the groups reduced
+void CallAgreement::agree_finalize(const std::vector<bool>& my_reductions) {
+  agree_reductions(kFinalize, my_reductions);
+}
+
+void CallAgreement::agree_reductions(Kind kind, const std::vector<bool>& my_reductions) {
+  Message opening = message(kind, nullptr);  // `need`: the groups reduced
   opening.who = 0;
   for (size_t k = 0; k < my_reductions.size(); ++k)
     if (my_reductions[k]) {
@@ -380,7 +389,7 @@ CallAgreement::BackwardOrders CallAgreement::agree_backward(
   std::vector<uint64_t> chunks(words_for(groups.size()), 0);
   for (size_t k = 0; k < groups.size(); ++k)
     if (groups[k]->holds_chunk()) set_bit(chunks, k);
-  agree_reductions(my_reductions);
+  agree_reductions(kBackward, my_reductions);
   if (active()) {
     // One row per rank, all of one length: the two counts, both lists, padding, the chunk bits.
     std::vector<int64_t> mine{static_cast<int64_t>(plans[0].size()),

@@ -93,10 +93,9 @@ class CallAgreement {
   BackwardOrders agree_backward(const std::vector<Group*>& my_gathers,
                                 const std::vector<Group*>& my_reverse_forward,
                                 const std::vector<bool>& my_reductions);
-  // The groups a reduction of every group's gradients (a backward's, finalize_backward's) covers
-  // on this rank, per registration index: ranks that differ stop, naming
-  // set_requires_gradient_sync.
-  void agree_reductions(const std::vector<bool>& my_reductions);
+  // finalize_backward's reductions on this rank, per registration index: ranks that differ stop,
+  // naming set_requires_gradient_sync (as at a backward's start).
+  void agree_finalize(const std::vector<bool>& my_reductions);
 
  private:
   enum Kind : int64_t {
@@ -105,8 +104,11 @@ class CallAgreement {
     kDone = 3,
     kBackward = 4,
     kUnshard = 5,
-    kExplicit = 6  // who: the Explicit collective
+    kExplicit = 6,  // who: the Explicit collective
+    kFinalize = 7   // finalize_backward's reductions, as kBackward's
   };
+  // A reduction round (kBackward, kFinalize): `need` holds the groups reduced, `who` their count.
+  void agree_reductions(Kind kind, const std::vector<bool>& my_reductions);
   // One rank's message: kind, the group whose call it is (-1: none), the rank's number in the
   // mesh, then four bit sets over the registration indices: need, prefetch, changed, held (the
   // last two in kStart only).

@@ -20,7 +20,7 @@ void finalize_backward(Context& ctx) {
   const auto& groups = ctx.groups();
   std::vector<bool> reduces;
   for (Group* g : groups) reduces.push_back(g->requires_gradient_sync() && g->has_trainable());
-  ctx.calls().agree_reductions(reduces);  // ranks whose gradient sync differs stop here, by name
+  ctx.calls().agree_finalize(reduces);  // ranks whose gradient sync differs stop here, by name
   // Registration order (children first, the root last): the same on every rank and replica. The
   // reduce-scatters are all issued before the first is waited; HSDP's all-reduces follow in order.
   std::vector<PendingReduce> pending;
