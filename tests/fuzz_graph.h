@@ -42,11 +42,38 @@ constexpr int64_t kWidth = 5;
 enum class BlockKind { kTied, kBranch, kIgnoresInput, kFrozenTied, kInPlace, kCount };
 const char* const kKindNames[] = {"tied", "branch", "ignores-input", "frozen-tied", "in-place"};
 
+// How a block's parameters lie in memory (Program::layout): each a contiguous tensor of its own,
+// or as users build them: transposed, a column slice of a wider tensor, views into one buffer.
+enum class Layout { kOwn, kTransposedA, kSharedBuffer, kTransposedB, kSlicedB, kCount };
+const char* const kLayoutNames[] = {"own", "wa transposed", "wa+ba one buffer", "wb transposed",
+                                    "wb sliced"};
+
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(BlockKind kind, int64_t rows) : kind(kind) {
-    wa = register_parameter("wa", torch::randn({kWidth, kWidth}, torch::kDouble) * 0.4);
-    ba = register_parameter("ba", torch::randn({kWidth}, torch::kDouble) * 0.1);
-    wb = register_parameter("wb", torch::randn({rows, kWidth}, torch::kDouble) * 0.3,
+  BlockImpl(BlockKind kind, int64_t rows, Layout layout = Layout::kOwn) : kind(kind) {
+    const auto f64 = torch::kDouble;
+    at::Tensor a, b, c;
+    switch (layout) {
+      case Layout::kTransposedA:
+        a = (torch::randn({kWidth, kWidth}, f64) * 0.4).t();
+        break;
+      case Layout::kSharedBuffer: {  // wa and ba at offsets of one buffer (ba first)
+        auto buf = torch::randn({2 + kWidth + kWidth * kWidth}, f64) * 0.3;
+        b = buf.narrow(0, 1, kWidth);
+        a = buf.narrow(0, 1 + kWidth, kWidth * kWidth).view({kWidth, kWidth});
+        break;
+      }
+      case Layout::kTransposedB:
+        c = (torch::randn({kWidth, rows}, f64) * 0.3).t();
+        break;
+      case Layout::kSlicedB:
+        c = (torch::randn({rows, kWidth + 3}, f64) * 0.3).narrow(1, 2, kWidth);
+        break;
+      default:
+        break;
+    }
+    wa = register_parameter("wa", a.defined() ? a : torch::randn({kWidth, kWidth}, f64) * 0.4);
+    ba = register_parameter("ba", b.defined() ? b : torch::randn({kWidth}, f64) * 0.1);
+    wb = register_parameter("wb", c.defined() ? c : torch::randn({rows, kWidth}, f64) * 0.3,
                             /*requires_grad=*/kind != BlockKind::kFrozenTied);
   }
   // Two outputs, (B, kWidth) each.
@@ -187,7 +214,19 @@ struct Program {
   // Per block: 1 when it and the next block are sharded together as one group (fully_shard of a
   // module list); the next block then has this one's group settings.
   std::vector<char> listed;
+  // Per block: how its parameters lie in memory (empty: each a contiguous tensor of its own).
+  std::vector<Layout> layout;
+  // ShardOptions::mixed_precision for every group (SGD programs): 0 none; param_dtype fp32
+  // (forward and backward in fp32 on fp64 shards) with reduce_dtype 1: fp32, 2: fp64. mixed_output:
+  // the root casts its output (the loss) back to fp64.
+  int mixed = 0;
+  bool mixed_output = false;
   std::vector<Iteration> iterations;
+
+  // How close the sharded side must come to the fp64 reference: to rounding in fp64, or, under
+  // mixed precision, to fp32's (a dropped, repeated or misrouted gradient is off by far more).
+  double rtol() const { return mixed ? 1e-5 : 1e-9; }
+  double atol() const { return mixed ? 1e-7 : 1e-12; }
 
   // The entry of per-group settings `v` (per block, the root last; empty: none) for parameter
   // `name`'s group: its holder block's, the root's for a block in the root, 0 for an element.
@@ -225,7 +264,10 @@ struct Program {
           (b < encode.size() && encode[b] ? " encode" : "") +
           (b < keep_storage.size() && keep_storage[b] ? " keep-storage" : "") +
           (b < custom.size() && custom[b] ? " custom" + std::to_string(custom[b]) : "") +
-          (b < listed.size() && listed[b] ? " LISTED with the next" : "");
+          (b < listed.size() && listed[b] ? " LISTED with the next" : "") +
+          (b < layout.size() && layout[b] != Layout::kOwn
+               ? std::string(" ") + kLayoutNames[static_cast<int>(layout[b])]
+               : "");
     }
     s +=
         "], root reshard " + std::to_string(root_reshard) +
@@ -233,9 +275,12 @@ struct Program {
         (custom.size() > kinds.size() && custom.back() ? " custom" + std::to_string(custom.back())
                                                        : "") +
         (offload ? offload == 1 ? ", offload pinned" : ", offload" : "") +
-        (placement ? ", placement " + std::to_string(placement) : "") + ", audit " +
-        (audit ? "on" : "off") + ", max_unsharded_groups " + std::to_string(max_unsharded_groups) +
-        ", " +
+        (placement ? ", placement " + std::to_string(placement) : "") +
+        (mixed ? std::string(", mixed precision fp32, reduce ") + (mixed == 1 ? "fp32" : "fp64") +
+                     (mixed_output ? ", output fp64" : "")
+               : "") +
+        ", audit " + (audit ? "on" : "off") + ", max_unsharded_groups " +
+        std::to_string(max_unsharded_groups) + ", " +
         (optim == Optim::kSGD ? "SGD momentum " + std::to_string(momentum) : std::string("AdamW")) +
         " wd " + std::to_string(weight_decay) + (swapped ? ", SWAPPED CALLS" : "") +
         (transport.empty() ? "" : ", transport " + transport) + ", " +
@@ -474,6 +519,19 @@ inline Program make_program(uint64_t seed, int world) {
         if (!v->empty()) (*v)[b + 1] = (*v)[b];
     }
   }
+  // Then parameters that are not contiguous tensors of their own.
+  if (d.chance(3))
+    for (int b = 0; b < blocks; ++b)
+      p.layout.push_back(
+          d.chance(2) ? Layout::kOwn
+                      : static_cast<Layout>(1 + d.pick(static_cast<int>(Layout::kCount) - 1)));
+  // Then mixed precision, with SGD only: AdamW divides each gradient by its own running scale, so
+  // fp32's rounding of a gradient near zero can move a weight by up to the learning rate, beyond
+  // any bound that would still tell a wrong gradient from rounding.
+  if (d.chance(5) && p.optim == Optim::kSGD) {
+    p.mixed = 1 + d.pick(2);
+    p.mixed_output = d.chance(2);
+  }
   return p;
 }
 
@@ -493,7 +551,9 @@ struct NetImpl : torch::nn::Module {
     root_w = register_parameter("root_w", torch::randn({kWidth, kWidth}, torch::kDouble) * 0.4);
     root_scale = register_parameter("root_scale", torch::randn({3}, torch::kDouble) * 0.2);
     for (size_t b = 0; b < p.kinds.size(); ++b)
-      blocks.push_back(register_module("b" + std::to_string(b), Block(p.kinds[b], p.rows[b])));
+      blocks.push_back(register_module(
+          "b" + std::to_string(b),
+          Block(p.kinds[b], p.rows[b], b < p.layout.size() ? p.layout[b] : Layout::kOwn)));
   }
   // x: (B, kWidth). Returns this rank's scalar loss for `pass`.
   torch::Tensor forward(const torch::Tensor& x, const Pass& pass, int rank) {

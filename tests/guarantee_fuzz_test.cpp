@@ -34,8 +34,8 @@ int64_t env_int(const char* name, int64_t fallback) {
 
 constexpr double kRtol = 1e-9, kAtol = 1e-12;
 
-void expect_close(double got, double want, const std::string& what) {
-  EXPECT_NEAR(got, want, kRtol * (1 + std::abs(want)) + kAtol) << what;
+void expect_close(const Program& p, double got, double want, const std::string& what) {
+  EXPECT_NEAR(got, want, p.rtol() * (1 + std::abs(want)) + p.atol()) << what;
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Program& p,
@@ -108,8 +108,9 @@ struct ShardedSide {
     auto comm = communicator(r, p.transport);
     ScopedTransport transport(p.transport);  // the mesh's subgroups use it too
     DeviceMesh mesh = p.replicas > 1 ? init_mesh(comm, p.replicas) : DeviceMesh{};
-    auto shard = [&](auto& holder, int reshard, bool checkpointed) {
+    auto shard = [&](auto& holder, int reshard, bool checkpointed, bool root = false) {
       ShardOptions o = options(p, reshard);
+      if (root && p.mixed_output) o.mixed_precision.output_dtype = torch::kDouble;
       o.activation_checkpointing = checkpointed;
       return p.replicas > 1 ? fully_shard(holder, mesh, o) : fully_shard(holder, comm, o);
     };
@@ -142,7 +143,7 @@ struct ShardedSide {
         if (b < p.custom.size()) set_custom(blocks[b], p.custom[b]);
       }
     }
-    root = shard(model, p.root_reshard, false);
+    root = shard(model, p.root_reshard, false, /*root=*/true);
     if (!p.divide.empty() && p.divide.back() > 0) root.set_gradient_divide_factor(p.divide.back());
     if (!p.hook.empty() && p.hook.back() > 0) root.set_all_reduce_hook(hook(comm, p.hook.back()));
     if (!p.keep_storage.empty() && p.keep_storage.back()) root.set_keep_unsharded_storage(true);
@@ -186,6 +187,10 @@ struct ShardedSide {
     ShardOptions o;
     o.audit = p.audit;
     o.max_unsharded_groups = p.max_unsharded_groups;
+    if (p.mixed) {
+      o.mixed_precision.param_dtype = torch::kFloat;
+      o.mixed_precision.reduce_dtype = p.mixed == 1 ? torch::kFloat : torch::kDouble;
+    }
     if (p.offload) o.offload_policy = CPUOffloadPolicy{p.offload == 1};
     if (p.placement)
       o.shard_placement_fn = [placement = p.placement](const std::string& n, const at::Tensor& t) {
@@ -225,7 +230,7 @@ void run_extras(const Program& p, Rank& r, ShardedSide& s, Reference& ref, int i
       torch::AutoGradMode mode(grad);
       got = s.model(input_for(p, r.rank, it, which), extras[e].pass, r.rank).item<double>();
     }
-    expect_close(got, ref.loss(p, extras[e].pass, r.rank, it, which, grad),
+    expect_close(p, got, ref.loss(p, extras[e].pass, r.rank, it, which, grad),
                  std::string(grad ? "grad-mode" : "evaluation") + " forward at " +
                      std::to_string(at) + " of iteration " + std::to_string(it));
   }
@@ -248,7 +253,7 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
       if (iter.async_wait) handle.wait();
     }
     auto loss = s.model(input_for(p, r.rank, it, m), iter.micro[m], r.rank);
-    expect_close(loss.item<double>(), ref.loss(p, iter.micro[m], r.rank, it, m, false), "loss");
+    expect_close(p, loss.item<double>(), ref.loss(p, iter.micro[m], r.rank, it, m, false), "loss");
     loss.backward();
     ref.backward_all(p, iter.micro[m], it, m);
   }
@@ -259,14 +264,14 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
   EXPECT_EQ(s.root.memory_stats().unsharded_bytes, 0) << "gathered after backward";
   run_extras(p, r, s, ref, it, micro);
   auto mean = ref.mean_grads(p);
-  EXPECT_GT(expect_shard_grads(s.root, mean, kRtol, kAtol), 0);
+  EXPECT_GT(expect_shard_grads(s.root, mean, p.rtol(), p.atol()), 0);
   if (iter.clip > 0)
-    expect_close(fsdp::clip_grad_norm_(s.root, iter.clip), ref.clip(iter.clip),
+    expect_close(p, fsdp::clip_grad_norm_(s.root, iter.clip), ref.clip(iter.clip),
                  "clip_grad_norm_'s total norm");
   s.opt->step();
   ref.step();
   s.zero_grad(iter.zero);
-  expect_shards_equal(s.root, *ref.net, kRtol, kAtol);
+  expect_shards_equal(s.root, *ref.net, p.rtol(), p.atol());
   run_extras(p, r, s, ref, it, micro + 1);
 }
 
