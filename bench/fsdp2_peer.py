@@ -63,6 +63,8 @@ try:
     import torch.nn.functional as F  # noqa: E402
     from safetensors import safe_open  # noqa: E402
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+    from torch.distributed.fsdp._fully_shard._fsdp_api import (  # noqa: E402
+        AllGather, ReduceScatter)
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
 except ImportError as e:  # bench/torch_ddp.py (fsdp-bench --compare) reports status 3
     print(f"fsdp2_peer: {sys.executable} lacks torch 2.15's FSDP2 or safetensors ({e}); "
@@ -96,6 +98,10 @@ def parse_args(argv):
                    help="1: shard_placement_fn gives Shard(1) to every parameter of 2 dims")
     p.add_argument("--ignored-params", default="",
                    help="comma-separated parameter names for fully_shard's ignored_params")
+    p.add_argument("--custom-collectives", choices=["none", "bf16-round"], default="none",
+                   help="bf16-round: set_custom_all_gather / set_custom_reduce_scatter on every "
+                   "FSDP module, with collectives that round their input to bf16 (fsdp-train's "
+                   "--custom-collectives)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--json", help="write the results here (rank 0)")
     for name in ("layers", "heads", "width", "seq", "batch"):
@@ -247,6 +253,33 @@ def fill(model, full_of):
             p.copy_(full)
 
 
+def bf16_rounded(t):
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+class Bf16RoundingAllGather(AllGather):
+    """An all-gather that puts its input on the wire rounded to bf16 (src/train/rounding_collectives.h)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        # The input is a view of this rank's block of the output: round a copy first.
+        return dist.all_gather_single(output_tensor, bf16_rounded(input_tensor), group=group,
+                                      async_op=async_op)
+
+
+class Bf16RoundingReduceScatter(ReduceScatter):
+    """A reduce-scatter of gradients rounded to bf16 (src/train/rounding_collectives.h)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        return dist.reduce_scatter_single(output=output_tensor, input=bf16_rounded(input_tensor),
+                                          group=group, op=op, async_op=async_op)
+
+
 def build(args, rank, world):
     """The model on this rank (sharded or replicated) and its AdamW."""
     dims = (args.vocab, args.seq, args.layers, args.heads, args.width)
@@ -276,6 +309,10 @@ def build(args, rank, world):
                         ignored_params=ignored_in(f"h.{i}.") or None)
         fully_shard(model, mp_policy=mp(True), shard_placement_fn=placement,
                     ignored_params=ignored_in(""))
+        if args.custom_collectives == "bf16-round":
+            for m in [*model.h, model]:
+                m.set_custom_all_gather(Bf16RoundingAllGather())
+                m.set_custom_reduce_scatter(Bf16RoundingReduceScatter())
         model.to_empty(device="cpu")
         load_weights(model, args)
         wrapped = model

@@ -696,6 +696,9 @@ TEST(TrainE2E, BadInputFailsBeforeAnyRankStarts) {
       {{"--resume", dir}, "holds no complete checkpoint"},
       {{"--mixed-precision", "fp16"}, "float16, which LibTorch 1.13's CPU kernels lack"},
       {{"--nproc", "4", "--batch", "12", "--hsdp", "3"}, "--hsdp 3 does not divide the 4 ranks"},
+      {{"--custom-collectives", "bf16-round", "--no-shard"},
+       "--custom-collectives bf16-round replaces the sharded model's collectives, but --no-shard"},
+      {{"--custom-collectives", "int8"}, "--custom-collectives: int8 not in {none,bf16-round}"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> argv{bin};

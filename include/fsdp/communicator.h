@@ -104,6 +104,9 @@ class Communicator {
   // How this communicator's all-gathers and reduce-scatters travel.
   Transport transport() const;
 
+  // Collectives return once issued; each holds the tensors it was given until its Work completes,
+  // so a temporary input (a converted copy) may be passed and dropped by the caller.
+  //
   // REQUIRES: output contiguous, output.numel() == size() * input.numel(), same dtype.
   // output[r * n : (r + 1) * n] receives rank r's input.
   Work all_gather(const at::Tensor& output, const at::Tensor& input);

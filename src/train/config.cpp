@@ -164,6 +164,14 @@ void add_options(App& a, TrainConfig& c) {
                  "so each rank steps them with its own gradient and they drift apart; the model "
                  "is then built eagerly, not under deferred_init")
       ->group("Processes");
+  app.add_option("--custom-collectives", c.custom_collectives,
+                 "bf16-round: every group's all-gathers and reduce-scatters round their input to "
+                 "bf16 on the wire (FSDP2's set_custom_all_gather / set_custom_reduce_scatter "
+                 "with a compressing collective; the shards and the optimizer stay fp32); none: "
+                 "the communicator's own")
+      ->check(CLI::IsMember({"none", "bf16-round"}))
+      ->capture_default_str()
+      ->group("Processes");
   app.add_option("--shard-dim", c.shard_dim,
                  "1: shard every weight and embedding on dim 1 (columns) instead of dim 0 "
                  "(FSDP2's shard_placement_fn returning Shard(1)); 0: dim 0")
@@ -237,6 +245,7 @@ std::string TrainConfig::to_json() const {
   j["forward-prefetch"] = forward_prefetch;
   j["shard-dim"] = shard_dim;
   j["ignored-params"] = ignored_params;
+  j["custom-collectives"] = custom_collectives;
   j["activation-checkpointing"] = activation_checkpointing;
   j["mixed-precision"] = mixed_precision;
   j["hsdp"] = hsdp;

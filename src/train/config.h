@@ -34,6 +34,10 @@ struct TrainConfig {
   // Comma-separated parameter names left whole and unmanaged on every rank
   // (ShardOptions::ignored_params): each rank steps them with its own gradient.
   std::string ignored_params;
+  // "bf16-round": every group's all-gathers and reduce-scatters go through custom collectives
+  // that round their input to bf16 (FSDPModule::set_custom_all_gather / _reduce_scatter;
+  // rounding_collectives.h); "none": the communicator's own.
+  std::string custom_collectives = "none";
   bool activation_checkpointing = false;  // blocks recompute their activations in backward
   std::string mixed_precision = "none";   // "none", "bf16" (gather and compute) or "fp16" (CUDA)
   int hsdp = 1;  // replicas of HSDP (init_mesh); 1 = plain FSDP over all ranks

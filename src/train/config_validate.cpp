@@ -91,6 +91,12 @@ void check_policies(const TrainConfig& c) {
   FSDP_CHECK(!(!c.ignored_params.empty() && c.no_shard), "--ignored-params ", c.ignored_params,
              " leaves parameters of the sharded model unsharded, but --no-shard trains the plain "
              "model; drop one of the two");
+  FSDP_CHECK(c.custom_collectives == "none" || c.custom_collectives == "bf16-round",
+             "--custom-collectives is '", c.custom_collectives, "'; expected none or bf16-round");
+  FSDP_CHECK(!(c.custom_collectives != "none" && c.no_shard), "--custom-collectives ",
+             c.custom_collectives,
+             " replaces the sharded model's collectives, but --no-shard trains the plain model "
+             "without any; drop one of the two");
   FSDP_CHECK(!(c.shard_dim != 0 && c.no_shard), "--shard-dim ", c.shard_dim,
              " places the shards of the sharded model, but --no-shard trains the plain model; "
              "drop one of the two");

@@ -8,6 +8,8 @@
 
 #include <sstream>
 
+#include "train/rounding_collectives.h"
+
 namespace fsdp::train {
 
 MixedPrecisionPolicy mixed_precision_policy(const std::string& name, bool root) {
@@ -34,6 +36,11 @@ void set_forward_prefetch(const std::string& how, TrainModel& m,
     m.gpt->before_block = [blocks = std::vector<FSDPModule>(blocks)](size_t i) mutable {
       if (i + 1 < blocks.size()) blocks[i + 1].unshard(/*async_op=*/true);  // forward waits
     };
+}
+// --custom-collectives bf16-round on one group.
+void set_rounding_collectives(FSDPModule& group) {
+  group.set_custom_all_gather(std::make_shared<Bf16RoundingAllGather>());
+  group.set_custom_reduce_scatter(std::make_shared<Bf16RoundingReduceScatter>());
 }
 // --ignored-params: the named parameters, per block ("h.<i>." names) and the root's (the rest,
 // last entry); an unknown name is an error listing what names look like.
@@ -109,6 +116,10 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
         for (const auto& p : blocks[i]->parameters()) m->regathered_count += p.numel();
     }
     m->root = fully_shard(m->gpt, m->mesh, root_options);
+    if (cfg.custom_collectives == "bf16-round") {
+      for (FSDPModule h : handles) set_rounding_collectives(h);
+      set_rounding_collectives(m->root);
+    }
     set_forward_prefetch(cfg.forward_prefetch, *m, handles);
     if (deferred) fsdp::materialize(m->gpt);
     for (const ShardInfo& s : m->root.shards()) {
