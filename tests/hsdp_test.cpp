@@ -6,6 +6,8 @@
 #include <fsdp/models/gpt.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "fsdp_test_util.h"
 #include "tiny_gpt.h"
@@ -118,6 +120,11 @@ std::string shared_dir() {
 
 // Saved under HSDP 2x2 (only replica 0 writes: 2 rank files), loaded as plain FSDP at 4 and as
 // HSDP 4x1, and the other way round; the loaded runs continue exactly as the saving run does.
+std::string read_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
 TEST(Hsdp, CheckpointsLoadIntoAnyLayout) {
   auto dir = fs::temp_directory_path() / ("fsdp_hsdp_" + std::to_string(::getpid()));
   fs::remove_all(dir);
@@ -139,6 +146,15 @@ TEST(Hsdp, CheckpointsLoadIntoAnyLayout) {
         for (const auto& e : fs::directory_iterator(ckpt))
           if (e.path().extension() == ".safetensors") ++files;
         EXPECT_EQ(files, 2) << "one file per rank of a replica, written once";
+        // The world may be passed too: the same checkpoint.
+        auto same = checkpoint::save(d + "/hsdp_world", root, &opt, {2, 0, {}, {}}, *world);
+        world->barrier().wait();
+        for (const auto& e : fs::directory_iterator(ckpt)) {
+          const auto other = fs::path(same) / e.path().filename();
+          ASSERT_TRUE(fs::exists(other)) << other;
+          if (e.path().extension() == ".safetensors")
+            EXPECT_TRUE(read_bytes(e.path()) == read_bytes(other)) << other << " differs";
+        }
         auto cont = train(model, root, opt, *world, 2, 2);
 
         // Plain FSDP over the 4 ranks.
@@ -188,9 +204,10 @@ TEST(Hsdp, BadMeshesFailByMessage) {
     torch::optim::AdamW opt(root.parameters(), adamw());
     expect_error(
         [&] {
-          checkpoint::save("/tmp/never", root, &opt, {1, 0, {}, {}}, *world);
+          checkpoint::save("/tmp/never", root, &opt, {1, 0, {}, {}}, *mesh.replicate);
         },
-        {"under HSDP pass the shard communicator"});
+        {"under HSDP pass the shard communicator (mesh.shard, 2 ranks) or the world (4 ranks)",
+         "has 2"});
   });
 }
 

@@ -180,16 +180,19 @@ std::string save(const std::string& dir, const FSDPModule& root, torch::optim::O
                                           fsdp::detail::CallAgreement::Explicit::kCheckpointSave);
   const auto& replicas = root.replicate_communicator();
   if (!replicas) return save_shards(dir, root, opt, state, comm);
-  // HSDP: every replica holds the same shards; replica 0 writes them, the others wait for its
-  // outcome (success, or its error), so that no two ranks write one file.
-  FSDP_CHECK(&comm == &root.communicator(),
-             "checkpoint save: under HSDP pass the shard "
-             "communicator (mesh.shard, the one the model is sharded over), not the world");
+  // HSDP: every replica holds the same shards; replica 0 writes them over the shard communicator,
+  // the others wait for its outcome (success, or its error), so that no two ranks write one file.
+  // The caller may pass that communicator or the world (as load takes either).
+  Communicator& shard = root.communicator();
+  FSDP_CHECK(&comm == &shard || comm.size() == shard.size() * replicas->size(),
+             "checkpoint save: under HSDP pass the shard communicator (mesh.shard, ", shard.size(),
+             " ranks) or the world (", shard.size() * replicas->size(), " ranks); '", comm.name(),
+             "' has ", comm.size());
   std::string path = dir + "/" + step_dir_name(state.step);
   std::exception_ptr error;
   if (replicas->rank() == 0) {
     try {
-      path = save_shards(dir, root, opt, state, comm);
+      path = save_shards(dir, root, opt, state, shard);
     } catch (...) {
       error = std::current_exception();
     }
