@@ -58,9 +58,13 @@ inline torch::Tensor rows_of(const ShardInfo& s, const torch::Tensor& full) {
 }
 
 // Every trainable shard's grad equals its rows of the reference (zeros where the reference has
-// none). Returns the number of parameters compared.
+// none); an ignored parameter's gradient is this rank's own, equal to the reference's where that
+// has one and absent where it has none. Returns the number of parameters compared.
+// `normwise`: each element may also differ by rtol times the largest value of its parameter's
+// reference (rounding in a lower precision, relative to the tensor's scale rather than to an
+// element that cancellation made small).
 inline int expect_shard_grads(const FSDPModule& root, const GradMap& ref, double rtol = 1e-5,
-                              double atol = 1e-6) {
+                              double atol = 1e-6, bool normwise = false) {
   int compared = 0;
   for (const auto& s : root.shards()) {
     if (!s.requires_grad) {
@@ -68,34 +72,49 @@ inline int expect_shard_grads(const FSDPModule& root, const GradMap& ref, double
       continue;
     }
     SCOPED_TRACE("parameter " + s.name);
+    auto it = ref.find(s.name);
+    if (s.ignored && (it == ref.end() || !s.shard.grad().defined())) {
+      EXPECT_EQ(s.shard.grad().defined(), it != ref.end())
+          << "ignored parameter " << s.name << ": a gradient where the reference "
+          << (it == ref.end() ? "has none" : "has one");
+      ++compared;
+      continue;
+    }
     if (!s.shard.grad().defined()) {
       ADD_FAILURE() << s.name << ": shard has no gradient";
       continue;
     }
     torch::Tensor expect;
-    auto it = ref.find(s.name);
+    double scale_atol = atol;
     if (it != ref.end()) {
       expect = rows_of(s, it->second);
+      if (normwise && it->second.numel() > 0)
+        scale_atol += rtol * it->second.abs().max().item<double>();
     } else {
       expect = torch::zeros_like(s.shard);
     }
     auto got = s.shard.grad().reshape(expect.sizes());
-    EXPECT_TRUE(torch::allclose(got, expect, rtol, atol))
-        << s.name << ": max abs diff " << (got - expect).abs().max().item<double>();
+    EXPECT_TRUE(torch::allclose(got, expect, rtol, scale_atol))
+        << s.name << ": max abs diff " << (got - expect).abs().max().item<double>()
+        << " (largest reference value " << expect.abs().max().item<double>() << ")";
     ++compared;
   }
   return compared;
 }
 
-// Every shard equals its rows of the full reference tensor.
+// Every shard equals its rows of the full reference tensor (`normwise`: as for
+// expect_shard_grads).
 inline void expect_shards_equal(const FSDPModule& root, torch::nn::Module& reference,
-                                double rtol = 1e-5, double atol = 1e-7) {
+                                double rtol = 1e-5, double atol = 1e-7, bool normwise = false) {
   std::map<std::string, torch::Tensor> ref;
   for (auto& item : reference.named_parameters()) ref[item.key()] = item.value().detach();
   for (const auto& s : root.shards()) {
-    auto expect = rows_of(s, ref.at(s.name));
+    const auto& full = ref.at(s.name);
+    auto expect = rows_of(s, full);
     auto got = s.shard.detach().reshape(expect.sizes());
-    EXPECT_TRUE(torch::allclose(got, expect, rtol, atol))
+    const double scale_atol =
+        atol + (normwise && full.numel() > 0 ? rtol * full.abs().max().item<double>() : 0);
+    EXPECT_TRUE(torch::allclose(got, expect, rtol, scale_atol))
         << s.name << ": max abs diff " << (got - expect).abs().max().item<double>();
   }
 }

@@ -76,6 +76,11 @@ struct BlockImpl : torch::nn::Module {
     wb = register_parameter("wb", c.defined() ? c : torch::randn({rows, kWidth}, f64) * 0.3,
                             /*requires_grad=*/kind != BlockKind::kFrozenTied);
   }
+  // A weight in the dtype of the input it multiplies (a no-op unless mixed precision kept some
+  // parameters in fp64: Program::keep).
+  static torch::Tensor as(const torch::Tensor& w, const torch::Tensor& x) {
+    return w.to(x.scalar_type());
+  }
   // Two outputs, (B, kWidth) each.
   std::vector<torch::Tensor> forward(torch::Tensor x) {
     if (kind == BlockKind::kInPlace) x.mul_(1.5);  // the caller's tensor changes too
@@ -83,12 +88,12 @@ struct BlockImpl : torch::nn::Module {
     // get no gradient.
     auto a = kind == BlockKind::kIgnoresInput
                  ? torch::tanh(wa.sum(0) + ba).expand({x.size(0), kWidth})
-                 : torch::tanh(x.matmul(wa) + ba);
+                 : torch::tanh(x.matmul(as(wa, x)) + ba);
     torch::Tensor b;
     switch (kind) {
       case BlockKind::kTied:
       case BlockKind::kFrozenTied:
-        b = x.matmul(wb.t()).matmul(wb);  // wb used twice
+        b = x.matmul(as(wb, x).t()).matmul(as(wb, x));  // wb used twice
         break;
       case BlockKind::kBranch:
         b = a * wb.pow(2).sum(0);  // wb on a branch that does not reach x
@@ -99,12 +104,17 @@ struct BlockImpl : torch::nn::Module {
       default:
         b = wb.sum(0).expand({x.size(0), kWidth});  // ignores x
     }
-    return {a, b};
+    // In the input's dtype: under mixed precision a parameter kept in fp64 would otherwise turn
+    // values fp64, and a holder casts such an input to fp32, a copy that an in-place block then
+    // changes instead of the caller's tensor (as FSDP2's cast does), which the fp64 reference
+    // cannot follow.
+    return {a.to(x.scalar_type()), b.to(x.scalar_type())};
   }
   // Another method, called through Sharded::call (FSDP2's register_fsdp_forward_method).
   std::vector<torch::Tensor> encode(torch::Tensor x) {
+    const auto dtype = x.scalar_type();
     auto outs = forward(std::move(x));
-    outs[0] = outs[0] * 0.5 + ba;
+    outs[0] = (outs[0] * 0.5 + ba).to(dtype);
     return outs;
   }
   BlockKind kind;
@@ -221,10 +231,28 @@ struct Program {
   // the root casts its output (the loss) back to fp64.
   int mixed = 0;
   bool mixed_output = false;
+  // With mixed precision: 0, or a salt that picks about a third of the parameters (keeps below)
+  // for MixedPrecisionPolicy::param_dtype_override_fn to keep in fp64.
+  uint32_t keep = 0;
+  // ShardOptions::ignored_params: 0 none, else a salt that picks about a quarter of the parameters
+  // (ignores below), each passed to the fully_shard call of its group. Every rank keeps and steps
+  // its own copy of those. Not with mixed precision, which leaves them in fp64.
+  uint32_t ignore = 0;
   std::vector<Iteration> iterations;
 
+  // Whether parameter `name` (the model's name, e.g. "b1.wa") is one of the ignored ones.
+  bool ignores(const std::string& name) const { return ignore && salted(ignore, name) % 4 == 0; }
+  // Whether mixed precision keeps parameter `name` in fp64.
+  bool keeps(const std::string& name) const { return keep && salted(keep, name) % 3 == 0; }
+  static uint32_t salted(uint32_t salt, const std::string& name) {
+    uint32_t h = 2166136261u ^ (salt * 2654435761u);  // FNV-1a over the salted name
+    for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 16777619u;
+    return h >> 7;
+  }
+
   // How close the sharded side must come to the fp64 reference: to rounding in fp64, or, under
-  // mixed precision, to fp32's (a dropped, repeated or misrouted gradient is off by far more).
+  // mixed precision, to fp32's, relative to each tensor's largest value (a dropped, repeated or
+  // misrouted gradient is off by far more).
   double rtol() const { return mixed ? 1e-5 : 1e-9; }
   double atol() const { return mixed ? 1e-7 : 1e-12; }
 
@@ -277,10 +305,12 @@ struct Program {
         (offload ? offload == 1 ? ", offload pinned" : ", offload" : "") +
         (placement ? ", placement " + std::to_string(placement) : "") +
         (mixed ? std::string(", mixed precision fp32, reduce ") + (mixed == 1 ? "fp32" : "fp64") +
-                     (mixed_output ? ", output fp64" : "")
+                     (mixed_output ? ", output fp64" : "") +
+                     (keep ? ", keeping fp64 " + std::to_string(keep) : "")
                : "") +
-        ", audit " + (audit ? "on" : "off") + ", max_unsharded_groups " +
-        std::to_string(max_unsharded_groups) + ", " +
+        (ignore ? ", ignored params " + std::to_string(ignore) : "") + ", audit " +
+        (audit ? "on" : "off") + ", max_unsharded_groups " + std::to_string(max_unsharded_groups) +
+        ", " +
         (optim == Optim::kSGD ? "SGD momentum " + std::to_string(momentum) : std::string("AdamW")) +
         " wd " + std::to_string(weight_decay) + (swapped ? ", SWAPPED CALLS" : "") +
         (transport.empty() ? "" : ", transport " + transport) + ", " +
@@ -531,7 +561,10 @@ inline Program make_program(uint64_t seed, int world) {
   if (d.chance(5) && p.optim == Optim::kSGD) {
     p.mixed = 1 + d.pick(2);
     p.mixed_output = d.chance(2);
+    if (d.chance(2)) p.keep = 1 + static_cast<uint32_t>(d.pick(1 << 20));
   }
+  // Then ignored parameters.
+  if (d.chance(4) && !p.mixed) p.ignore = 1 + static_cast<uint32_t>(d.pick(1 << 20));
   return p;
 }
 
@@ -559,7 +592,8 @@ struct NetImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const Pass& pass, int rank) {
     const RankChoice& rc = pass.ranks[rank];
     const auto& calls = pass.calls[rank];
-    std::vector<torch::Tensor> pool{rc.use_root_w ? torch::tanh(x.matmul(root_w)) : x * 0.5};
+    std::vector<torch::Tensor> pool{rc.use_root_w ? torch::tanh(x.matmul(BlockImpl::as(root_w, x)))
+                                                  : x * 0.5};
     for (size_t c = 0; c < calls.size(); ++c) {
       auto in = pool[calls[c].input];
       if (rc.detach[c]) in = in.detach();

@@ -47,43 +47,86 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Program& p,
       params, torch::optim::AdamWOptions(p.lr).weight_decay(p.weight_decay));
 }
 
-// The unsharded side: one model that runs every rank's micro-batches.
+// The unsharded side: one model that runs every rank's micro-batches. With ignored parameters,
+// one model per rank instead, each running its rank's micro-batches: the ignored parameters are
+// each rank's own (its own gradient, its own steps), the others stay equal across the models.
 struct Reference {
-  Net net;
-  std::unique_ptr<torch::optim::Optimizer> opt;
+  std::vector<Net> nets;
+  std::vector<std::unique_ptr<torch::optim::Optimizer>> opts;
 
-  explicit Reference(const Program& p) : net(p) { opt = make_optimizer(p, net->parameters()); }
+  explicit Reference(const Program& p) {
+    const int copies = p.ignore ? p.world : 1;
+    for (int k = 0; k < copies; ++k) {
+      nets.push_back(Net(p));
+      if (k > 0) {
+        torch::NoGradGuard no_grad;
+        auto first = nets[0]->parameters();
+        auto mine = nets[k]->parameters();
+        for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_(first[i]);
+      }
+      opts.push_back(make_optimizer(p, nets[k]->parameters()));
+    }
+  }
+  Net& net(int rank) { return nets[nets.size() == 1 ? 0 : rank]; }
 
   double loss(const Program& p, const Pass& pass, int rank, int it, int which, bool grad) {
     torch::AutoGradMode mode(grad);
-    return net->forward(input_for(p, rank, it, which), pass, rank).item<double>();
+    return net(rank)->forward(input_for(p, rank, it, which), pass, rank).item<double>();
   }
   // Accumulates every rank's gradients of `pass` (sum over ranks; divided by world in mean_grads).
   void backward_all(const Program& p, const Pass& pass, int it, int which) {
-    for (int k = 0; k < p.world; ++k) net->forward(input_for(p, k, it, which), pass, k).backward();
+    for (int k = 0; k < p.world; ++k)
+      net(k)->forward(input_for(p, k, it, which), pass, k).backward();
   }
   // The mean over ranks (or the sum divided by the group's set_gradient_divide_factor), zeros for
-  // a trainable parameter no rank reached (as the shards get).
-  GradMap mean_grads(const Program& p) {
+  // a trainable parameter no rank reached (as the shards get), in every model; for an ignored
+  // parameter `rank`'s own gradient, absent where that rank never used it.
+  GradMap mean_grads(const Program& p, int rank) {
     GradMap out;
-    for (auto& item : net->named_parameters()) {
-      auto& v = item.value();
-      if (!v.requires_grad()) continue;
-      if (!v.grad().defined()) v.mutable_grad() = torch::zeros_like(v);
-      v.mutable_grad().div_(p.divisor(item.key())).mul_(p.hook_scale(item.key()));
-      out[item.key()] = v.grad();
+    std::vector<torch::OrderedDict<std::string, torch::Tensor>> named;
+    for (auto& n : nets) named.push_back(n->named_parameters());
+    for (size_t i = 0; i < named[0].size(); ++i) {
+      const std::string& name = named[0][i].key();
+      if (!named[0][i].value().requires_grad()) continue;
+      if (p.ignores(name)) {
+        const auto& g = net(rank)->named_parameters()[name].grad();
+        if (g.defined()) out[name] = g;
+        continue;
+      }
+      auto sum = torch::zeros_like(named[0][i].value());
+      for (auto& d : named)
+        if (d[i].value().grad().defined()) sum.add_(d[i].value().grad());
+      sum.div_(p.divisor(name)).mul_(p.hook_scale(name));
+      for (auto& d : named) d[i].value().mutable_grad() = sum.clone();
+      out[name] = sum;
     }
     return out;
   }
-  double clip(double max_norm) {
-    std::vector<torch::Tensor> ps;
-    for (auto& v : net->parameters())
-      if (v.grad().defined()) ps.push_back(v);
-    return torch::nn::utils::clip_grad_norm_(ps, max_norm);
+  // As fsdp::clip_grad_norm_: the norm of the reduced gradients, the ignored ones left out.
+  double clip(const Program& p, double max_norm) {
+    double norm = 0;
+    for (auto& n : nets) {
+      std::vector<torch::Tensor> ps;
+      for (auto& item : n->named_parameters())
+        if (item.value().grad().defined() && !p.ignores(item.key())) ps.push_back(item.value());
+      norm = torch::nn::utils::clip_grad_norm_(ps, max_norm);
+    }
+    return norm;
   }
-  void step() {
-    opt->step();
-    for (auto& v : net->parameters()) v.mutable_grad() = torch::Tensor();
+  // Steps every model; then the reduced gradients are dropped (mean_grads makes them afresh) and
+  // the ignored ones are cleared as the sharded side's zero_grad clears them.
+  void step(const Program& p, ZeroGrad how) {
+    for (size_t k = 0; k < nets.size(); ++k) {
+      opts[k]->step();
+      if (how == ZeroGrad::kOptimizer) opts[k]->zero_grad();
+      for (auto& item : nets[k]->named_parameters()) {
+        auto& g = item.value().mutable_grad();
+        if (!p.ignores(item.key()) || how == ZeroGrad::kSetToNone)
+          g = torch::Tensor();
+        else if (how == ZeroGrad::kZeroInPlace && g.defined())
+          g.zero_();
+      }
+    }
   }
 };
 
@@ -104,19 +147,29 @@ struct ShardedSide {
   std::vector<FSDPModule> blocks;  // per block: its handle (holders only)
   std::unique_ptr<torch::optim::Optimizer> opt;
 
+  // The model's parameter names by tensor, for the mixed-precision override.
+  std::shared_ptr<std::map<const void*, std::string>> model_names =
+      std::make_shared<std::map<const void*, std::string>>();
+
   ShardedSide(const Program& p, Rank& r) : model(Net(p)) {
+    for (auto& item : model->named_parameters())
+      (*model_names)[item.value().unsafeGetTensorImpl()] = item.key();
     auto comm = communicator(r, p.transport);
     ScopedTransport transport(p.transport);  // the mesh's subgroups use it too
     DeviceMesh mesh = p.replicas > 1 ? init_mesh(comm, p.replicas) : DeviceMesh{};
-    auto shard = [&](auto& holder, int reshard, bool checkpointed, bool root = false) {
+    auto shard = [&](auto& holder, int reshard, bool checkpointed, std::vector<at::Tensor> ignored,
+                     bool root = false) {
       ShardOptions o = options(p, reshard);
       if (root && p.mixed_output) o.mixed_precision.output_dtype = torch::kDouble;
       o.activation_checkpointing = checkpointed;
+      o.ignored_params = std::move(ignored);
       return p.replicas > 1 ? fully_shard(holder, mesh, o) : fully_shard(holder, comm, o);
     };
     auto shard_list = [&](size_t b) {  // blocks b and b + 1 as one group
       ShardOptions o = options(p, p.child_reshard[b]);
       o.activation_checkpointing = p.checkpointed[b];
+      o.ignored_params = ignored_in(p, b);
+      for (auto& t : ignored_in(p, b + 1)) o.ignored_params.push_back(t);
       std::vector<ShardedRef> both = {model->blocks[b], model->blocks[b + 1]};
       return p.replicas > 1 ? fully_shard(both, mesh, o) : fully_shard(both, comm, o);
     };
@@ -125,15 +178,17 @@ struct ShardedSide {
       if (p.modes[b] == BlockMode::kOnUse) {
         // What fully_shard_elements does to each element: the holder stays unattached, so its
         // calls reach forward directly, and the group gathers on first use.
+        ShardOptions o = options(p, -1);
+        o.ignored_params = ignored_in(p, b);
         detail::fully_shard_impl(model->blocks[b].ptr(), p.replicas > 1 ? mesh.shard : comm,
-                                 p.replicas > 1 ? mesh.replicate : nullptr, options(p, -1),
+                                 p.replicas > 1 ? mesh.replicate : nullptr, o,
                                  detail::CallPath::kGatherOnUse);
       } else if (b > 0 && b - 1 < p.listed.size() && p.listed[b - 1]) {
         blocks[b] = blocks[b - 1];  // sharded with the block before, its settings applied
       } else if (p.modes[b] == BlockMode::kHolder) {
-        blocks[b] = b < p.listed.size() && p.listed[b]
-                        ? shard_list(b)
-                        : shard(model->blocks[b], p.child_reshard[b], p.checkpointed[b]);
+        blocks[b] = b < p.listed.size() && p.listed[b] ? shard_list(b)
+                                                       : shard(model->blocks[b], p.child_reshard[b],
+                                                               p.checkpointed[b], ignored_in(p, b));
         if (!p.divide.empty() && p.divide[b] > 0) blocks[b].set_gradient_divide_factor(p.divide[b]);
         if (b < p.no_backward_unshard.size() && p.no_backward_unshard[b])
           blocks[b].set_unshard_in_backward(false);
@@ -143,12 +198,25 @@ struct ShardedSide {
         if (b < p.custom.size()) set_custom(blocks[b], p.custom[b]);
       }
     }
-    root = shard(model, p.root_reshard, false, /*root=*/true);
+    std::vector<at::Tensor> root_ignored;
+    for (auto& item : model->named_parameters(/*recurse=*/false))
+      if (p.ignores(item.key())) root_ignored.push_back(item.value());
+    for (size_t b = 0; b < model->blocks.size(); ++b)
+      if (p.modes[b] == BlockMode::kInRoot)
+        for (auto& t : ignored_in(p, b)) root_ignored.push_back(t);
+    root = shard(model, p.root_reshard, false, std::move(root_ignored), /*root=*/true);
     if (!p.divide.empty() && p.divide.back() > 0) root.set_gradient_divide_factor(p.divide.back());
     if (!p.hook.empty() && p.hook.back() > 0) root.set_all_reduce_hook(hook(comm, p.hook.back()));
     if (!p.keep_storage.empty() && p.keep_storage.back()) root.set_keep_unsharded_storage(true);
     if (p.custom.size() > p.kinds.size()) set_custom(root, p.custom.back());
     opt = make_optimizer(p, root.parameters());
+  }
+  // The parameters of block b that the program ignores.
+  std::vector<at::Tensor> ignored_in(const Program& p, size_t b) {
+    std::vector<at::Tensor> out;
+    for (auto& item : model->blocks[b]->named_parameters())
+      if (p.ignores("b" + std::to_string(b) + "." + item.key())) out.push_back(item.value());
+    return out;
   }
   // Custom collectives, exact and asynchronous (they issue and return, as the contract asks): an
   // all-gather as an all-reduce of the output (fsdp_test_util.h), and a reduce-scatter as an
@@ -183,7 +251,7 @@ struct ShardedSide {
       block.mul_(scale * ones.item<double>() / comm->size());
     };
   }
-  static ShardOptions options(const Program& p, int reshard) {
+  ShardOptions options(const Program& p, int reshard) const {
     ShardOptions o;
     o.audit = p.audit;
     o.max_unsharded_groups = p.max_unsharded_groups;
@@ -191,6 +259,13 @@ struct ShardedSide {
       o.mixed_precision.param_dtype = torch::kFloat;
       o.mixed_precision.reduce_dtype = p.mixed == 1 ? torch::kFloat : torch::kDouble;
     }
+    if (p.keep)  // the names it gets are relative to the module sharded: look up the model's
+      o.mixed_precision.param_dtype_override_fn =
+          [&p, names = model_names](const std::string&,
+                                    const at::Tensor& t) -> std::optional<at::ScalarType> {
+        if (p.keeps(names->at(t.unsafeGetTensorImpl()))) return t.scalar_type();
+        return std::nullopt;
+      };
     if (p.offload) o.offload_policy = CPUOffloadPolicy{p.offload == 1};
     if (p.placement)
       o.shard_placement_fn = [placement = p.placement](const std::string& n, const at::Tensor& t) {
@@ -263,15 +338,16 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
   }
   EXPECT_EQ(s.root.memory_stats().unsharded_bytes, 0) << "gathered after backward";
   run_extras(p, r, s, ref, it, micro);
-  auto mean = ref.mean_grads(p);
-  EXPECT_GT(expect_shard_grads(s.root, mean, p.rtol(), p.atol()), 0);
+  SCOPED_TRACE("iteration " + std::to_string(it) + " after its micro-batches");
+  auto mean = ref.mean_grads(p, r.rank);
+  EXPECT_GT(expect_shard_grads(s.root, mean, p.rtol(), p.atol(), p.mixed != 0), 0);
   if (iter.clip > 0)
-    expect_close(p, fsdp::clip_grad_norm_(s.root, iter.clip), ref.clip(iter.clip),
+    expect_close(p, fsdp::clip_grad_norm_(s.root, iter.clip), ref.clip(p, iter.clip),
                  "clip_grad_norm_'s total norm");
   s.opt->step();
-  ref.step();
+  ref.step(p, iter.zero);
   s.zero_grad(iter.zero);
-  expect_shards_equal(s.root, *ref.net, p.rtol(), p.atol());
+  expect_shards_equal(s.root, *ref.net(r.rank), p.rtol(), p.atol(), p.mixed != 0);
   run_extras(p, r, s, ref, it, micro + 1);
 }
 
@@ -604,7 +680,7 @@ TEST(DifferentCalls, StateDictAndCheckpointAfterDifferentCalls) {
           s.model(input_for(p, r.rank, 0, 50), eval, r.rank);
         }
         const auto sd = fsdp::full_state_dict(s.root);
-        for (const auto& item : ref.net->named_parameters()) {
+        for (const auto& item : ref.net(r.rank)->named_parameters()) {
           ASSERT_TRUE(sd.contains(item.key())) << item.key();
           EXPECT_TRUE(torch::allclose(sd[item.key()], item.value(), kRtol, kAtol)) << item.key();
         }
@@ -613,7 +689,7 @@ TEST(DifferentCalls, StateDictAndCheckpointAfterDifferentCalls) {
         torch::manual_seed(static_cast<int64_t>(p.seed) + 1);  // other initial values
         ShardedSide fresh(p, r);
         fsdp::checkpoint::load(saved, fresh.root, fresh.opt.get(), fresh.root.communicator());
-        expect_shards_equal(fresh.root, *ref.net, kRtol, kAtol);
+        expect_shards_equal(fresh.root, *ref.net(r.rank), kRtol, kAtol);
         run_iteration(p, r, fresh, ref, 1);
       },
       o);
@@ -952,7 +1028,7 @@ TEST(Fsdp2Settings, AsyncUnshardIsWaitedByItsHandleOrItsForward) {
     auto handle = s.blocks[0].unshard(/*async_op=*/true);
     handle.wait();
     // Waited: the full parameters hold the gathered values (read outside any forward).
-    EXPECT_TRUE(torch::equal(s.model->blocks[0]->wb, ref.net->blocks[0]->wb));
+    EXPECT_TRUE(torch::equal(s.model->blocks[0]->wb, ref.net(r.rank)->blocks[0]->wb));
     const auto gathered = s.root.memory_stats().unsharded_bytes;
     EXPECT_GT(gathered, 0);
     handle.wait();  // again: nothing

@@ -219,5 +219,213 @@ TEST(MixedPrecision, GatheredParametersAreInParamDtype) {
   });
 }
 
+// MixedPrecisionPolicy::param_dtype_override_fn (FSDP2's): parameters for which it returns their
+// own dtype stay in it (full parameter, compute, gradient) while the rest take param_dtype; the
+// group gathers in the widest of its dtypes, each parameter its own bytes of the full block.
+namespace override_fn {
+
+// fp64 parameters; forward casts each weight to its input's dtype, so that any mix computes.
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    w1 = register_parameter("w1", torch::randn({6, 5}, torch::kDouble) * 0.4);
+    b1 = register_parameter("b1", torch::randn({6}, torch::kDouble) * 0.1);
+    w2 = register_parameter("w2", torch::randn({3, 6}, torch::kDouble) * 0.4);
+    b2 = register_parameter("b2", torch::randn({3}, torch::kDouble) * 0.1);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = torch::tanh(x.matmul(w1.to(x.scalar_type()).t()) + b1);  // b1 may promote h
+    return h.matmul(w2.to(h.scalar_type()).t()) + b2;
+  }
+  torch::Tensor w1, b1, w2, b2;
+};
+TORCH_MODULE(Net);
+
+struct TopImpl : torch::nn::Module {
+  TopImpl() {
+    torch::manual_seed(3);
+    a = register_module("a", Net());
+    head = register_parameter("head", torch::randn({3}, torch::kDouble));
+  }
+  torch::Tensor forward(torch::Tensor x) { return (a(x) * head).pow(2).mean(); }
+  fsdp::Sharded<Net> a{nullptr};
+  torch::Tensor head;
+};
+TORCH_MODULE(Top);
+
+// Keeps the parameters whose name contains `kept` in their own dtype (fp64).
+ShardOptions keeping(const std::string& kept) {
+  ShardOptions o = audited();
+  o.mixed_precision.param_dtype = torch::kFloat;
+  o.mixed_precision.param_dtype_override_fn =
+      [kept](const std::string& name, const at::Tensor& p) -> std::optional<at::ScalarType> {
+    if (name.find(kept) != std::string::npos) return p.scalar_type();
+    return std::nullopt;
+  };
+  return o;
+}
+
+torch::Tensor input(int rank, int step) {
+  torch::manual_seed(100 + 10 * step + rank);
+  return torch::randn({4, 5}, torch::kDouble);
+}
+
+// Shards `top` on `r`'s world (`a`, then the root); returns their handles.
+std::pair<FSDPModule, FSDPModule> shard(Rank& r, fsdp::Sharded<Top>& top, const ShardOptions& o) {
+  auto a = fully_shard(top->a, r.world(), o);
+  return {a, fully_shard(top, r.world(), o)};
+}
+
+// Trains the sharded `top` for 3 steps of SGD; returns the mean loss over ranks per step.
+std::vector<double> train(Rank& r, fsdp::Sharded<Top>& top, const FSDPModule& root) {
+  torch::optim::SGD opt(root.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<double> losses;
+  for (int s = 0; s < 3; ++s) {
+    auto loss = top(input(r.rank, s));
+    EXPECT_EQ(loss.scalar_type(), torch::kDouble);
+    loss.backward();
+    for (const auto& sh : root.shards()) EXPECT_TRUE(sh.shard.grad().defined()) << sh.name;
+    opt.step();
+    opt.zero_grad();
+    auto l = loss.detach().reshape({1});
+    r.world()->all_reduce(l, ReduceOp::kAvg).wait();
+    losses.push_back(l.item<double>());
+  }
+  return losses;
+}
+
+// The unsharded reference: an fp64 master; each step a compute copy whose parameters not named
+// with `kept` are the master's rounded to fp32 (the rest fp64), each rank's input cast to fp32 as
+// the root casts it, the ranks' gradients averaged in rank order in their group's reduce dtype
+// (reduce_dtype unset: the widest dtype its parameters compute in; `fp32_group` names the
+// parameters of groups that keep none, fp32), SGD on the master. Returns the mean loss per step.
+std::vector<double> reference(TopImpl& master, int world, const std::string& kept,
+                              const std::function<bool(const std::string&)>& fp32_group) {
+  torch::optim::SGD opt(master.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto params = master.named_parameters();
+  std::vector<double> losses;
+  for (int s = 0; s < 3; ++s) {
+    double sum = 0;
+    std::vector<torch::Tensor> grads(params.size());
+    for (int k = 0; k < world; ++k) {
+      TopImpl compute;
+      auto cp = compute.named_parameters();
+      {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < cp.size(); ++i) {
+          const bool keep = cp[i].key().find(kept) != std::string::npos;
+          cp[i].value().set_data(keep ? params[i].value().detach().clone()
+                                      : params[i].value().detach().to(torch::kFloat));
+        }
+      }
+      auto loss = compute.forward(input(k, s).to(torch::kFloat));
+      loss.backward();
+      sum += loss.item<double>();
+      for (size_t i = 0; i < cp.size(); ++i) {
+        auto g = cp[i].value().grad().to(fp32_group(cp[i].key()) ? torch::kFloat : torch::kDouble);
+        grads[i] = grads[i].defined() ? grads[i] + g : g;
+      }
+    }
+    for (size_t i = 0; i < params.size(); ++i)
+      params[i].value().mutable_grad() = (grads[i] / world).to(torch::kDouble);
+    opt.step();
+    opt.zero_grad();
+    losses.push_back(sum / world);
+  }
+  return losses;
+}
+
+}  // namespace override_fn
+
+// Every parameter kept in its own dtype: the policy's param_dtype applies to none, so training
+// equals the unsharded fp64 model to fp64's rounding, and the full parameters are fp64.
+TEST(MixedPrecision, ParamDtypeOverrideKeepingEveryParameterTrainsInItsOwnDtype) {
+  run_ranks(2, [&](Rank& r) {
+    override_fn::TopImpl ref;
+    const auto want = override_fn::reference(ref, 2, "", [](const std::string&) { return false; });
+    fsdp::Sharded<override_fn::Top> top{override_fn::Top()};
+    auto [a, root] = override_fn::shard(r, top, override_fn::keeping(""));
+    const auto got = override_fn::train(r, top, root);
+    for (size_t s = 0; s < want.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-12) << "step " << s;
+    expect_shards_equal(root, ref, 1e-12, 1e-14);
+    root.unshard();
+    a.unshard();
+    for (auto& p : top->named_parameters()) EXPECT_EQ(p.value().scalar_type(), torch::kDouble);
+    root.reshard();
+    a.reshard();
+  });
+}
+
+// Biases kept in fp64, weights computed in fp32: while gathered, each full parameter is in its
+// dtype with the shards' values (the biases bit for bit, the weights rounded once), the group
+// gathers in fp64, and training matches the reference casting the same way to fp32's rounding.
+TEST(MixedPrecision, ParamDtypeOverrideKeepsTheChosenParametersInTheirDtype) {
+  run_ranks(2, [&](Rank& r) {
+    override_fn::TopImpl ref;
+    fsdp::Sharded<override_fn::Top> top{override_fn::Top()};
+    const auto o = override_fn::keeping("b");
+    auto [a, root] = override_fn::shard(r, top, o);
+    root.unshard();
+    a.unshard();
+    const auto want = ref.named_parameters();
+    for (auto& p : top->named_parameters()) {
+      const bool kept = p.key().find('b') != std::string::npos;
+      EXPECT_EQ(p.value().scalar_type(), kept ? torch::kDouble : torch::kFloat) << p.key();
+      EXPECT_TRUE(torch::equal(p.value(), want[p.key()].to(p.value().scalar_type()))) << p.key();
+    }
+    root.reshard();
+    a.reshard();
+    // Training: the same arithmetic as the reference casting the same way, so fp64's rounding.
+    override_fn::TopImpl master;
+    // The root's group holds `head` only, computed in fp32: it reduces in fp32; `a` keeps its
+    // biases in fp64 and reduces in fp64.
+    const auto expected = override_fn::reference(
+        master, 2, "b", [](const std::string& name) { return name == "head"; });
+    const auto losses = override_fn::train(r, top, root);
+    for (size_t s = 0; s < losses.size(); ++s)
+      EXPECT_NEAR(losses[s], expected[s], 1e-12) << "step " << s;
+    expect_shards_equal(root, master, 1e-12, 1e-14);
+    // And not the arithmetic of keeping every parameter: the weights' rounding shows.
+    override_fn::TopImpl all_kept;
+    const auto unrounded =
+        override_fn::reference(all_kept, 2, "", [](const std::string&) { return false; });
+    EXPECT_GT(std::abs(unrounded.back() - expected.back()), 1e-9);
+  });
+}
+
+// Bad answers of the function fail at fully_shard on every rank, naming the parameter and the fix.
+TEST(MixedPrecision, ParamDtypeOverrideErrorsNameTheParameter) {
+  run_ranks(2, [&](Rank& r) {
+    auto bad_dtype = [&](const std::string&, const at::Tensor&) -> std::optional<at::ScalarType> {
+      return torch::kHalf;
+    };
+    fsdp::Sharded<override_fn::Net> a{override_fn::Net()};
+    ShardOptions o = audited();
+    o.mixed_precision.param_dtype = torch::kFloat;
+    o.mixed_precision.param_dtype_override_fn = bad_dtype;
+    const auto msg = error_of([&] { fully_shard(a, r.world(), o); });
+    EXPECT_HAS(msg, "param_dtype_override_fn gave Half for 'w1', a Double parameter");
+    EXPECT_HAS(msg, "return the parameter's own dtype (Double) to keep it");
+    // Throwing on one rank only: every rank raises, none waits for the others.
+    const int rank = r.rank;
+    o.mixed_precision.param_dtype_override_fn =
+        [rank](const std::string& name, const at::Tensor&) -> std::optional<at::ScalarType> {
+      if (rank == 1 && name == "b2") throw std::runtime_error("no rule for b2");
+      return std::nullopt;
+    };
+    const auto thrown = error_of([&] { fully_shard(a, r.world(), o); });
+    EXPECT_HAS(thrown, "param_dtype_override_fn");
+    if (rank == 1) EXPECT_HAS(thrown, "threw for parameter 'b2'");
+    // Answers that differ between ranks.
+    o.mixed_precision.param_dtype_override_fn =
+        [rank](const std::string& name, const at::Tensor& p) -> std::optional<at::ScalarType> {
+      if (rank == 1 && name == "w2") return p.scalar_type();
+      return std::nullopt;
+    };
+    const auto differ = error_of([&] { fully_shard(a, r.world(), o); });
+    EXPECT_HAS(differ, "the model differs across ranks at parameter #2");
+    EXPECT_HAS(differ, "param_dtype_override_fn");
+  });
+}
+
 }  // namespace
 }  // namespace fsdp::testing::mixed_precision_test

@@ -23,12 +23,21 @@ struct MixedPrecisionPolicy {
   // all-gather: bf16 or fp16 moves half the bytes of fp32. None: the shards' dtype.
   std::optional<at::ScalarType> param_dtype;
   // Dtype the gradients are reduce-scattered in (summed in fp32 on the wire for bf16/fp16, then
-  // rounded). None: param_dtype (FSDP2's default), or the shards' dtype without param_dtype.
+  // rounded). None: param_dtype (FSDP2's default), or the shards' dtype without param_dtype (with
+  // param_dtype_override_fn: the widest dtype its parameters compute in).
   std::optional<at::ScalarType> reduce_dtype;
   // Floating-point tensors of the module's forward result are cast to this dtype. None: no cast.
   std::optional<at::ScalarType> output_dtype;
   // Floating-point tensor arguments of the module's forward are cast to param_dtype.
   bool cast_forward_inputs = true;
+  // FSDP2's param_dtype_override_fn: called once per floating-point parameter of the group at
+  // fully_shard, with its name (relative to the module) and the parameter. The parameter's own
+  // dtype keeps it out of param_dtype (e.g. norms in fp32 while the rest computes in bf16: its full
+  // parameter, compute and gradient stay fp32); std::nullopt or param_dtype gives param_dtype. Any
+  // other dtype is an error. It must answer alike on every rank (checked). The group gathers in
+  // the widest of its parameters' dtypes, and reduces in reduce_dtype, else in that widest dtype.
+  std::function<std::optional<at::ScalarType>(const std::string& name, const at::Tensor& param)>
+      param_dtype_override_fn;
 };
 
 // FSDP2's reshard_after_forward: true (free the gathered parameters after forward; backward

@@ -76,6 +76,38 @@ std::vector<int64_t> shard_dims(const std::string& type, const NamedTensors& min
   return dims;
 }
 
+// MixedPrecisionPolicy: each parameter's compute dtype (std::nullopt: its own), param_dtype unless
+// param_dtype_override_fn keeps the parameter's own. Only floating-point parameters are cast.
+std::vector<std::optional<at::ScalarType>> compute_dtypes(const std::string& type,
+                                                          const NamedTensors& mine,
+                                                          const MixedPrecisionPolicy& mp) {
+  std::vector<std::optional<at::ScalarType>> out;
+  for (const auto& [name, t] : mine) {
+    std::optional<at::ScalarType> dtype = mp.param_dtype;
+    if (mp.param_dtype_override_fn && at::isFloatingType(t.scalar_type())) {
+      std::optional<at::ScalarType> given;
+      try {
+        given = mp.param_dtype_override_fn(name, t);
+      } catch (const std::exception& e) {
+        throw Error(cat("fully_shard(", type, "): param_dtype_override_fn threw for parameter '",
+                        name, "' (", t.scalar_type(), "): ", e.what(),
+                        ". Fix: return a dtype or std::nullopt for every parameter"));
+      }
+      FSDP_CHECK(!given || *given == t.scalar_type() || *given == mp.param_dtype, "fully_shard(",
+                 type, "): param_dtype_override_fn gave ", *given, " for '", name, "', a ",
+                 t.scalar_type(), " parameter, with param_dtype ",
+                 mp.param_dtype ? c10::toString(*mp.param_dtype) : "unset",
+                 ". Fix: return the parameter's own dtype (", t.scalar_type(),
+                 ") to keep it, or std::nullopt for param_dtype; no other dtype is supported");
+      if (given) dtype = *given;
+    }
+    if (dtype && (*dtype == t.scalar_type() || !at::isFloatingType(t.scalar_type())))
+      dtype = std::nullopt;
+    out.push_back(dtype);
+  }
+  return out;
+}
+
 // hpZ's post-forward lane: this rank's k consecutive ranks of `comm`, one communicator per
 // (communicator, k), shared by the groups that use it. Every rank calls fully_shard with the same
 // options in the same order, so every rank creates the same lanes in the same order.
@@ -129,19 +161,31 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                  "innermost sharded modules instead (e.g. each block), not their parent");
   auto mine = reg.claim_parameters(*module, paths, options.ignored_params);
   check_placement(type, *comm, mine);
-  // A placement error on one rank stops every rank (the others would wait in the next collective).
+  // An error of the user's functions on one rank stops every rank (the others would wait in the
+  // next collective).
   std::vector<int64_t> dims;
-  const std::string placement_error = error_of([&] { dims = shard_dims(type, mine, options); });
-  if (options.shard_placement_fn)  // without one nothing can fail
-    raise_together(*comm, placement_error, cat("fully_shard(", type, ")'s shard_placement_fn"));
-  check_same_model(*comm, type, mine, dims);
+  std::vector<std::optional<at::ScalarType>> dtypes;
+  const std::string layout_error = error_of([&] {
+    dims = shard_dims(type, mine, options);
+    dtypes = compute_dtypes(type, mine, options.mixed_precision);
+  });
+  if (options.shard_placement_fn || options.mixed_precision.param_dtype_override_fn)
+    raise_together(
+        *comm, layout_error,
+        cat("fully_shard(", type, ")'s ", options.shard_placement_fn ? "shard_placement_fn" : "",
+            options.shard_placement_fn && options.mixed_precision.param_dtype_override_fn ? " or "
+                                                                                          : "",
+            options.mixed_precision.param_dtype_override_fn ? "param_dtype_override_fn" : ""));
+  else if (!layout_error.empty())  // without them nothing can fail
+    throw Error(layout_error);
+  check_same_model(*comm, type, mine, dims, dtypes);
   agree_on_values(*comm, type, mine, options.sync_module_states);
 
   auto context = reg.absorb_children(paths, comm, replicate, options);
   std::vector<ParamState> params;
   for (size_t i = 0; i < mine.size(); ++i)
     params.emplace_back(mine[i].first, mine[i].second, dims[i], comm->rank(), comm->size(),
-                        options.offload_policy, options.mixed_precision.param_dtype);
+                        options.offload_policy, dtypes[i]);
   auto lane = post_forward_lane(comm, options);
   auto group = std::make_shared<Group>(module.get(), type, std::move(params), comm, options);
   if (!members.empty()) group->set_members(module, members);

@@ -81,10 +81,20 @@ Group::Group(torch::nn::Module* module, std::string type_name, std::vector<Param
       params_(std::move(params)),
       comm_(std::move(comm)),
       options_(options) {
+  // The shards share one dtype (check_placement); the full parameters are already in their
+  // compute dtypes: param_dtype, or their own where param_dtype_override_fn kept it. The gather and
+  // the full block use the widest of these, each full parameter its own bytes in the block.
+  if (!params_.empty()) {
+    device_ = params_[0].param().device();
+    gather_dtype_ = params_[0].param().scalar_type();
+    reduce_dtype_ = params_[0].shard().scalar_type();
+  }
+  for (auto& p : params_) gather_dtype_ = at::promote_types(gather_dtype_, p.param().scalar_type());
   for (auto& p : params_) {
     offsets_.push_back(flat_numel_);
     flat_numel_ += p.padded_numel();
-    rows_contiguous_ = rows_contiguous_ && p.dim() == 0;
+    gathers_into_places_ =
+        gathers_into_places_ && p.dim() == 0 && p.param().scalar_type() == gather_dtype_;
   }
   size_t bytes = 0;
   for (auto& p : params_) {
@@ -92,14 +102,8 @@ Group::Group(torch::nn::Module* module, std::string type_name, std::vector<Param
     full_offsets_.push_back(bytes);
     bytes += static_cast<size_t>(p.full_bytes());
   }
-  const int64_t elem = params_.empty() ? 1 : params_[0].param().element_size();
+  const auto elem = static_cast<size_t>(c10::elementSize(gather_dtype_));
   full_block_numel_ = static_cast<int64_t>((bytes + elem - 1) / elem);
-  // One dtype per group (check_placement): the full parameters are already in param_dtype.
-  if (!params_.empty()) {
-    device_ = params_[0].param().device();
-    gather_dtype_ = params_[0].param().scalar_type();
-    reduce_dtype_ = params_[0].shard().scalar_type();
-  }
   bool same_dtype = !params_.empty();
   for (auto& p : params_) same_dtype = same_dtype && p.shard().scalar_type() == gather_dtype_;
   if (same_dtype) {
@@ -116,7 +120,7 @@ Group::Group(torch::nn::Module* module, std::string type_name, std::vector<Param
   if (mp.reduce_dtype) {
     reduce_dtype_ = *mp.reduce_dtype;
   } else if (mp.param_dtype) {
-    reduce_dtype_ = *mp.param_dtype;
+    reduce_dtype_ = params_.empty() ? *mp.param_dtype : gather_dtype_;  // param_dtype, or wider
   }
 }
 

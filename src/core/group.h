@@ -302,8 +302,9 @@ class Group : public std::enable_shared_from_this<Group> {
   ShardOptions options_;
   int64_t flat_numel_ = 0;
   std::vector<int64_t> offsets_;  // per parameter, into the flat block
-  // Every parameter is sharded on dim 0: each rank's rows are contiguous in the full parameter.
-  bool rows_contiguous_ = true;
+  // Every parameter is sharded on dim 0 and gathered in its own dtype: each rank's rows are
+  // contiguous bytes of the full parameter, where the all-gather can put them.
+  bool gathers_into_places_ = true;
   // This rank's rows of every parameter at offsets_ (zero padding), the shards being tensors over
   // it: the all-gather's send block as it is. Undefined when the wire dtype differs from the
   // shards' (mixed precision's param_dtype), where unshard packs a cast copy.

@@ -113,7 +113,7 @@ void Group::issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g,
   pieces.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i)
     pieces.push_back(params_[i].rows_to_send(g.send, offsets_[i]));
-  if (!custom_gather_ && rows_contiguous_ && detail::gathers_into_places(lane, pieces)) {
+  if (!custom_gather_ && gathers_into_places_ && detail::gathers_into_places(lane, pieces)) {
     block = own ? take_full_block() : pool.acquire(full_block_numel_, gather_dtype_, device_);
     std::vector<std::vector<at::Tensor>> places(lane.size());
     for (int r = 0; r < lane.size(); ++r)

@@ -10,19 +10,22 @@
 namespace fsdp::detail {
 
 namespace {
-std::string describe(const at::Tensor& t, int64_t dim) {
+std::string describe(const at::Tensor& t, int64_t dim, std::optional<at::ScalarType> compute) {
   return detail::cat(t.sizes(), " ", t.scalar_type(), t.requires_grad() ? "" : " (frozen)",
-                     " sharded on dim ", dim);
+                     " sharded on dim ", dim,
+                     compute ? detail::cat(", computing in ", *compute) : std::string());
 }
 
 }  // namespace
 
 void check_same_model(Communicator& comm, const std::string& module, const NamedTensors& params,
-                      const std::vector<int64_t>& dims) {
+                      const std::vector<int64_t>& dims,
+                      const std::vector<std::optional<at::ScalarType>>& compute) {
   if (comm.size() == 1) return;
   std::vector<int64_t> hashes;
   for (size_t i = 0; i < params.size(); ++i) {
-    const std::string text = params[i].first + "|" + describe(params[i].second, dims[i]);
+    const std::string text =
+        params[i].first + "|" + describe(params[i].second, dims[i], compute[i]);
     hashes.push_back(static_cast<int64_t>(checksum_bytes(text.data(), text.size()) >> 1));
   }
   const auto per_rank = all_gather_values(comm, hashes);
@@ -34,14 +37,15 @@ void check_same_model(Communicator& comm, const std::string& module, const Named
     counts += detail::cat(r ? ", " : "", per_rank[r].size());
   std::string mine_desc =
       first < params.size()
-          ? detail::cat("'", params[first].first, "' ", describe(params[first].second, dims[first]))
+          ? detail::cat("'", params[first].first, "' ",
+                        describe(params[first].second, dims[first], compute[first]))
           : "no such parameter";
   throw Error(detail::cat(
       "fully_shard(", module, "): the model differs across ranks at parameter #", first,
       " (first seen on rank ", diff->rank, "); on this rank (", comm.rank(), ") it is ", mine_desc,
       "; parameter counts per rank: ", counts,
       ". Every rank must construct the same model (same config, same parameter shapes) and give "
-      "it the same shard_placement_fn before fully_shard."));
+      "it the same shard_placement_fn and param_dtype_override_fn before fully_shard."));
 }
 
 void agree_on_values(Communicator& comm, const std::string& module, const NamedTensors& params,

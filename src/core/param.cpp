@@ -78,6 +78,13 @@ at::Tensor ParamState::rows_in(const at::Tensor& full, int r) const {
 }
 
 at::Tensor ParamState::full_in(const at::Tensor& block, size_t byte_offset) const {
+  if (block.scalar_type() != param_.scalar_type()) {
+    // A block of a wider dtype (param_dtype_override_fn kept other parameters wider): its bytes.
+    return block.view(at::kByte)
+        .narrow(0, static_cast<int64_t>(byte_offset), full_bytes())
+        .view(param_.scalar_type())
+        .view(param_.sizes());
+  }
   const int64_t start = static_cast<int64_t>(byte_offset) / block.element_size();
   return block.narrow(0, start, param_.numel()).view(param_.sizes());
 }
