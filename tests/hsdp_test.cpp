@@ -152,8 +152,9 @@ TEST(Hsdp, CheckpointsLoadIntoAnyLayout) {
         for (const auto& e : fs::directory_iterator(ckpt)) {
           const auto other = fs::path(same) / e.path().filename();
           ASSERT_TRUE(fs::exists(other)) << other;
-          if (e.path().extension() == ".safetensors")
+          if (e.path().extension() == ".safetensors") {
             EXPECT_TRUE(read_bytes(e.path()) == read_bytes(other)) << other << " differs";
+          }
         }
         auto cont = train(model, root, opt, *world, 2, 2);
 

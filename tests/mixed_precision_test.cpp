@@ -414,7 +414,9 @@ TEST(MixedPrecision, ParamDtypeOverrideErrorsNameTheParameter) {
     };
     const auto thrown = error_of([&] { fully_shard(a, r.world(), o); });
     EXPECT_HAS(thrown, "param_dtype_override_fn");
-    if (rank == 1) EXPECT_HAS(thrown, "threw for parameter 'b2'");
+    if (rank == 1) {
+      EXPECT_HAS(thrown, "threw for parameter 'b2'");
+    }
     // Answers that differ between ranks.
     o.mixed_precision.param_dtype_override_fn =
         [rank](const std::string& name, const at::Tensor& p) -> std::optional<at::ScalarType> {
