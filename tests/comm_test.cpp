@@ -314,7 +314,9 @@ TEST_P(RankOrderReduceScatterTest, BitwiseEqualToAlltoallThenSum) {
       }
     }
     // Two summands commute: the order shows from three ranks on.
-    if (ws >= 3) EXPECT_TRUE(order_visible) << "the data cannot tell summation orders apart";
+    if (ws >= 3) {
+      EXPECT_TRUE(order_visible) << "the data cannot tell summation orders apart";
+    }
   });
 }
 
