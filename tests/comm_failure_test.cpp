@@ -292,6 +292,29 @@ TEST(CommFailureTest, PeerThatStallsBeforeConnectingIsNamed) {
       opt);
 }
 
+// A lane that cannot connect (its peer never creates it) fails by the timeout and leaves the
+// communicator whole: its statistics and its destruction do not trip over the failed lane.
+TEST(CommFailureTest, ALaneThatFailsToConnectLeavesItsCommunicatorWhole) {
+  RunOptions opt;
+  opt.collective_timeout_s = 2;
+  run_ranks(
+      2,
+      [](Rank& r) {
+        auto world = r.world();
+        if (r.rank == 0) {
+          EXPECT_THROW(world->lane("only-on-rank-0"), std::exception);
+          EXPECT_GE(world->total_stats().collectives, 0);
+        } else {
+          std::this_thread::sleep_for(std::chrono::seconds(4));  // past rank 0's lane timeout
+        }
+        world->barrier().wait();
+        auto t = at::ones({2});
+        world->all_reduce(t, ReduceOp::kSum).wait();
+        EXPECT_EQ(t[0].item<float>(), 2.0f);
+      },
+      opt);
+}
+
 std::atomic<int> g_flag_signal{0};
 void flag_only(int sig) { g_flag_signal = sig; }
 

@@ -200,6 +200,23 @@ TEST(Hsdp, BadMeshesFailByMessage) {
     fully_shard(model->blocks[0], mesh, audited());
     expect_error([&] { fully_shard(model, world, audited()); },
                  {"different communicator or mesh than its parent"});
+    // An error of one rank's shard_placement_fn stops every rank of the mesh, in both replicas.
+    {
+      auto model3 = build();
+      ShardOptions o = audited();
+      o.shard_placement_fn = [&r](const std::string& name, const at::Tensor&) {
+        if (r.rank == 2 && name.find("weight") != std::string::npos)
+          throw std::runtime_error("no placement on rank 2");
+        return std::optional<Shard>();
+      };
+      const auto err = error_of([&] { fully_shard(model3->blocks[0], mesh, o); });
+      EXPECT_HAS(err, "shard_placement_fn threw for parameter");
+      EXPECT_HAS(err, "no placement on rank 2");
+      if (r.rank != 2) {
+        EXPECT_HAS(err, " failed on rank ");  // of the shard group or of the replicas
+        EXPECT_HAS(err, " of 'world");
+      }
+    }
     auto model2 = build();
     auto root = shard(model2, mesh);
     torch::optim::AdamW opt(root.parameters(), adamw());

@@ -398,6 +398,7 @@ TEST(MixedPrecision, ParamDtypeOverrideErrorsNameTheParameter) {
     auto bad_dtype = [&](const std::string&, const at::Tensor&) -> std::optional<at::ScalarType> {
       return torch::kHalf;
     };
+    torch::manual_seed(0);  // the same weights on every rank
     fsdp::Sharded<override_fn::Net> a{override_fn::Net()};
     ShardOptions o = audited();
     o.mixed_precision.param_dtype = torch::kFloat;
@@ -426,6 +427,22 @@ TEST(MixedPrecision, ParamDtypeOverrideErrorsNameTheParameter) {
     const auto differ = error_of([&] { fully_shard(a, r.world(), o); });
     EXPECT_HAS(differ, "the model differs across ranks at parameter #2");
     EXPECT_HAS(differ, "param_dtype_override_fn");
+    // The function on one rank only: its answers are compared like any other; one that keeps
+    // nothing is what no function gives, and the module is sharded on both ranks.
+    o.mixed_precision.param_dtype_override_fn =
+        [](const std::string& name, const at::Tensor& p) -> std::optional<at::ScalarType> {
+      if (name == "b1") return p.scalar_type();
+      return std::nullopt;
+    };
+    if (rank == 1) o.mixed_precision.param_dtype_override_fn = nullptr;
+    const auto one_sided = error_of([&] { fully_shard(a, r.world(), o); });
+    EXPECT_HAS(one_sided, "the model differs across ranks at parameter #1");
+    o.mixed_precision.param_dtype_override_fn =
+        [](const std::string&, const at::Tensor&) -> std::optional<at::ScalarType> {
+      return std::nullopt;
+    };
+    if (rank == 1) o.mixed_precision.param_dtype_override_fn = nullptr;
+    EXPECT_EQ(error_of([&] { fully_shard(a, r.world(), o); }), "<no error>");
   });
 }
 

@@ -304,7 +304,7 @@ TEST(ShardPlacement, APlacementFunctionThatThrowsStopsEveryRank) {
       };
       auto err = error_of([&] { fully_shard(e, r.world(), o); });
       if (thrower >= 0 && r.rank != thrower) {
-        EXPECT_HAS(err, "shard_placement_fn failed on rank 1: ");
+        EXPECT_HAS(err, ") failed on rank 1: ");
       }
       EXPECT_HAS(err,
                  "shard_placement_fn threw for parameter 'experts' (shape [2, 7, 5]): no "

@@ -255,9 +255,12 @@ std::shared_ptr<Communicator> Communicator::subgroup(const std::string& name,
 }
 
 std::shared_ptr<Communicator> Communicator::lane(const std::string& name) {
-  auto& slot = impl_->lanes[name];
-  if (!slot) slot = impl_->child(name, {}, impl_->requested);
-  return slot;
+  auto it = impl_->lanes.find(name);
+  if (it != impl_->lanes.end()) return it->second;
+  // Built first, entered after: a lane whose connection fails leaves no empty entry behind.
+  auto c = impl_->child(name, {}, impl_->requested);
+  impl_->lanes.emplace(name, c);
+  return c;
 }
 
 CommStats Communicator::total_stats() const {

@@ -56,6 +56,27 @@ void raise_together(Communicator& c, const std::string& error, const std::string
   throw Error(cat(what, " failed on rank ", failure->rank, ": ", failure->message));
 }
 
+namespace {
+std::string failed_elsewhere(const RankFailure& f, const Communicator& c, const std::string& what) {
+  if (f.rank < 0) return cat(what, " failed on another rank");
+  const bool prefixed = f.message.rfind("fsdp: ", 0) == 0;
+  return cat(what, " failed on rank ", f.rank, " of '", c.name(),
+             "': ", prefixed ? f.message.substr(6) : f.message);
+}
+}  // namespace
+
+void raise_together(Communicator& c, Communicator* across, const std::string& error,
+                    const std::string& what) {
+  if (!across) return raise_together(c, error, what);
+  std::string mine = error;
+  if (const auto f = first_failure(c, error); f && error.empty())
+    mine = failed_elsewhere(*f, c, what);
+  const auto g = first_failure(*across, mine);
+  if (!g) return;
+  if (!mine.empty()) throw Error(mine.rfind("fsdp: ", 0) == 0 ? mine.substr(6) : mine);
+  throw Error(failed_elsewhere(*g, *across, what));
+}
+
 std::vector<std::vector<int64_t>> all_gather_values(Communicator& c,
                                                     const std::vector<int64_t>& mine) {
   std::string bytes(mine.size() * sizeof(int64_t), '\0');

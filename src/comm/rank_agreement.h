@@ -33,6 +33,12 @@ std::optional<RankFailure> first_failure(Communicator& c, const std::string& err
 // (as it was, without a second "fsdp: "), elsewhere "<what> failed on rank <r>: <message>" for the
 // first failing rank r.
 void raise_together(Communicator& c, const std::string& error, const std::string& what);
+// The same over the ranks of `c` and then across `across` (HSDP's replicas, each rank in one
+// shard group `c`), so that every rank of the mesh raises; elsewhere the message names the
+// communicator of the failing rank ("<what> failed on rank <r> of '<name>': ..."). `across` may be
+// null (then as above).
+void raise_together(Communicator& c, Communicator* across, const std::string& error,
+                    const std::string& what);
 // Runs fn and returns what it threw ("" when nothing), for raise_together.
 template <class F>
 std::string error_of(F&& fn) {

@@ -161,23 +161,18 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                  "innermost sharded modules instead (e.g. each block), not their parent");
   auto mine = reg.claim_parameters(*module, paths, options.ignored_params);
   check_placement(type, *comm, mine);
-  // An error of the user's functions on one rank stops every rank (the others would wait in the
-  // next collective).
+  // An error of the user's functions (shard_placement_fn, param_dtype_override_fn) on one rank
+  // stops every rank (the others would wait in the next collective).
   std::vector<int64_t> dims;
   std::vector<std::optional<at::ScalarType>> dtypes;
   const std::string layout_error = error_of([&] {
     dims = shard_dims(type, mine, options);
     dtypes = compute_dtypes(type, mine, options.mixed_precision);
   });
-  if (options.shard_placement_fn || options.mixed_precision.param_dtype_override_fn)
-    raise_together(
-        *comm, layout_error,
-        cat("fully_shard(", type, ")'s ", options.shard_placement_fn ? "shard_placement_fn" : "",
-            options.shard_placement_fn && options.mixed_precision.param_dtype_override_fn ? " or "
-                                                                                          : "",
-            options.mixed_precision.param_dtype_override_fn ? "param_dtype_override_fn" : ""));
-  else if (!layout_error.empty())  // without them nothing can fail
-    throw Error(layout_error);
+  // On every rank, whether or not it has the functions: a rank given one where another is not
+  // still meets the others here (and check_same_model compares their answers). Under HSDP across
+  // the replicas too.
+  raise_together(*comm, replicate.get(), layout_error, cat("fully_shard(", type, ")"));
   check_same_model(*comm, type, mine, dims, dtypes);
   agree_on_values(*comm, type, mine, options.sync_module_states);
 
