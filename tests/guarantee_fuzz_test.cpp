@@ -89,7 +89,7 @@ struct Reference {
       const std::string& name = named[0][i].key();
       if (!named[0][i].value().requires_grad()) continue;
       if (p.ignores(name)) {
-        const auto& g = net(rank)->named_parameters()[name].grad();
+        const auto& g = named[nets.size() == 1 ? 0 : rank][i].value().grad();
         if (g.defined()) out[name] = g;
         continue;
       }

@@ -48,10 +48,15 @@ std::optional<RankFailure> first_failure(Communicator& c, const std::string& err
   return RankFailure{-1, {}};  // a rank failed with an empty message
 }
 
+namespace {
+// An fsdp::Error's message without the "fsdp: " that Error puts in front again.
+std::string unprefixed(const std::string& m) { return m.rfind("fsdp: ", 0) == 0 ? m.substr(6) : m; }
+}  // namespace
+
 void raise_together(Communicator& c, const std::string& error, const std::string& what) {
   const auto failure = first_failure(c, error);
   if (!failure) return;
-  if (!error.empty()) throw Error(error.rfind("fsdp: ", 0) == 0 ? error.substr(6) : error);
+  if (!error.empty()) throw Error(unprefixed(error));
   if (failure->rank < 0) throw Error(cat(what, " failed on another rank"));
   throw Error(cat(what, " failed on rank ", failure->rank, ": ", failure->message));
 }
@@ -59,9 +64,7 @@ void raise_together(Communicator& c, const std::string& error, const std::string
 namespace {
 std::string failed_elsewhere(const RankFailure& f, const Communicator& c, const std::string& what) {
   if (f.rank < 0) return cat(what, " failed on another rank");
-  const bool prefixed = f.message.rfind("fsdp: ", 0) == 0;
-  return cat(what, " failed on rank ", f.rank, " of '", c.name(),
-             "': ", prefixed ? f.message.substr(6) : f.message);
+  return cat(what, " failed on rank ", f.rank, " of '", c.name(), "': ", unprefixed(f.message));
 }
 }  // namespace
 
@@ -73,7 +76,7 @@ void raise_together(Communicator& c, Communicator* across, const std::string& er
     mine = failed_elsewhere(*f, c, what);
   const auto g = first_failure(*across, mine);
   if (!g) return;
-  if (!mine.empty()) throw Error(mine.rfind("fsdp: ", 0) == 0 ? mine.substr(6) : mine);
+  if (!mine.empty()) throw Error(unprefixed(mine));
   throw Error(failed_elsewhere(*g, *across, what));
 }
 
