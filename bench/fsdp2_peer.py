@@ -65,6 +65,7 @@ try:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
     from torch.distributed.fsdp._fully_shard._fsdp_api import (  # noqa: E402
         AllGather, ReduceScatter)
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
 except ImportError as e:  # bench/torch_ddp.py (fsdp-bench --compare) reports status 3
     print(f"fsdp2_peer: {sys.executable} lacks torch 2.15's FSDP2 or safetensors ({e}); "
@@ -92,6 +93,12 @@ def parse_args(argv):
                         "fsdp-bench's and fsdp-train's initial weights, bit for bit)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="--mode ddp: bucket size in MiB")
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
+    p.add_argument("--mixed-precision-reduce", choices=["param", "fp32"], default="param",
+                   help="fp32: MixedPrecisionPolicy's reduce_dtype=float32 (fsdp-train's "
+                   "--mixed-precision-reduce); param: the param_dtype")
+    p.add_argument("--hsdp", type=int, default=1,
+                   help="R >= 2: HSDP, fully_shard over a 2-D mesh of R replicas x N/R shards "
+                   "(fsdp-train's --hsdp)")
     p.add_argument("--reshard-after-forward-world", type=int, default=0,
                    help="K >= 2: the blocks' reshard_after_forward=K (hpZ); 0: True")
     p.add_argument("--shard-dim", type=int, choices=[0, 1], default=0,
@@ -128,6 +135,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.mode == "ddp" and args.mixed_precision != "none":
         p.error("--mixed-precision bf16 is FSDP2's MixedPrecisionPolicy; use --mode fsdp2")
+    if args.mixed_precision_reduce != "param" and args.mixed_precision == "none":
+        p.error("--mixed-precision-reduce fp32 needs --mixed-precision bf16")
     return args
 
 
@@ -138,6 +147,8 @@ def resolve_sizes(args, world):
             setattr(args, name, preset[name])
     if args.batch is None:
         args.batch = preset.get("batch") or preset["per_rank"] * world
+    if world % args.hsdp:
+        sys.exit(f"fsdp2_peer: --hsdp {args.hsdp} does not divide {world} ranks")
     if args.batch % (world * args.grad_accum):
         sys.exit(f"fsdp2_peer: --batch {args.batch} is not divisible by {world} ranks x "
                  f"--grad-accum {args.grad_accum}")
@@ -288,9 +299,13 @@ def build(args, rank, world):
             model = GPT(*dims)
         mp = lambda root: MixedPrecisionPolicy()
         if args.mixed_precision == "bf16":
+            reduce = torch.float32 if args.mixed_precision_reduce == "fp32" else torch.bfloat16
             mp = lambda root: MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                param_dtype=torch.bfloat16, reduce_dtype=reduce,
                 output_dtype=torch.float32 if root else None)
+        # fsdp-cpp's init_mesh: replica r holds world ranks [r S, (r + 1) S), row-major as here.
+        mesh = init_device_mesh("cpu", (args.hsdp, world // args.hsdp),
+                                mesh_dim_names=("replicate", "shard")) if args.hsdp > 1 else None
         reshard = args.reshard_after_forward_world or True
         placement = None
         if args.shard_dim:
@@ -305,9 +320,9 @@ def build(args, rank, world):
                 named[n] for n in ignored if not n.startswith("h.")} or None
         for i, b in enumerate(model.h):  # the last block keeps its parameters for backward
             fully_shard(b, reshard_after_forward=reshard if i + 1 < len(model.h) else False,
-                        mp_policy=mp(False), shard_placement_fn=placement,
+                        mesh=mesh, mp_policy=mp(False), shard_placement_fn=placement,
                         ignored_params=ignored_in(f"h.{i}.") or None)
-        fully_shard(model, mp_policy=mp(True), shard_placement_fn=placement,
+        fully_shard(model, mesh=mesh, mp_policy=mp(True), shard_placement_fn=placement,
                     ignored_params=ignored_in(""))
         if args.custom_collectives == "bf16-round":
             for m in [*model.h, model]:

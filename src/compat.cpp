@@ -98,6 +98,26 @@ c10::intrusive_ptr<c10d::Work> all_gather_flat(c10d::ProcessGroup& pg, const at:
 }
 
 namespace {
+// Tensor::set_grad_dtype came after 2.11 (a template, so that its absence is not an error).
+template <class T>
+bool set_grad_dtype_of(const T& t, at::ScalarType dtype) {
+#if TORCH_VERSION_MAJOR >= 2
+  if constexpr (requires { t.set_grad_dtype(dtype); }) {
+    t.set_grad_dtype(dtype);
+    return true;
+  }
+#endif
+  (void)t;
+  (void)dtype;
+  return false;
+}
+}  // namespace
+
+bool set_grad_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  return set_grad_dtype_of(t, dtype);
+}
+
+namespace {
 // alltoall_base was renamed all_to_all_single after 2.11.
 template <class PG>
 c10::intrusive_ptr<c10d::Work> all_to_all(PG& pg, at::Tensor& out, at::Tensor& in) {

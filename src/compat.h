@@ -33,6 +33,10 @@ bool storage_allocated(const at::Tensor& t);  // false once free_storage dropped
 void borrow_storage(const at::Tensor& t, const at::Tensor& block, size_t byte_offset);
 // A tensor of t's shape and dtype with no bytes (guarded markers; never read by a kernel).
 at::Tensor storageless_like(const at::Tensor& t);
+// The dtype autograd gives the gradients reaching the leaf `t`, each cast to it before they are
+// summed and accumulated into t.grad() (Tensor::set_grad_dtype; t's own dtype restores the
+// default). Returns false, doing nothing, on a LibTorch without it (1.13).
+bool set_grad_dtype(const at::Tensor& t, at::ScalarType dtype);
 
 // The dtype a tensor travels as on `backend` (bf16 is bit-cast to fp16 on Gloo).
 at::ScalarType wire_dtype(at::ScalarType t, const std::string& backend);

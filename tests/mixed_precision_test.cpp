@@ -6,6 +6,7 @@
 // bytes, and bad policies fail by message.
 #include <fsdp/models/gpt.h>
 
+#include "compat.h"
 #include "fsdp_test_util.h"
 #include "tiny_gpt.h"
 
@@ -71,14 +72,19 @@ ShardOptions with_policy(const Policy& p, bool root) {
 }
 
 // The reference: returns the mean slice loss per step; `master` ends with the trained values.
+// With `micro` > 1 each rank's slice runs as that many micro-batches, each loss divided by
+// `micro`; a rank's gradients sum in reduce_dtype, the first cast to it and each next one added
+// (FSDP2's accumulation without gradient sync), before the reduction. In the first micro-batch
+// autograd casts each use of a parameter (the tied embedding's two) to reduce_dtype before
+// summing them, where LibTorch can (Tensor::set_grad_dtype, 2.15), as FSDP2 has it do.
 std::vector<double> reference_run(fsdp::Sharded<SkippingGPT>& master, int world, const Policy& p,
-                                  bool differ) {
+                                  bool differ, int micro = 1) {
   torch::optim::AdamW opt(master->parameters(), adamw());
   auto params = master->parameters();
   std::vector<double> losses;
   for (int s = 0; s < kSteps; ++s) {
     auto [x, y] = batch(s);
-    const int64_t per = kGlobalBatch / world;
+    const int64_t per = kGlobalBatch / world, rows = per / micro;
     std::vector<std::vector<torch::Tensor>> slice_grads(params.size());
     double loss_sum = 0;
     for (int k = 0; k < world; ++k) {
@@ -89,13 +95,25 @@ std::vector<double> reference_run(fsdp::Sharded<SkippingGPT>& master, int world,
         for (size_t i = 0; i < cp.size(); ++i) cp[i].set_data(params[i].detach().to(p.param));
       }
       compute->skip = skipped_block(differ, k);
-      auto loss = compute->forward(x.narrow(0, k * per, per), y.narrow(0, k * per, per));
-      auto loss32 = loss.to(torch::kFloat);
-      loss32.backward();
-      loss_sum += loss32.item<double>();
-      auto cp = compute->parameters();
-      for (size_t i = 0; i < cp.size(); ++i)
-        slice_grads[i].push_back(cp[i].grad().defined() ? cp[i].grad() : torch::zeros_like(cp[i]));
+      std::vector<torch::Tensor> sums(params.size());
+      for (int m = 0; m < micro; ++m) {
+        const bool widen =
+            micro > 1 && m == 0 && c10::elementSize(p.reduce) > c10::elementSize(p.param);
+        for (auto& cp : compute->parameters())
+          compat::set_grad_dtype(cp, widen ? p.reduce : p.param);
+        const int64_t row0 = k * per + m * rows;
+        auto loss = compute->forward(x.narrow(0, row0, rows), y.narrow(0, row0, rows));
+        auto loss32 = loss.to(torch::kFloat);
+        (loss32 / micro).backward();
+        loss_sum += loss32.item<double>() / micro;
+        auto cp = compute->parameters();
+        for (size_t i = 0; i < cp.size(); ++i) {
+          auto g = (cp[i].grad().defined() ? cp[i].grad() : torch::zeros_like(cp[i])).to(p.reduce);
+          sums[i] = m == 0 ? g : sums[i] + g;
+          cp[i].mutable_grad() = torch::Tensor();
+        }
+      }
+      for (size_t i = 0; i < params.size(); ++i) slice_grads[i].push_back(sums[i]);
     }
     for (size_t i = 0; i < params.size(); ++i) {
       // As the reduce-scatter does it: blocks in reduce_dtype, summed in rank order in fp32 for
@@ -113,10 +131,10 @@ std::vector<double> reference_run(fsdp::Sharded<SkippingGPT>& master, int world,
   return losses;
 }
 
-void run_mixed(int world, Policy p, bool differ = false) {
+void run_mixed(int world, Policy p, bool differ = false, int micro = 1) {
   run_ranks(world, [&](Rank& r) {
     auto ref = build();
-    auto ref_losses = reference_run(ref, world, p, differ);
+    auto ref_losses = reference_run(ref, world, p, differ, micro);
 
     auto model = build();
     model->skip = skipped_block(differ, r.rank);
@@ -124,21 +142,27 @@ void run_mixed(int world, Policy p, bool differ = false) {
     auto root = shard(model, comm, with_policy(p, false), with_policy(p, true));
     for (const auto& s : root.shards()) ASSERT_EQ(s.shard.scalar_type(), torch::kFloat) << s.name;
     torch::optim::AdamW opt(root.parameters(), adamw());
-    const int64_t per = kGlobalBatch / world;
+    const int64_t per = kGlobalBatch / world, rows = per / micro;
     for (int s = 0; s < kSteps; ++s) {
       auto [gx, gy] = batch(s);
-      auto loss = model(gx.narrow(0, r.rank * per, per), gy.narrow(0, r.rank * per, per));
-      ASSERT_EQ(loss.scalar_type(), torch::kFloat) << "output_dtype casts the root's result";
-      loss.backward();
+      auto mean = torch::zeros({}, torch::kFloat);
+      for (int m = 0; m < micro; ++m) {
+        root.set_requires_gradient_sync(m + 1 == micro);
+        const int64_t row0 = r.rank * per + m * rows;
+        auto loss = model(gx.narrow(0, row0, rows), gy.narrow(0, row0, rows));
+        ASSERT_EQ(loss.scalar_type(), torch::kFloat) << "output_dtype casts the root's result";
+        (loss / micro).backward();
+        mean += loss.detach() / micro;
+      }
       for (const auto& sh : root.shards())
         if (sh.shard.grad().defined()) {
           ASSERT_EQ(sh.shard.grad().scalar_type(), torch::kFloat) << sh.name;
         }
       opt.step();
       opt.zero_grad();
-      auto l = loss.detach().clone();
-      comm->all_reduce(l, ReduceOp::kAvg).wait();
-      EXPECT_NEAR(l.item<double>(), ref_losses[s], 1e-6 * std::abs(ref_losses[s])) << "step " << s;
+      comm->all_reduce(mean, ReduceOp::kAvg).wait();
+      EXPECT_NEAR(mean.item<double>(), ref_losses[s], 1e-6 * std::abs(ref_losses[s]))
+          << "step " << s;
     }
     // Each rank's compute and the reduction's arithmetic are those of the reference: the fp32
     // shards after AdamW agree to fp32 rounding.
@@ -176,6 +200,23 @@ TEST(MixedPrecision, Bf16ParamsFp32ReduceWorld3) {
 // fp16 on the wire. (fp16 compute needs CUDA: LibTorch 1.13's CPU kernels lack LayerNorm and
 // matmul in Half.)
 TEST(MixedPrecision, Bf16ParamsFp16ReduceWorld2) { run_mixed(2, {torch::kBFloat16, torch::kHalf}); }
+// Micro-batches without gradient sync: each rank's gradients sum in reduce_dtype (fp32), not in
+// the bf16 of the compute, as FSDP2 accumulates them; summed in bf16 they would differ from the
+// reference's by bf16 roundings (about 1e-3 relative), and the shards after AdamW by far more
+// than the bound.
+TEST(MixedPrecision, UnsyncedMicroBatchesAccumulateInReduceDtypeWorld2) {
+  run_mixed(2, {torch::kBFloat16, torch::kFloat}, /*differ=*/false, /*micro=*/3);
+}
+TEST(MixedPrecision, UnsyncedMicroBatchesAccumulateInReduceDtypeOneRank) {
+  run_mixed(1, {torch::kBFloat16, torch::kFloat}, /*differ=*/false, /*micro=*/3);
+}
+TEST(MixedPrecision, UnsyncedMicroBatchesAccumulateInReduceDtypeRanksCallingDifferentBlocks) {
+  run_mixed(3, {torch::kBFloat16, torch::kFloat}, /*differ=*/true, /*micro=*/2);
+}
+// Accumulated in bf16 where bf16 is also the reduction's dtype.
+TEST(MixedPrecision, UnsyncedMicroBatchesInBf16World2) {
+  run_mixed(2, {torch::kBFloat16, torch::kBFloat16}, /*differ=*/false, /*micro=*/2);
+}
 // Each rank leaves out another block: the gathers agreed in rounds carry bf16 parameters.
 TEST(MixedPrecision, RanksCallingDifferentBlocksWorld3) {
   run_mixed(3, {torch::kBFloat16, torch::kFloat}, /*differ=*/true);

@@ -699,6 +699,10 @@ TEST(TrainE2E, BadInputFailsBeforeAnyRankStarts) {
       {{"--custom-collectives", "bf16-round", "--no-shard"},
        "--custom-collectives bf16-round replaces the sharded model's collectives, but --no-shard"},
       {{"--custom-collectives", "int8"}, "--custom-collectives: int8 not in {none,bf16-round}"},
+      {{"--mixed-precision-reduce", "fp32"},
+       "--mixed-precision-reduce fp32 sets the reductions' dtype of --mixed-precision bf16, but "
+       "--mixed-precision is none"},
+      {{"--mixed-precision-reduce", "bf16"}, "--mixed-precision-reduce: bf16 not in {param,fp32}"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> argv{bin};

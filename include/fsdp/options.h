@@ -23,8 +23,11 @@ struct MixedPrecisionPolicy {
   // all-gather: bf16 or fp16 moves half the bytes of fp32. None: the shards' dtype.
   std::optional<at::ScalarType> param_dtype;
   // Dtype the gradients are reduce-scattered in (summed in fp32 on the wire for bf16/fp16, then
-  // rounded). None: param_dtype (FSDP2's default), or the shards' dtype without param_dtype (with
-  // param_dtype_override_fn: the widest dtype its parameters compute in).
+  // rounded). None: param_dtype (FSDP2's default before torch 2.15), or the shards' dtype without
+  // param_dtype (with param_dtype_override_fn: the widest dtype its parameters compute in). Where
+  // it is wider than a parameter's compute dtype, backwards without gradient sync
+  // (FSDPModule::set_requires_gradient_sync(false)) accumulate that parameter's gradients in it,
+  // as FSDP2 does ([Note: accumulating without gradient sync] in docs/design.md).
   std::optional<at::ScalarType> reduce_dtype;
   // Floating-point tensors of the module's forward result are cast to this dtype. None: no cast.
   std::optional<at::ScalarType> output_dtype;

@@ -31,7 +31,7 @@ void Audit::check_reductions(const BackwardPass& pass, const std::vector<Group*>
     if (!must) continue;
     for (const auto& p : g->params()) {
       if (!p.trainable()) continue;
-      if (p.holds_unsharded_grad())
+      if (p.holds_unsharded_grad() || p.holds_accumulated_grad())
         fail(detail::cat("Final: parameter '", g->prefix(), p.name(), "' of group '", g->name(),
                          "' holds an unsharded gradient after its group was reduced (event: a "
                          "late AccumulateGrad)"));

@@ -77,6 +77,8 @@ BackwardPass::BackwardPass(Context& ctx, const void* task_key, const torch::auto
   }
   plan();  // first: its exchange stops every rank at once if the ranks' calls differ
   if (reducing_ && ctx_.replicate_lane()) ctx_.check_all_reduce_settings();
+  for (Group* g : groups)
+    if (!will_reduce(*g)) g->begin_unsynced_backward();
   gather_elements();
   // Groups this rank's backward does not touch: done now (a gathered one may reshard at once;
   // a resharded one is still gathered and dropped when its turn in the plan comes).
@@ -192,6 +194,8 @@ void BackwardPass::on_grad_ready(Group& g, size_t i) {
     if (will_reduce(g)) {
       reap_reductions(before_send_buffer(g));
       g.hand_over_grad(i);
+    } else {
+      g.keep_unsynced_grad(i);
     }
   }
   ctx_.log(&g, detail::cat("gradient final: '", g.params()[i].name(), "' (", s.grads_pending,

@@ -206,6 +206,16 @@ class Group : public std::enable_shared_from_this<Group> {
   // the parameter, so that a group's unsharded gradients and its send buffer are never both held.
   // On one rank (no replicas) it is added to the shard's gradient instead: there is no exchange.
   void hand_over_grad(size_t param_index);
+  // Parameter i's gradient, final for a backward that does not reduce this group (gradient sync
+  // off): kept for a later reduction, in reduce_dtype where that is wider than its compute dtype
+  // (ParamState::keep_unsynced_grad).
+  void keep_unsynced_grad(size_t param_index) {
+    params_[param_index].keep_unsynced_grad(reduce_dtype_);
+  }
+  // A backward that does not reduce this group begins (ParamState::begin_unsynced_backward).
+  void begin_unsynced_backward() {
+    for (auto& p : params_) p.begin_unsynced_backward(reduce_dtype_);
+  }
   bool has_handed_over() const { return handed_send_.defined(); }  // holds a send buffer
   // Packs the gradients not handed over (zeros when missing) and issues the reduce-scatter.
   PendingReduce issue_reduce_scatter();

@@ -36,6 +36,9 @@ void Group::post_backward() {
 void Group::finalize_backward() {
   end_backward_span();
   if (handed_send_.defined()) drop_handed_over();  // the backward failed before this reduction
+  // Gradients the pass did not see arrive (not expected from the engine's plan) are kept too.
+  for (size_t i = 0; i < params_.size(); ++i) keep_unsynced_grad(i);
+  for (auto& p : params_) p.end_backward();
   if (training_state_ != TrainingState::kForward)
     transition(TrainingState::kIdle,
                {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});

@@ -178,9 +178,7 @@ void ParamState::free_full() {
 void ParamState::pack_grad(const at::Tensor& send, int64_t offset) {
   // Writes every element of this parameter's columns (`send` is not zero-initialised): the
   // gradient's rows, zeros for padding, all zeros when there is no gradient (frozen or unused).
-  // The marker means the last gradient was handed over already and nothing accumulated since
-  // (the parameter got no gradient in this backward): zeros, like an undefined gradient.
-  at::Tensor g = trainable() && !grad_is_marker() ? param_.grad() : at::Tensor();
+  const at::Tensor g = take_unsharded_grad();
   for (int r = 0; r < world_; ++r) {
     const int64_t n = g.defined() ? rows_of(r) * row_numel_ : 0;
     if (n > 0) {
@@ -189,7 +187,43 @@ void ParamState::pack_grad(const at::Tensor& send, int64_t offset) {
     }
     if (n < padded_numel()) send[r].narrow(0, offset + n, padded_numel() - n).zero_();
   }
+}
+
+at::Tensor ParamState::take_unsharded_grad() {
+  if (!trainable()) return at::Tensor();
+  // The marker means the last gradient was handed over already and nothing accumulated since
+  // (the parameter got no gradient in this backward), like an undefined gradient.
+  at::Tensor g = grad_is_marker() ? at::Tensor() : param_.grad();
   if (g.defined()) param_.mutable_grad() = moved_grad_;
+  if (!accumulated_grad_.defined()) return g;
+  at::Tensor sum = std::move(accumulated_grad_);
+  accumulated_grad_ = at::Tensor();
+  return g.defined() ? sum.add_(g) : sum;
+}
+
+void ParamState::begin_unsynced_backward(at::ScalarType reduce_dtype) {
+  if (!trainable() || accumulated_grad_.defined() || holds_unsharded_grad() ||
+      !accumulates_wider(reduce_dtype))
+    return;
+  grad_dtype_widened_ = compat::set_grad_dtype(param_, reduce_dtype);
+}
+
+void ParamState::keep_unsynced_grad(at::ScalarType reduce_dtype) {
+  if (!trainable() || !holds_unsharded_grad() || !accumulates_wider(reduce_dtype)) return;
+  at::Tensor g = param_.grad();
+  param_.mutable_grad() = moved_grad_;
+  if (accumulated_grad_.defined()) {
+    accumulated_grad_.add_(g);
+  } else {
+    // In reduce_dtype already where autograd cast the uses (begin_unsynced_backward): its own
+    // tensor, which nothing else holds.
+    accumulated_grad_ = g.scalar_type() == reduce_dtype ? g.detach() : g.to(reduce_dtype);
+  }
+}
+
+void ParamState::end_backward() {
+  if (grad_dtype_widened_) compat::set_grad_dtype(param_, param_.scalar_type());
+  grad_dtype_widened_ = false;
 }
 
 bool ParamState::grad_is_marker() const {
@@ -207,13 +241,12 @@ void ParamState::move_grad_to_shard(at::ScalarType reduce_dtype,
                                     const std::optional<double>& divide_by) {
   if (!trainable()) return;
   at::Tensor& slot = shard_.mutable_grad();
-  if (!param_.grad().defined() || grad_is_marker()) {
+  at::Tensor g = take_unsharded_grad();
+  if (!g.defined()) {
     // No gradient in this backward: zeros, as the reduction of zeros would give.
     if (!slot.defined()) slot = at::zeros_like(shard_.detach());
     return;
   }
-  at::Tensor g = param_.grad();
-  param_.mutable_grad() = moved_grad_;
   if (g.scalar_type() != reduce_dtype) g = g.to(reduce_dtype);   // the wire's rounding
   if (g.device() != shard_.device()) g = g.to(shard_.device());  // CPUOffloadPolicy: to the host
   if (divide_by) g = g / *divide_by;  // a new tensor: the sum over one rank, divided
@@ -221,7 +254,7 @@ void ParamState::move_grad_to_shard(at::ScalarType reduce_dtype,
     slot.add_(g.reshape(shard_.sizes()));
   } else if (g.scalar_type() == shard_.scalar_type() && g.sizes() == shard_.sizes() &&
              !g.is_view() && g.is_contiguous()) {
-    slot = g.detach();  // autograd's own gradient tensor: nothing else refers to it
+    slot = g.detach();  // autograd's gradient or the accumulated one: nobody else holds it
   } else {
     slot = g.reshape(shard_.sizes()).to(shard_.scalar_type(), false, /*copy=*/true);
   }

@@ -114,6 +114,17 @@ class ParamState {
   // A real gradient on the full parameter (not the marker): not yet handed to a reduction.
   bool holds_unsharded_grad() const { return param_.grad().defined() && !grad_is_marker(); }
   bool grad_is_marker() const;
+  // Backwards without gradient sync accumulate in `reduce_dtype` where it is wider than the
+  // compute dtype, as FSDP2 does ([Note: accumulating without gradient sync] in docs/design.md).
+  // begin_unsynced_backward, as such a backward begins: where nothing is accumulated yet, autograd
+  // casts each gradient reaching the parameter to reduce_dtype before summing them
+  // (compat::set_grad_dtype, where this LibTorch has it); end_backward restores the default.
+  // keep_unsynced_grad, once the gradient is final: moves it into a gradient of its own in
+  // reduce_dtype that the next micro-batches add to, and leaves the marker.
+  void begin_unsynced_backward(at::ScalarType reduce_dtype);
+  void keep_unsynced_grad(at::ScalarType reduce_dtype);
+  void end_backward();
+  bool holds_accumulated_grad() const { return accumulated_grad_.defined(); }
   // Accumulates the reduced rows for this rank into shard().grad() (in the shard's dtype).
   void add_shard_grad(const at::Tensor& reduced_flat, int64_t offset);
   // One rank, no replicas (Group::reduces_locally): the reduction of the unsharded gradient is
@@ -137,6 +148,14 @@ class ParamState {
   compat::NodePtr acc_;
   uintptr_t hook_key_ = 0;
   at::Tensor moved_grad_;
+  at::Tensor accumulated_grad_;      // keep_unsynced_grad's sum, full-shaped, in reduce_dtype
+  bool grad_dtype_widened_ = false;  // begin_unsynced_backward set it
+  bool accumulates_wider(at::ScalarType reduce_dtype) const {
+    return c10::elementSize(reduce_dtype) > param_.element_size();
+  }
+  // The unsharded gradient to reduce: the accumulated one plus this backward's (either may be
+  // missing; undefined when both are), both dropped from this parameter (the marker left).
+  at::Tensor take_unsharded_grad();
   // A 64-bit hash of the shard's bytes (XXH3) as last gathered; kNoFingerprint until taken, or
   // where none can be (a shard not in host memory): then the gathered values count as stale.
   static constexpr uint64_t kNoFingerprint = 0;

@@ -187,6 +187,13 @@ void add_options(App& a, TrainConfig& c) {
                  "needs CUDA; none: fp32")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}))
       ->group("Processes");
+  app.add_option("--mixed-precision-reduce", c.mixed_precision_reduce,
+                 "with --mixed-precision bf16: the gradients' reduce-scatter (and the sum of "
+                 "micro-batches without gradient sync) in fp32 instead of bf16 (FSDP2's "
+                 "reduce_dtype); param: in the compute dtype")
+      ->check(CLI::IsMember({"param", "fp32"}))
+      ->capture_default_str()
+      ->group("Processes");
   app.add_option("--hsdp", c.hsdp,
                  "HSDP: R replicas of N/R ranks each shard the model within their replica and "
                  "average gradients across replicas (R must divide the ranks; 1: plain FSDP)")
@@ -248,6 +255,7 @@ std::string TrainConfig::to_json() const {
   j["custom-collectives"] = custom_collectives;
   j["activation-checkpointing"] = activation_checkpointing;
   j["mixed-precision"] = mixed_precision;
+  j["mixed-precision-reduce"] = mixed_precision_reduce;
   j["hsdp"] = hsdp;
   j["layers"] = layers;
   j["heads"] = heads;

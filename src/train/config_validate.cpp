@@ -86,6 +86,13 @@ void check_policies(const TrainConfig& c) {
   FSDP_CHECK(!(c.mixed_precision != "none" && c.no_shard), "--mixed-precision ", c.mixed_precision,
              " is a policy of the sharded model, but --no-shard trains the plain model; drop "
              "one of the two");
+  FSDP_CHECK(c.mixed_precision_reduce == "param" || c.mixed_precision_reduce == "fp32",
+             "--mixed-precision-reduce is '", c.mixed_precision_reduce,
+             "'; expected param or fp32");
+  FSDP_CHECK(c.mixed_precision_reduce == "param" || c.mixed_precision != "none",
+             "--mixed-precision-reduce ", c.mixed_precision_reduce,
+             " sets the reductions' dtype of --mixed-precision bf16, but --mixed-precision is "
+             "none: every reduction is fp32 already; drop it or add --mixed-precision bf16");
   FSDP_CHECK(c.hsdp >= 1, "--hsdp is ", c.hsdp,
              "; it must be a positive number of replicas that divides the ranks (1: plain FSDP)");
   FSDP_CHECK(!(!c.ignored_params.empty() && c.no_shard), "--ignored-params ", c.ignored_params,

@@ -12,7 +12,8 @@
 
 namespace fsdp::train {
 
-MixedPrecisionPolicy mixed_precision_policy(const std::string& name, bool root) {
+MixedPrecisionPolicy mixed_precision_policy(const std::string& name, const std::string& reduce,
+                                            bool root) {
   FSDP_CHECK(name != "fp16",
              "--mixed-precision fp16 computes in float16, which LibTorch 1.13's CPU kernels lack "
              "(no Half LayerNorm or matmul; it would work on CUDA): use bf16 or none");
@@ -20,7 +21,8 @@ MixedPrecisionPolicy mixed_precision_policy(const std::string& name, bool root) 
              "'; expected bf16, fp16 or none");
   MixedPrecisionPolicy p;
   if (name == "none") return p;
-  p.param_dtype = torch::kBFloat16;  // the reduce-scatter too (FSDP2's default reduce_dtype)
+  p.param_dtype = torch::kBFloat16;  // the reduce-scatter too (FSDP2's default reduce_dtype),
+  if (reduce == "fp32") p.reduce_dtype = torch::kFloat;  // unless fp32 is asked for
   if (root) p.output_dtype = torch::kFloat;
   return p;
 }
@@ -89,9 +91,11 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
     if (cfg.reshard_after_forward && cfg.reshard_after_forward_world > 0)
       block_options.reshard_after_forward = cfg.reshard_after_forward_world;
     block_options.activation_checkpointing = cfg.activation_checkpointing;
-    block_options.mixed_precision = mixed_precision_policy(cfg.mixed_precision, false);
+    block_options.mixed_precision =
+        mixed_precision_policy(cfg.mixed_precision, cfg.mixed_precision_reduce, false);
     ShardOptions root_options;
-    root_options.mixed_precision = mixed_precision_policy(cfg.mixed_precision, true);
+    root_options.mixed_precision =
+        mixed_precision_policy(cfg.mixed_precision, cfg.mixed_precision_reduce, true);
     if (cfg.shard_dim != 0) {
       const int64_t dim = cfg.shard_dim;
       block_options.shard_placement_fn = root_options.shard_placement_fn =

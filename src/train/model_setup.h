@@ -42,10 +42,12 @@ struct TrainModel {
 std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
                                         const std::shared_ptr<Communicator>& comm);
 
-// The MixedPrecisionPolicy of --mixed-precision (none: the empty policy, fp32 throughout). `root`:
+// The MixedPrecisionPolicy of --mixed-precision (none: the empty policy, fp32 throughout) and
+// --mixed-precision-reduce (`reduce`: param or fp32). `root`:
 // also cast the output to fp32. Throws fsdp::Error for fp16 (LibTorch 1.13 has no CPU Half
 // LayerNorm/matmul) or another name.
-MixedPrecisionPolicy mixed_precision_policy(const std::string& name, bool root);
+MixedPrecisionPolicy mixed_precision_policy(const std::string& name, const std::string& reduce,
+                                            bool root);
 
 // AdamW(lr, beta1, beta2, eps) with two groups: decay (cfg.weight_decay) and no_decay (0).
 std::unique_ptr<torch::optim::AdamW> build_optimizer(const TrainConfig& cfg, TrainModel& m);

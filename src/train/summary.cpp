@@ -17,6 +17,7 @@ std::string model_description(const TrainConfig& cfg, int64_t params) {
                 static_cast<long long>(cfg.vocab), static_cast<double>(params) / 1e6);
   std::string d = buf;
   if (cfg.mixed_precision != "none") d += ", " + cfg.mixed_precision + " compute";
+  if (cfg.mixed_precision_reduce == "fp32") d += ", fp32 reductions";
   if (cfg.hsdp > 1) d += ", HSDP " + std::to_string(cfg.hsdp) + " replicas";
   return d;
 }
