@@ -94,8 +94,9 @@ def parse_args(argv):
     p.add_argument("--bucket-mb", type=float, default=25.0, help="--mode ddp: bucket size in MiB")
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
     p.add_argument("--mixed-precision-reduce", choices=["param", "fp32"], default="param",
-                   help="fp32: MixedPrecisionPolicy's reduce_dtype=float32 (fsdp-train's "
-                   "--mixed-precision-reduce); param: the param_dtype")
+                   help="fp32: MixedPrecisionPolicy's reduce_dtype left unset, which torch 2.15 "
+                   "reduces in the parameters' fp32 (fsdp-train's --mixed-precision-reduce); "
+                   "param: reduce_dtype=bfloat16")
     p.add_argument("--hsdp", type=int, default=1,
                    help="R >= 2: HSDP, fully_shard over a 2-D mesh of R replicas x N/R shards "
                    "(fsdp-train's --hsdp)")
@@ -299,7 +300,8 @@ def build(args, rank, world):
             model = GPT(*dims)
         mp = lambda root: MixedPrecisionPolicy()
         if args.mixed_precision == "bf16":
-            reduce = torch.float32 if args.mixed_precision_reduce == "fp32" else torch.bfloat16
+            # fp32: reduce_dtype left unset, torch 2.15's default (the parameters' fp32)
+            reduce = None if args.mixed_precision_reduce == "fp32" else torch.bfloat16
             mp = lambda root: MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=reduce,
                 output_dtype=torch.float32 if root else None)

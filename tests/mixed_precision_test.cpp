@@ -60,7 +60,9 @@ std::pair<torch::Tensor, torch::Tensor> batch(int step) {
 torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
 
 struct Policy {
-  torch::Dtype param, reduce;
+  torch::Dtype param;
+  std::optional<torch::Dtype> reduce;  // unset: the shards' fp32
+  torch::Dtype reduce_or_fp32() const { return reduce.value_or(torch::kFloat); }
 };
 
 ShardOptions with_policy(const Policy& p, bool root) {
@@ -98,9 +100,9 @@ std::vector<double> reference_run(fsdp::Sharded<SkippingGPT>& master, int world,
       std::vector<torch::Tensor> sums(params.size());
       for (int m = 0; m < micro; ++m) {
         const bool widen =
-            micro > 1 && m == 0 && c10::elementSize(p.reduce) > c10::elementSize(p.param);
+            micro > 1 && m == 0 && c10::elementSize(p.reduce_or_fp32()) > c10::elementSize(p.param);
         for (auto& cp : compute->parameters())
-          compat::set_grad_dtype(cp, widen ? p.reduce : p.param);
+          compat::set_grad_dtype(cp, widen ? p.reduce_or_fp32() : p.param);
         const int64_t row0 = k * per + m * rows;
         auto loss = compute->forward(x.narrow(0, row0, rows), y.narrow(0, row0, rows));
         auto loss32 = loss.to(torch::kFloat);
@@ -108,7 +110,8 @@ std::vector<double> reference_run(fsdp::Sharded<SkippingGPT>& master, int world,
         loss_sum += loss32.item<double>() / micro;
         auto cp = compute->parameters();
         for (size_t i = 0; i < cp.size(); ++i) {
-          auto g = (cp[i].grad().defined() ? cp[i].grad() : torch::zeros_like(cp[i])).to(p.reduce);
+          auto g = (cp[i].grad().defined() ? cp[i].grad() : torch::zeros_like(cp[i]))
+                       .to(p.reduce_or_fp32());
           sums[i] = m == 0 ? g : sums[i] + g;
           cp[i].mutable_grad() = torch::Tensor();
         }
@@ -118,11 +121,12 @@ std::vector<double> reference_run(fsdp::Sharded<SkippingGPT>& master, int world,
     for (size_t i = 0; i < params.size(); ++i) {
       // As the reduce-scatter does it: blocks in reduce_dtype, summed in rank order in fp32 for
       // low precision, divided by the world, rounded to reduce_dtype.
-      auto blocks = torch::stack(slice_grads[i]).to(p.reduce);
-      auto sum = p.reduce == torch::kFloat || p.reduce == torch::kDouble
+      const auto reduce = p.reduce_or_fp32();
+      auto blocks = torch::stack(slice_grads[i]).to(reduce);
+      auto sum = reduce == torch::kFloat || reduce == torch::kDouble
                      ? blocks.sum(0)
                      : blocks.to(torch::kFloat).sum(0);
-      params[i].mutable_grad() = sum.div_(world).to(p.reduce).to(params[i].scalar_type());
+      params[i].mutable_grad() = sum.div_(world).to(reduce).to(params[i].scalar_type());
     }
     opt.step();
     opt.zero_grad();
@@ -180,7 +184,7 @@ void run_mixed(int world, Policy p, bool differ = false, int micro = 1) {
             std::max(worst, (sh.shard.detach().reshape(w.sizes()) - w).abs().max().item<double>());
       }
       std::cout << "mixed precision world " << world << " param " << p.param << " reduce "
-                << p.reduce << ": max shard error vs reference " << worst << "\n";
+                << p.reduce_or_fp32() << ": max shard error vs reference " << worst << "\n";
     }
   });
 }
@@ -213,6 +217,11 @@ TEST(MixedPrecision, UnsyncedMicroBatchesAccumulateInReduceDtypeOneRank) {
 TEST(MixedPrecision, UnsyncedMicroBatchesAccumulateInReduceDtypeRanksCallingDifferentBlocks) {
   run_mixed(3, {torch::kBFloat16, torch::kFloat}, /*differ=*/true, /*micro=*/2);
 }
+// reduce_dtype unset: the parameters' fp32 (torch 2.15's FSDP2), for the reduction and for the
+// micro-batches' sum.
+TEST(MixedPrecision, UnsetReduceDtypeReducesAndAccumulatesInTheParametersDtype) {
+  run_mixed(2, {torch::kBFloat16, std::nullopt}, /*differ=*/false, /*micro=*/2);
+}
 // Accumulated in bf16 where bf16 is also the reduction's dtype.
 TEST(MixedPrecision, UnsyncedMicroBatchesInBf16World2) {
   run_mixed(2, {torch::kBFloat16, torch::kBFloat16}, /*differ=*/false, /*micro=*/2);
@@ -222,14 +231,18 @@ TEST(MixedPrecision, RanksCallingDifferentBlocksWorld3) {
   run_mixed(3, {torch::kBFloat16, torch::kFloat}, /*differ=*/true);
 }
 
-// The all-gather moves half the bytes in bf16; the reduce-scatter too when it reduces in bf16.
+// The all-gather moves half the bytes in bf16, the reduce-scatter too when it reduces in bf16;
+// with reduce_dtype unset it reduces in the parameters' fp32 (torch 2.15's FSDP2), so only the
+// gathers shrink.
 TEST(MixedPrecision, Bf16HalvesTheBytesOnTheWire) {
   run_ranks(2, [&](Rank& r) {
-    auto bytes_of_one_step = [&](std::optional<torch::Dtype> param_dtype) {
+    auto bytes_of_one_step = [&](std::optional<torch::Dtype> param_dtype,
+                                 std::optional<torch::Dtype> reduce_dtype) {
       auto model = build();
-      auto comm = r.world()->split(param_dtype ? "bf16" : "fp32");
+      auto comm = r.world()->split(param_dtype ? (reduce_dtype ? "bf16" : "bf16_fp32") : "fp32");
       ShardOptions o;
       o.mixed_precision.param_dtype = param_dtype;
+      o.mixed_precision.reduce_dtype = reduce_dtype;
       auto root = shard(model, comm, o, o);
       auto [x, y] = batch(0);
       model(x.narrow(0, r.rank * 6, 6), y.narrow(0, r.rank * 6, 6)).backward();
@@ -237,12 +250,16 @@ TEST(MixedPrecision, Bf16HalvesTheBytesOnTheWire) {
       model(x.narrow(0, r.rank * 6, 6), y.narrow(0, r.rank * 6, 6)).backward();
       return comm->total_stats().bytes_sent;
     };
-    const double fp32 = bytes_of_one_step(std::nullopt);
-    const double bf16 = bytes_of_one_step(torch::kBFloat16);
+    const double fp32 = bytes_of_one_step(std::nullopt, std::nullopt);
+    const double bf16 = bytes_of_one_step(torch::kBFloat16, torch::kBFloat16);
+    const double unset = bytes_of_one_step(torch::kBFloat16, std::nullopt);
     if (r.rank == 0)
       std::cout << "bytes per step: fp32 " << fp32 << ", bf16 " << bf16 << " (ratio " << bf16 / fp32
+                << "), bf16 with reduce_dtype unset " << unset << " (ratio " << unset / fp32
                 << ")\n";
     EXPECT_NEAR(bf16 / fp32, 0.5, 0.01);
+    EXPECT_GT(unset / fp32, 0.6);
+    EXPECT_LT(unset / fp32, 0.9);
   });
 }
 
@@ -336,11 +353,9 @@ std::vector<double> train(Rank& r, fsdp::Sharded<Top>& top, const FSDPModule& ro
 
 // The unsharded reference: an fp64 master; each step a compute copy whose parameters not named
 // with `kept` are the master's rounded to fp32 (the rest fp64), each rank's input cast to fp32 as
-// the root casts it, the ranks' gradients averaged in rank order in their group's reduce dtype
-// (reduce_dtype unset: the widest dtype its parameters compute in; `fp32_group` names the
-// parameters of groups that keep none, fp32), SGD on the master. Returns the mean loss per step.
-std::vector<double> reference(TopImpl& master, int world, const std::string& kept,
-                              const std::function<bool(const std::string&)>& fp32_group) {
+// the root casts it, the ranks' gradients averaged in rank order in fp64 (reduce_dtype unset:
+// the parameters' own dtype), SGD on the master. Returns the mean loss per step.
+std::vector<double> reference(TopImpl& master, int world, const std::string& kept) {
   torch::optim::SGD opt(master.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   auto params = master.named_parameters();
   std::vector<double> losses;
@@ -362,7 +377,7 @@ std::vector<double> reference(TopImpl& master, int world, const std::string& kep
       loss.backward();
       sum += loss.item<double>();
       for (size_t i = 0; i < cp.size(); ++i) {
-        auto g = cp[i].value().grad().to(fp32_group(cp[i].key()) ? torch::kFloat : torch::kDouble);
+        auto g = cp[i].value().grad().to(torch::kDouble);
         grads[i] = grads[i].defined() ? grads[i] + g : g;
       }
     }
@@ -382,7 +397,7 @@ std::vector<double> reference(TopImpl& master, int world, const std::string& kep
 TEST(MixedPrecision, ParamDtypeOverrideKeepingEveryParameterTrainsInItsOwnDtype) {
   run_ranks(2, [&](Rank& r) {
     override_fn::TopImpl ref;
-    const auto want = override_fn::reference(ref, 2, "", [](const std::string&) { return false; });
+    const auto want = override_fn::reference(ref, 2, "");
     fsdp::Sharded<override_fn::Top> top{override_fn::Top()};
     auto [a, root] = override_fn::shard(r, top, override_fn::keeping(""));
     const auto got = override_fn::train(r, top, root);
@@ -417,18 +432,16 @@ TEST(MixedPrecision, ParamDtypeOverrideKeepsTheChosenParametersInTheirDtype) {
     a.reshard();
     // Training: the same arithmetic as the reference casting the same way, so fp64's rounding.
     override_fn::TopImpl master;
-    // The root's group holds `head` only, computed in fp32: it reduces in fp32; `a` keeps its
-    // biases in fp64 and reduces in fp64.
-    const auto expected = override_fn::reference(
-        master, 2, "b", [](const std::string& name) { return name == "head"; });
+    // Every group reduces in the parameters' fp64 (reduce_dtype unset), `head` computed in fp32
+    // too.
+    const auto expected = override_fn::reference(master, 2, "b");
     const auto losses = override_fn::train(r, top, root);
     for (size_t s = 0; s < losses.size(); ++s)
       EXPECT_NEAR(losses[s], expected[s], 1e-12) << "step " << s;
     expect_shards_equal(root, master, 1e-12, 1e-14);
     // And not the arithmetic of keeping every parameter: the weights' rounding shows.
     override_fn::TopImpl all_kept;
-    const auto unrounded =
-        override_fn::reference(all_kept, 2, "", [](const std::string&) { return false; });
+    const auto unrounded = override_fn::reference(all_kept, 2, "");
     EXPECT_GT(std::abs(unrounded.back() - expected.back()), 1e-9);
   });
 }

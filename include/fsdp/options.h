@@ -23,9 +23,10 @@ struct MixedPrecisionPolicy {
   // all-gather: bf16 or fp16 moves half the bytes of fp32. None: the shards' dtype.
   std::optional<at::ScalarType> param_dtype;
   // Dtype the gradients are reduce-scattered in (summed in fp32 on the wire for bf16/fp16, then
-  // rounded). None: param_dtype (FSDP2's default before torch 2.15), or the shards' dtype without
-  // param_dtype (with param_dtype_override_fn: the widest dtype its parameters compute in). Where
-  // it is wider than a parameter's compute dtype, backwards without gradient sync
+  // rounded). None: the parameters' own dtype (the shards'), whatever param_dtype is, as in torch
+  // 2.15's FSDP2 (before 2.15 FSDP2 reduced in param_dtype: set it to that dtype for the old
+  // behaviour and half the reduce-scatter bytes). Where it is wider than a parameter's compute
+  // dtype (bf16 compute, fp32 shards), backwards without gradient sync
   // (FSDPModule::set_requires_gradient_sync(false)) accumulate that parameter's gradients in it,
   // as FSDP2 does ([Note: accumulating without gradient sync] in docs/design.md).
   std::optional<at::ScalarType> reduce_dtype;
@@ -38,7 +39,7 @@ struct MixedPrecisionPolicy {
   // dtype keeps it out of param_dtype (e.g. norms in fp32 while the rest computes in bf16: its full
   // parameter, compute and gradient stay fp32); std::nullopt or param_dtype gives param_dtype. Any
   // other dtype is an error. It must answer alike on every rank (checked). The group gathers in
-  // the widest of its parameters' dtypes, and reduces in reduce_dtype, else in that widest dtype.
+  // the widest of its parameters' dtypes.
   std::function<std::optional<at::ScalarType>(const std::string& name, const at::Tensor& param)>
       param_dtype_override_fn;
 };

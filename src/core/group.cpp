@@ -116,12 +116,8 @@ Group::Group(torch::nn::Module* module, std::string type_name, std::vector<Param
     for (size_t i = 0; i < params_.size(); ++i)
       params_[i].place_shard_in(flat_shard_.narrow(0, offsets_[i], params_[i].padded_numel()));
   }
-  const auto& mp = options_.mixed_precision;
-  if (mp.reduce_dtype) {
-    reduce_dtype_ = *mp.reduce_dtype;
-  } else if (mp.param_dtype) {
-    reduce_dtype_ = params_.empty() ? *mp.param_dtype : gather_dtype_;  // param_dtype, or wider
-  }
+  // Unset: the parameters' own dtype, whatever param_dtype computes in (torch 2.15's FSDP2).
+  if (options_.mixed_precision.reduce_dtype) reduce_dtype_ = *options_.mixed_precision.reduce_dtype;
 }
 
 Group::~Group() {

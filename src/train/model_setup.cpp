@@ -21,8 +21,10 @@ MixedPrecisionPolicy mixed_precision_policy(const std::string& name, const std::
              "'; expected bf16, fp16 or none");
   MixedPrecisionPolicy p;
   if (name == "none") return p;
-  p.param_dtype = torch::kBFloat16;  // the reduce-scatter too (FSDP2's default reduce_dtype),
-  if (reduce == "fp32") p.reduce_dtype = torch::kFloat;  // unless fp32 is asked for
+  p.param_dtype = torch::kBFloat16;
+  // The reduce-scatter in bf16 too (half its bytes), or left unset: the parameters' fp32, the
+  // default of fsdp-cpp and of torch 2.15's FSDP2.
+  if (reduce != "fp32") p.reduce_dtype = torch::kBFloat16;
   if (root) p.output_dtype = torch::kFloat;
   return p;
 }
