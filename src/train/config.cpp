@@ -190,7 +190,7 @@ void add_options(App& a, TrainConfig& c) {
   app.add_option("--mixed-precision-reduce", c.mixed_precision_reduce,
                  "with --mixed-precision bf16: the gradients' reduce-scatter (and the sum of "
                  "micro-batches without gradient sync) in fp32 instead of bf16 (FSDP2's "
-                 "reduce_dtype); param: in the compute dtype")
+                 "reduce_dtype, fp32 by default since torch 2.15); param: in the compute dtype")
       ->check(CLI::IsMember({"param", "fp32"}))
       ->capture_default_str()
       ->group("Processes");

@@ -40,8 +40,9 @@ struct TrainConfig {
   std::string custom_collectives = "none";
   bool activation_checkpointing = false;  // blocks recompute their activations in backward
   std::string mixed_precision = "none";   // "none", "bf16" (gather and compute) or "fp16" (CUDA)
-  // The reductions' dtype under mixed_precision: "param" (its dtype, FSDP2's default) or "fp32"
-  // (MixedPrecisionPolicy::reduce_dtype; unsynced micro-batches then accumulate in fp32 too).
+  // The reductions' dtype under mixed_precision: "param" (bf16, set explicitly) or "fp32"
+  // (MixedPrecisionPolicy::reduce_dtype unset: the parameters' fp32, torch 2.15's default;
+  // unsynced micro-batches then accumulate in fp32 too).
   std::string mixed_precision_reduce = "param";
   int hsdp = 1;  // replicas of HSDP (init_mesh); 1 = plain FSDP over all ranks
   // ---- model ----
