@@ -46,10 +46,13 @@ constexpr int kEvalEvery = 15;  // also the checkpoint of the load test
 constexpr double kBf16SameOrderRel = 1e-7;
 constexpr double kBf16Rel = 2e-3;
 // fsdp-train built against another LibTorch than the peer's torch 2.15 (Debian's 1.13): its bf16
-// CPU kernels round differently, so step 1 is no longer the same bits (measured 5.1e-7 at N = 2,
-// 6.4e-7 at N = 4; still 6x below fp32-against-bf16's 1.3e-5) and the steps drift as at N = 4
-// (measured max 6.8e-4 and 8.6e-4 over 30 steps).
-constexpr double kBf16OtherKernelsFirstRel = 2e-6;
+// CPU kernels round differently, and how differently depends on the CPU they dispatch for. Step 1
+// is no longer the same bits: measured 5.1e-7 / 6.4e-7 at N = 2 / 4 on one machine, 3.0e-6 /
+// 3.1e-6 on an AVX2-only one, still 2x below fp32-against-bf16's 1.3e-5, so step 1 still tells
+// the policies apart. The steps drift: max 6.8e-4 / 8.6e-4 over 30 steps there, 5.6e-3 / 5.5e-3
+// on the AVX2 machine (a bf16 ulp is 3.9e-3).
+constexpr double kBf16OtherKernelsFirstRel = 6e-6;
+constexpr double kBf16OtherKernelsRel = 1.5e-2;
 constexpr bool kSameKernelsAsPeer = TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 15;
 
 const std::string& scratch() {
@@ -253,9 +256,9 @@ TEST(Fsdp2Peer, Bf16LossesMatchPyTorchFsdp2AtTwoAndFourRanks) {
     expect_match("bf16", {"--adamw", "libtorch"},
                  {{2, kBf16SameOrderRel, kBf16SameOrderRel}, {4, kBf16Rel, kBf16SameOrderRel}});
   else
-    expect_match(
-        "bf16", {"--adamw", "libtorch"},
-        {{2, kBf16Rel, kBf16OtherKernelsFirstRel}, {4, kBf16Rel, kBf16OtherKernelsFirstRel}});
+    expect_match("bf16", {"--adamw", "libtorch"},
+                 {{2, kBf16OtherKernelsRel, kBf16OtherKernelsFirstRel},
+                  {4, kBf16OtherKernelsRel, kBf16OtherKernelsFirstRel}});
 }
 
 // reshard_after_forward=2 at N=4 (hpZ) on both sides: blocks keep half of their parameters after
@@ -345,12 +348,13 @@ TEST(Fsdp2Peer, HsdpWithMicroBatchesMatchesPyTorchFsdp2AtFourRanks) {
 // accumulating without gradient sync]). Measured 1.5e-9 and 1.6e-9; with the micro-batches summed
 // in bf16, 1.8e-4 and 3.2e-4; with only the embedding's uses summed in bf16, 3.7e-4 and 2.2e-4.
 // LibTorch 1.13's autograd has no gradient dtype (the uses sum in bf16) and its bf16 kernels
-// differ: the bound there is that of bf16 at N = 4.
+// differ: the bounds there are those of bf16 with other kernels (measured on the AVX2 machine
+// 5.9e-3 / 5.1e-3, step 1 3.1e-6 / 1.8e-6).
 TEST(Fsdp2Peer, Bf16WithFp32ReductionsAndMicroBatchesMatchPyTorchFsdp2) {
   const std::vector<std::string> flags = {"--grad-accum", "2", "--mixed-precision-reduce", "fp32"};
   auto peer_flags = flags;
   peer_flags.insert(peer_flags.end(), {"--adamw", "libtorch"});
-  const double tol = kSameKernelsAsPeer ? 1e-5 : kBf16Rel;
+  const double tol = kSameKernelsAsPeer ? 1e-5 : kBf16OtherKernelsRel;
   const double first = kSameKernelsAsPeer ? 1e-7 : kBf16OtherKernelsFirstRel;
   expect_match("bf16", peer_flags, {{2, tol, first}}, flags);
   auto hsdp = flags;
