@@ -100,6 +100,27 @@ class RecomputeBackward : public torch::autograd::Node {
     auto g = torch::autograd::grad(roots, wrt, root_grads, /*retain_graph=*/false,
                                    /*create_graph=*/false, /*allow_unused=*/true);
     for (size_t k = 0; k < g.size(); ++k) result[slot[k]] = g[k];
+    return unaliased(std::move(result), grads);
+  }
+
+  // [Note: gradients that share storage] One reentrant backward computes all of the call's
+  // gradients, and some of them can be views of one tensor: for `w.sum(0) + b`, b's gradient is
+  // a tensor G and w's is G viewed as w's shape. Returned from one node, where nothing else holds
+  // them, AccumulateGrad steals both as the parameters' .grad; the next accumulation (a second
+  // micro-batch) adds w's gradient in place and so into b's too. The unsharded graph never hands
+  // out such aliases (its AccumulateGrad runs while the node that made G still holds it, and
+  // clones), so neither may this node: a gradient sharing storage with another one, or with an
+  // incoming gradient (which the engine may have passed on elsewhere), is returned as a copy.
+  static torch::autograd::variable_list unaliased(torch::autograd::variable_list result,
+                                                  const torch::autograd::variable_list& incoming) {
+    std::set<const c10::StorageImpl*> seen;
+    for (const auto& t : incoming)
+      if (t.defined() && t.has_storage()) seen.insert(t.storage().unsafeGetStorageImpl());
+    for (auto& t : result) {
+      if (!t.defined() || !t.has_storage()) continue;
+      if (!seen.insert(t.storage().unsafeGetStorageImpl()).second)
+        t = t.clone(at::MemoryFormat::Contiguous);
+    }
     return result;
   }
 
