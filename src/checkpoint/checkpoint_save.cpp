@@ -141,10 +141,14 @@ struct RankFile {
     replicated.push_back(repl);
   }
 
-  // A shard's rows (of dim info.dim) under `name`; an empty shard contributes no piece.
+  // A shard's rows (of dim info.dim) under `name`; an empty shard contributes no piece. A 0-d
+  // tensor is one row, written as shape [1] like a sharded 0-d parameter's shard: an ignored
+  // parameter (and its optimizer state) is the whole 0-d tensor, which the pieces' shapes in the
+  // index and every reader take as one row.
   void add_rows(const std::string& name, const at::Tensor& t, const ShardInfo& info) {
     at::Tensor c = t.detach().contiguous().cpu();
-    int64_t n = c.dim() == 0 ? 1 : c.size(info.dim);
+    if (c.dim() == 0) c = c.reshape({1});
+    const int64_t n = c.size(info.dim);
     if (n == 0) return;
     add(name, c, {info.row_offset, info.row_offset + n}, info.dim, info.global_shape, false);
   }
