@@ -79,12 +79,13 @@ void Group::pre_forward() {
              {TrainingState::kIdle, TrainingState::kPreBackward, TrainingState::kPostBackward});
   try {
     context_->on_pre_forward(this);
+    // The round that opens a top-level call comes before any other collective of the call, so
+    // that ranks whose top-level calls differ stop there, naming both calls. Gathered values
+    // older than the shards (an optimizer step since the gather, e.g. after an evaluation forward
+    // that kept the root gathered) are dropped and gathered again, decided in the same round.
+    if (top_level && !in_backward()) context_->calls().begin_top_level(*this);
     if (is_root() && options_.broadcast_buffers && state_before_forward_ == TrainingState::kIdle)
       broadcast_buffers_to_all();
-    // Gathered values older than the shards (an optimizer step since the gather, e.g. after an
-    // evaluation forward that kept the root gathered) are dropped and gathered again; the ranks
-    // decide together in the first round of the call.
-    if (top_level && !in_backward()) context_->calls().begin_top_level(*this);
     gather_for_call();
     wait_for_unshard();
   } catch (...) {
