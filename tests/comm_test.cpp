@@ -556,5 +556,30 @@ TEST(CommTest, SplitOrdersIndependentlyAndMatchesWorld) {
   });
 }
 
+// A subgroup that only some ranks create (they alone are in it) leaves the others' later splits
+// and lanes as they are: each rank's split() still meets every other rank's (it once hung in the
+// connect, the subgroup having moved the members' naming of later splits on).
+TEST(CommTest, ASubgroupOfSomeRanksLeavesLaterSplitsInStep) {
+  RunOptions o;
+  o.collective_timeout_s = 20;
+  run_ranks(
+      3,
+      [](Rank& r) {
+        auto c = r.world();
+        if (r.rank < 2) {
+          auto pair = c->subgroup("pair", {0, 1});
+          auto t = at::ones({2}, at::kFloat);
+          pair->all_reduce(t, ReduceOp::kSum).wait();
+          EXPECT_TRUE(at::equal(t, at::full({2}, 2.0, at::kFloat)));
+        }
+        for (auto lane : {c->split("after"), c->lane("after.lane")}) {
+          auto t = at::ones({2}, at::kFloat);
+          lane->all_reduce(t, ReduceOp::kSum).wait();
+          EXPECT_TRUE(at::equal(t, at::full({2}, 3.0, at::kFloat)));
+        }
+      },
+      o);
+}
+
 }  // namespace
 }  // namespace fsdp::testing::comm_test

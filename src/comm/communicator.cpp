@@ -200,8 +200,9 @@ std::string bracketed_ranks(const std::vector<int>& ranks) {
 std::shared_ptr<Communicator> Communicator::Impl::child(const std::string& label,
                                                         const std::vector<int>& ranks,
                                                         std::optional<Transport> want) {
-  const std::string prefix =
-      detail::cat(name, "/", label, ranks.empty() ? "" : bracketed_ranks(ranks), "#", splits++);
+  const std::string key =
+      detail::cat(name, "/", label, ranks.empty() ? "" : bracketed_ranks(ranks));
+  const std::string prefix = detail::cat(key, "#", splits[key]++);
   auto c = std::make_unique<Impl>();
   c->rank = rank;
   c->size = size;

@@ -25,7 +25,10 @@ struct Communicator::Impl {
   std::string bind_host;
   int rank = 0;
   int size = 1;
-  int splits = 0;  // split()/subgroup() calls: part of each new lane's store prefix
+  // split()/subgroup()/lane() calls per label and rank list: part of each new communicator's store
+  // prefix. Counted per key, so that a subgroup over some ranks leaves the other ranks' later
+  // prefixes as they are.
+  std::map<std::string, int> splits;
   std::map<std::string, std::shared_ptr<Communicator>> lanes;
   // split() and subgroup() children: their statistics count in total_stats(), those of the
   // living ones read from them, those of the ones destroyed since added into `retired` (which
