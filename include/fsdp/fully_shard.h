@@ -228,6 +228,14 @@ class FSDPModule {
   // moves 1/R of the replica traffic). The shards' gradients change only at that backward.
   // Without replicas it changes nothing. The same on every rank.
   void set_requires_all_reduce(bool all_reduce);
+  // FSDP2's set_reduce_scatter_unused_params. Off (the default), a parameter that got no
+  // gradient on any rank in a backward keeps its shard's gradient as it was (none stays none, so
+  // optimizers skip it, as they skip such a parameter of the unsharded model), and a group no
+  // rank has any gradient for is not reduce-scattered at all; a parameter used on some ranks only
+  // still gets the mean with zeros from the others. On, every trainable parameter gets the
+  // reduction (zeros where no rank had a gradient). The ranks decide together, so it may differ
+  // between ranks. This module and, with `recurse`, every sharded module below it.
+  void set_reduce_scatter_unused_params(bool reduce_scatter_unused_params, bool recurse = true);
   // This module's group only (as FSDP2): false leaves its parameters resharded through backward,
   // saving the backward all-gather, for a module whose backward reads none of them (an embedding:
   // its weight's gradient needs only the indices). Where backward does read one, backward stops

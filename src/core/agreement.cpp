@@ -31,40 +31,65 @@ void Agreement::reset() {
 }
 
 namespace {
-// Gathers (gather hash, count, reduce hash, count, extra) from every rank of `lane`; returns
-// whether the four (from column `first` on) differ anywhere and whether any rank's `extra` is set.
-std::pair<bool, bool> exchange_hashes(Communicator& lane, const at::Tensor& mine, bool extra,
-                                      int64_t first = 0) {
+// What one exchange of the hashes learns: whether the hashes (from column `first` on) differ
+// anywhere, whether any rank's `extra` is set, and the OR over the ranks of the bit words.
+struct Exchanged {
+  bool differ = false, any_extra = false;
+  std::vector<uint64_t> bits;
+};
+// Gathers (gather hash, count, reduce hash, count, extra, bits...) from every rank of `lane`.
+Exchanged exchange_hashes(Communicator& lane, const at::Tensor& mine, bool extra,
+                          const std::vector<uint64_t>& bits, int64_t first = 0) {
   const int world = lane.size();
-  auto row = at::cat({mine, at::full({1}, extra ? 1 : 0, at::kLong)});
-  auto all = at::empty({world * 5}, at::kLong);
+  const int64_t width = 5 + static_cast<int64_t>(bits.size());
+  std::vector<int64_t> tail{extra ? 1 : 0};
+  for (uint64_t w : bits) tail.push_back(static_cast<int64_t>(w));
+  auto row = at::cat({mine, at::tensor(tail, at::kLong)});
+  auto all = at::empty({world * width}, at::kLong);
   lane.all_gather(all, row).wait();
-  auto rows = all.view({world, 5});
-  const bool differ = !rows.narrow(1, first, 4 - first)
-                           .eq(mine.narrow(0, first, 4 - first).unsqueeze(0))
-                           .all()
-                           .item<bool>();
-  const bool any_extra = rows.select(1, 4).gt(0).any().item<bool>();
-  return {differ, any_extra};
+  auto rows = all.view({world, width});
+  Exchanged out;
+  out.differ = !rows.narrow(1, first, 4 - first)
+                    .eq(mine.narrow(0, first, 4 - first).unsqueeze(0))
+                    .all()
+                    .item<bool>();
+  out.any_extra = rows.select(1, 4).gt(0).any().item<bool>();
+  out.bits.assign(bits.size(), 0);
+  const int64_t* v = all.data_ptr<int64_t>();
+  for (int r = 0; r < world; ++r)
+    for (size_t i = 0; i < bits.size(); ++i)
+      out.bits[i] |= static_cast<uint64_t>(v[r * width + 5 + static_cast<int64_t>(i)]);
+  return out;
 }
 }  // namespace
 
-void Agreement::check(Communicator& lane, Communicator* replicate,
-                      const std::vector<Group*>& groups) {
+std::vector<uint64_t> Agreement::check(Communicator& lane, Communicator* replicate,
+                                       const std::vector<Group*>& groups,
+                                       std::vector<uint64_t> bits) {
   auto mine = at::tensor({static_cast<int64_t>(gathers_.hash), gathers_.count,
                           static_cast<int64_t>(reduces_.hash), reduces_.count},
                          at::kLong);
   bool row_differs = false, any_row_differs = false, column_differs = false;
-  if (lane.size() > 1) any_row_differs = row_differs = exchange_hashes(lane, mine, false).first;
+  if (lane.size() > 1) {
+    auto got = exchange_hashes(lane, mine, false, bits);
+    any_row_differs = row_differs = got.differ;
+    bits = std::move(got.bits);
+  }
   if (replicate && replicate->size() > 1) {
     // Every rank learns whether any shard group disagreed. When none did, every column compares
     // the same per-row sequences, so all columns agree or all differ: every rank of the mesh
     // takes the same decision below. Across replicas only the reductions must agree: each shard
-    // group gathers what its own ranks called ([Note: calls that differ between ranks]).
-    std::tie(column_differs, any_row_differs) =
-        exchange_hashes(*replicate, mine, row_differs, /*first=*/2);
+    // group gathers what its own ranks called ([Note: calls that differ between ranks]). The bits
+    // travel on with the shard group's OR, so that they end as the OR over the mesh.
+    auto got = exchange_hashes(*replicate, mine, row_differs, bits, /*first=*/2);
+    column_differs = got.differ;
+    any_row_differs = got.any_extra;
+    bits = std::move(got.bits);
   }
-  if (!any_row_differs && !column_differs) return reset();
+  if (!any_row_differs && !column_differs) {
+    reset();
+    return bits;
+  }
   // Naming the first difference exchanges the recorded sequences on the lane that differed (on
   // the shard lane whenever any row differed: rows that agree find nothing).
   Communicator& on = any_row_differs ? lane : *replicate;
@@ -98,9 +123,9 @@ void Agreement::check_all_reduce_settings(Communicator& lane, Communicator& repl
   }
   auto mine = at::tensor({static_cast<int64_t>(flags.hash), flags.count, int64_t{0}, int64_t{0}},
                          at::kLong);
-  const bool row_differs = lane.size() > 1 && exchange_hashes(lane, mine, false).first;
-  const auto [column_differs, any_row_differs] = exchange_hashes(replicate, mine, row_differs);
-  if (!column_differs && !any_row_differs) return;
+  const bool row_differs = lane.size() > 1 && exchange_hashes(lane, mine, false, {}).differ;
+  const auto across = exchange_hashes(replicate, mine, row_differs, {});
+  if (!across.differ && !across.any_extra) return;
   throw Error(detail::cat(
       "set_requires_all_reduce differs between ranks: on rank ", lane.rank(), " of replica ",
       replicate.rank(), " it is off for ", off.empty() ? std::string("no module") : off,

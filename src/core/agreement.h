@@ -5,11 +5,12 @@
 // exchange the wrong groups' bytes without any error.
 //
 // Each collective is recorded as (group registration index, padded shard elements, and for a
-// reduction under HSDP whether it skips the all-reduce across replicas) into a
-// running 64-bit hash per lane; one all-gather of the hashes per check (32 bytes per rank)
-// compares them. Only when they differ are the recorded sequences exchanged, to name the first
-// collective that differs and the groups on both ranks. Without the audit at most kMaxRecorded
-// entries are kept per lane between checks (the hash covers all).
+// reduction under HSDP whether it skips the all-reduce across replicas) into a running 64-bit
+// hash per lane; one all-gather of the hashes per check (40 bytes per rank, and one bit per
+// parameter after a backward: [Note: parameters that got no gradient]) compares them. Only when
+// they differ are the recorded sequences exchanged, to name the first collective that differs
+// and the groups on both ranks. Without the audit at most kMaxRecorded entries are kept per lane
+// between checks (the hash covers all).
 // Thread-safety: used under the Context's mutex.
 #pragma once
 
@@ -38,8 +39,10 @@ class Agreement {
   // Compares this rank's sequences since the previous check with every other rank of the shard
   // `lane` and, under HSDP, of the `replicate` lane (collective over both; together they connect
   // every rank of the mesh), then starts new ones. Every rank of the mesh either returns or throws
-  // fsdp::Error naming the first collective that differs, the groups and the ranks.
-  void check(Communicator& lane, Communicator* replicate, const std::vector<Group*>& groups);
+  // fsdp::Error naming the first collective that differs, the groups and the ranks. `bits` (the
+  // same number of words on every rank) travel in the same exchange: returned ORed over the mesh.
+  std::vector<uint64_t> check(Communicator& lane, Communicator* replicate,
+                              const std::vector<Group*>& groups, std::vector<uint64_t> bits = {});
   void reset();
   // HSDP: whether each group all-reduces across replicas (FSDPModule::set_requires_all_reduce) is
   // the same on every rank of the mesh, checked when a synced backward begins, before any

@@ -20,24 +20,31 @@ void Audit::issued_twice(const Group& g) {
                                     "' was about to be reduced a second time in one backward"));
 }
 
-void Audit::check_reductions(const BackwardPass& pass, const std::vector<Group*>& groups) {
+void Audit::check_reductions(const BackwardPass& pass, const std::vector<Group*>& groups,
+                             const std::vector<uint64_t>& any_rank) {
   auto fail = [&](std::string v) { violations_.push_back(std::move(v)); };
+  size_t bit = 0;  // the parameter's place in any_rank
   for (Group* g : groups) {
+    const size_t first_bit = bit;
+    bit += g->params().size();
     const int n = pass.reductions_of(*g);
-    const bool must = g->has_trainable() && g->requires_gradient_sync();
-    if (must && n != 1)
+    const bool must = pass.reduces(*g);
+    if (n != (must ? 1 : 0))
       fail(detail::cat(n == 0 ? "Complete" : "Once", ": group '", g->name(), "' was reduced ", n,
-                       " times in this backward; expected exactly once"));
+                       " times in this backward; expected ", must ? "exactly once" : "none"));
     if (!must) continue;
-    for (const auto& p : g->params()) {
+    for (size_t i = 0; i < g->params().size(); ++i) {
+      const auto& p = g->params()[i];
       if (!p.trainable()) continue;
       if (p.holds_unsharded_grad() || p.holds_accumulated_grad())
         fail(detail::cat("Final: parameter '", g->prefix(), p.name(), "' of group '", g->name(),
                          "' holds an unsharded gradient after its group was reduced (event: a "
                          "late AccumulateGrad)"));
       // Set aside for the next all-reduce across replicas (set_requires_all_reduce(false)): the
-      // shards' gradients change only then.
-      if (!p.shard().grad().defined() && !g->holds_partial_reduce())
+      // shards' gradients change only then. A parameter no rank contributed to keeps what it had.
+      const size_t b = first_bit + i;
+      const bool contributed = b / 64 < any_rank.size() && ((any_rank[b / 64] >> (b % 64)) & 1);
+      if (contributed && !p.shard().grad().defined() && !g->holds_partial_reduce())
         fail(detail::cat("Complete: parameter '", g->prefix(), p.name(), "' of group '", g->name(),
                          "' has no shard gradient when backward returns"));
     }
@@ -47,8 +54,9 @@ void Audit::check_reductions(const BackwardPass& pass, const std::vector<Group*>
                      " reduce-scatters were still in flight when backward returned"));
 }
 
-void Audit::check(const BackwardPass& pass, const std::vector<Group*>& groups, int rank) {
-  if (pass.reducing()) check_reductions(pass, groups);
+void Audit::check(const BackwardPass& pass, const std::vector<Group*>& groups,
+                  const std::vector<uint64_t>& any_rank, int rank) {
+  if (pass.reducing()) check_reductions(pass, groups, any_rank);
   if (violations_.empty()) return;
   std::string msg = detail::cat("audit failed on rank ", rank, ": ", violations_.front());
   if (violations_.size() > 1) msg += detail::cat(" (and ", violations_.size() - 1, " more)");

@@ -28,12 +28,15 @@ class Audit {
   void issued_twice(const Group& g);                       // Once
 
   // At the end of backward: Final (no gradient re-appeared after reduction), Once and Complete
-  // (every synced trainable group issued and waited, every trainable shard has a gradient).
-  // Throws AuditError naming this rank (`rank`).
-  void check(const BackwardPass& pass, const std::vector<Group*>& groups, int rank);
+  // (every group the backward reduces issued once and waited, every trainable shard that some
+  // rank contributed a gradient to has one: `any_rank`, Context::contribution_bits' layout ORed
+  // over the mesh). Throws AuditError naming this rank (`rank`).
+  void check(const BackwardPass& pass, const std::vector<Group*>& groups,
+             const std::vector<uint64_t>& any_rank, int rank);
 
  private:
-  void check_reductions(const BackwardPass& pass, const std::vector<Group*>& groups);
+  void check_reductions(const BackwardPass& pass, const std::vector<Group*>& groups,
+                        const std::vector<uint64_t>& any_rank);
 
   std::vector<std::string> violations_;
 };

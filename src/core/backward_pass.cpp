@@ -128,12 +128,17 @@ void BackwardPass::plan() {
   for (Group* g : backward_order_)
     if (g->shard_state() == ShardState::kSharded && g->unshard_in_backward()) mine.push_back(g);
   const auto& order = ctx_.forward_order();
-  std::vector<bool> reduces;
-  for (Group* g : ctx_.groups()) reduces.push_back(will_reduce(*g));
-  auto agreed = ctx_.calls().agree_backward(mine, {order.rbegin(), order.rend()}, reduces);
+  std::vector<bool> syncing, holdings;
+  for (Group* g : ctx_.groups()) {
+    syncing.push_back(syncs(*g));
+    holdings.push_back(syncs(*g) && (slot(*g).grads_pending > 0 || g->holds_gradients()));
+  }
+  auto agreed =
+      ctx_.calls().agree_backward(mine, {order.rbegin(), order.rend()}, syncing, holdings);
   gather_plan_ = std::move(agreed.gathers);
   reduce_order_ = std::move(agreed.reductions);
   calls_differ_ = agreed.calls_differ;
+  held_ = std::move(agreed.held);
   const auto& groups = ctx_.groups();
   for (size_t k = 0; k < groups.size(); ++k) groups[k]->set_gather_from_chunk(agreed.from_chunk[k]);
   // Fault injection (audit test): this rank swaps its first two backward all-gathers.
@@ -293,8 +298,16 @@ void BackwardPass::issue(Group& g) {
   ctx_.log(&g, "reduce-scatter issued");
 }
 
-bool BackwardPass::will_reduce(const Group& g) const {
+bool BackwardPass::syncs(const Group& g) const {
   return reducing_ && g.requires_gradient_sync() && g.has_trainable();
+}
+
+// [Note: parameters that got no gradient] A group no rank of the mesh has anything for (no
+// gradient in the engine's plan, none held) is not reduced: every rank learnt that in plan().
+bool BackwardPass::will_reduce(const Group& g) const {
+  if (!syncs(g)) return false;
+  const int k = ctx_.index_of(&g);
+  return k >= 0 && static_cast<size_t>(k) < held_.size() && held_[k];
 }
 
 // A reduce-scatter in flight holds its group's gradients (the send buffer). Before a group takes
@@ -390,8 +403,9 @@ void BackwardPass::finalize() {
   }
   ctx_.log(ctx_.root(), "backward complete");
   if (error) std::rethrow_exception(error);
-  ctx_.check_agreement();
-  if (ctx_.audit().enabled) ctx_.audit().check(*this, ctx_.groups(), ctx_.reduce_lane().rank());
+  const auto any_rank = ctx_.check_agreement_and_settle();
+  if (ctx_.audit().enabled)
+    ctx_.audit().check(*this, ctx_.groups(), any_rank, ctx_.reduce_lane().rank());
 }
 
 }  // namespace fsdp::detail

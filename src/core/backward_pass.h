@@ -41,6 +41,7 @@ class BackwardPass {
   // ---- for the audit ----
   bool reducing() const { return reducing_; }  // a plain backward(): gradients are synced
   int reductions_of(const Group& g) const;
+  bool reduces(const Group& g) const { return will_reduce(g); }
   size_t reductions_in_flight() const { return in_flight_.size(); }
 
  private:
@@ -74,6 +75,7 @@ class BackwardPass {
   void maybe_post_backward(Group& g);
   void try_issue_reductions();
   void issue(Group& g);
+  bool syncs(const Group& g) const;        // a plain backward with g's gradient sync on
   bool will_reduce(const Group& g) const;  // this pass reduces g's gradients
   // How long reap_reductions may wait for the reductions in flight.
   enum class Reap : uint8_t {
@@ -100,6 +102,7 @@ class BackwardPass {
   std::deque<PendingReduce> in_flight_;
   bool bounded_wait_expired_ = false;  // a kBounded reap ran out of time in this pass
   bool calls_differ_ = false;          // the ranks' plans differed (CallAgreement)
+  std::vector<bool> held_;  // by registration index: some rank has something to reduce for it
 };
 
 }  // namespace fsdp::detail

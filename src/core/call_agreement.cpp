@@ -357,24 +357,40 @@ void CallAgreement::end_top_level(Group& g) {
   prefetched_.clear();
 }
 
-void CallAgreement::agree_finalize(const std::vector<bool>& my_reductions) {
-  agree_reductions(kFinalize, my_reductions);
+std::vector<bool> CallAgreement::agree_finalize(const std::vector<bool>& my_reductions,
+                                                const std::vector<bool>& my_holdings) {
+  const auto all = agree_reductions(kFinalize, my_reductions, my_holdings);
+  std::vector<uint64_t> held(words_for(my_holdings.size()), 0);
+  for (const auto& m : all)
+    for (size_t i = 0; i < held.size(); ++i) held[i] |= m.held[i];
+  // HSDP: the all-reduces across replicas follow, so the replicas decide alike too.
+  if (Communicator* rep = ctx_.replicate_agree_lane(); rep && rep->size() > 1) {
+    std::vector<int64_t> row(held.begin(), held.end());
+    for (const auto& r : gather_rows(*rep, row))
+      for (size_t i = 0; i < held.size(); ++i) held[i] |= static_cast<uint64_t>(r[i]);
+  }
+  std::vector<bool> out;
+  for (size_t k = 0; k < my_holdings.size(); ++k) out.push_back(bit(held, k));
+  return out;
 }
 
-void CallAgreement::agree_reductions(Kind kind, const std::vector<bool>& my_reductions) {
-  Message opening = message(kind, nullptr);  // `need`: the groups reduced
+std::vector<CallAgreement::Message> CallAgreement::agree_reductions(
+    Kind kind, const std::vector<bool>& my_reductions, const std::vector<bool>& my_holdings) {
+  Message opening = message(kind, nullptr);  // `need`: the groups reduced; `held`: holdings
   opening.who = 0;
-  for (size_t k = 0; k < my_reductions.size(); ++k)
+  for (size_t k = 0; k < my_reductions.size(); ++k) {
     if (my_reductions[k]) {
       set_bit(opening.need, k);
       ++opening.who;
     }
-  exchange(opening);
+    if (k < my_holdings.size() && my_holdings[k]) set_bit(opening.held, k);
+  }
+  return exchange(opening);
 }
 
 CallAgreement::BackwardOrders CallAgreement::agree_backward(
     const std::vector<Group*>& my_gathers, const std::vector<Group*>& my_reverse_forward,
-    const std::vector<bool>& my_reductions) {
+    const std::vector<bool>& my_reductions, const std::vector<bool>& my_holdings) {
   const auto& groups = ctx_.groups();
   Group* root = ctx_.root();
   auto indices = [&](const std::vector<Group*>& v) {
@@ -389,23 +405,33 @@ CallAgreement::BackwardOrders CallAgreement::agree_backward(
   std::vector<uint64_t> chunks(words_for(groups.size()), 0);
   for (size_t k = 0; k < groups.size(); ++k)
     if (groups[k]->holds_chunk()) set_bit(chunks, k);
-  agree_reductions(kBackward, my_reductions);
+  // [Note: parameters that got no gradient] The groups some rank may have something to reduce
+  // for: any rank's is every rank's.
+  std::vector<uint64_t> holdings(words_for(groups.size()), 0);
+  for (size_t k = 0; k < groups.size(); ++k)
+    if (my_holdings[k]) set_bit(holdings, k);
+  agree_reductions(kBackward, my_reductions, {});
   if (active()) {
-    // One row per rank, all of one length: the two counts, both lists, padding, the chunk bits.
+    // One row per rank, all of one length: the two counts, both lists, padding, the chunk bits,
+    // the holdings.
     std::vector<int64_t> mine{static_cast<int64_t>(plans[0].size()),
                               static_cast<int64_t>(orders[0].size())};
     mine.insert(mine.end(), plans[0].begin(), plans[0].end());
     mine.insert(mine.end(), orders[0].begin(), orders[0].end());
     mine.resize(2 + 2 * groups.size(), -1);
     for (uint64_t w : chunks) mine.push_back(static_cast<int64_t>(w));
+    for (uint64_t w : holdings) mine.push_back(static_cast<int64_t>(w));
     plans.clear();
     orders.clear();
     for (const auto& l : gather_rows(ctx_.gather_lane(), mine)) {
       const auto plan = l.begin() + 2, order = plan + l[0];
       plans.emplace_back(plan, order);
       orders.emplace_back(order, order + l[1]);
-      for (size_t i = 0; i < chunks.size(); ++i)
-        chunks[i] &= static_cast<uint64_t>(l[2 + 2 * groups.size() + i]);
+      const size_t at = 2 + 2 * groups.size();
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        chunks[i] &= static_cast<uint64_t>(l[at + i]);
+        holdings[i] |= static_cast<uint64_t>(l[at + chunks.size() + i]);
+      }
     }
   }
   // Reductions: the merged reverse first-forward orders (the root left out), the groups no rank
@@ -421,19 +447,24 @@ CallAgreement::BackwardOrders CallAgreement::agree_backward(
   for (size_t r = 1; r < plans.size(); ++r)
     differ = differ || plans[r] != plans[0] || orders[r] != orders[0];
   // HSDP: every replica's order, merged again, so that the all-reduces agree across the mesh;
-  // whether any shard group's calls differed travels with it (first entry).
+  // whether any shard group's calls differed (first entry) and the holdings travel with it.
   if (Communicator* rep = ctx_.replicate_agree_lane(); rep && rep->size() > 1) {
-    reduce.insert(reduce.begin(), differ ? 1 : 0);
-    auto lists = gather_rows(*rep, reduce);  // every order holds every group: one length
+    std::vector<int64_t> row{differ ? 1 : 0};
+    for (uint64_t w : holdings) row.push_back(static_cast<int64_t>(w));
+    row.insert(row.end(), reduce.begin(), reduce.end());
+    auto lists = gather_rows(*rep, row);  // every order holds every group: one length
     for (auto& l : lists) {
       differ = differ || l.front() != 0;
-      l.erase(l.begin());
+      for (size_t i = 0; i < holdings.size(); ++i)
+        holdings[i] |= static_cast<uint64_t>(l[1 + i]);
+      l.erase(l.begin(), l.begin() + 1 + static_cast<std::ptrdiff_t>(holdings.size()));
     }
     reduce = interleave(lists);
   }
   BackwardOrders out;
   out.calls_differ = differ;
   for (size_t k = 0; k < groups.size(); ++k) out.from_chunk.push_back(bit(chunks, k));
+  for (size_t k = 0; k < groups.size(); ++k) out.held.push_back(bit(holdings, k));
   for (int64_t k : interleave(plans)) out.gathers.push_back(groups[k]);
   for (int64_t k : reduce) out.reductions.push_back(groups[k]);
   return out;

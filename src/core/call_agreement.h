@@ -84,18 +84,27 @@ class CallAgreement {
     bool calls_differ = false;
     // Per registration index: gathered from the post-forward chunks (every rank holds one).
     std::vector<bool> from_chunk;
+    // Per registration index: some rank of the mesh may have something to reduce for the group
+    // (my_holdings of any rank); a group none has is not reduced.
+    std::vector<bool> held;
   };
   // A backward begins: this rank's gather plan and reverse first-forward order, merged with every
   // other rank's (and, under HSDP, every replica's reduce order) into the same orders on every
   // rank.
   // `my_reductions`, per registration index: this backward reduces the group (ranks that differ
-  // stop, naming set_requires_gradient_sync).
+  // stop, naming set_requires_gradient_sync). `my_holdings`, per registration index: this rank may
+  // have something to reduce for the group ([Note: parameters that got no gradient]).
   BackwardOrders agree_backward(const std::vector<Group*>& my_gathers,
                                 const std::vector<Group*>& my_reverse_forward,
-                                const std::vector<bool>& my_reductions);
+                                const std::vector<bool>& my_reductions,
+                                const std::vector<bool>& my_holdings);
   // finalize_backward's reductions on this rank, per registration index: ranks that differ stop,
-  // naming set_requires_gradient_sync (as at a backward's start).
-  void agree_finalize(const std::vector<bool>& my_reductions);
+  // naming set_requires_gradient_sync (as at a backward's start). `my_holdings`: this rank holds
+  // gradients for the group. Returns, per registration index, whether any rank of the shard
+  // group does (the replicas reduce in step: each holds its own micro-batches' gradients, so a
+  // group is reduced where any replica's rank holds some; see finalize_backward).
+  std::vector<bool> agree_finalize(const std::vector<bool>& my_reductions,
+                                   const std::vector<bool>& my_holdings);
 
  private:
   enum Kind : int64_t {
@@ -107,8 +116,6 @@ class CallAgreement {
     kExplicit = 6,  // who: the Explicit collective
     kFinalize = 7   // finalize_backward's reductions, as kBackward's
   };
-  // A reduction round (kBackward, kFinalize): `need` holds the groups reduced, `who` their count.
-  void agree_reductions(Kind kind, const std::vector<bool>& my_reductions);
   // One rank's message: kind, the group whose call it is (-1: none), the rank's number in the
   // mesh, then four bit sets over the registration indices: need, prefetch, changed, held (the
   // last two in kStart only).
@@ -118,6 +125,11 @@ class CallAgreement {
     std::vector<uint64_t> need, prefetch, changed, held;
   };
   using Clash = std::pair<Message, Message>;  // two messages of one round that cannot pair
+  // A reduction round (kBackward, kFinalize): `need` holds the groups reduced, `who` their count,
+  // `held` the groups this rank holds gradients for (kFinalize). Returns every rank's message.
+  std::vector<Message> agree_reductions(Kind kind, const std::vector<bool>& my_reductions,
+                                        const std::vector<bool>& my_holdings);
+
   static bool exclusive(int64_t kind);
   static bool clash(const Message& a, const Message& b);
   int64_t mesh_rank() const;

@@ -86,6 +86,36 @@ void Context::check_agreement() {
   agreement_.check(*agree_lane_, replicate_agree_lane_.get(), groups_);
 }
 
+std::vector<uint64_t> Context::check_agreement_and_settle() {
+  auto any_rank =
+      agreement_.check(*agree_lane_, replicate_agree_lane_.get(), groups_, contribution_bits());
+  settle_shard_grads(any_rank);
+  return any_rank;
+}
+
+std::vector<uint64_t> Context::contribution_bits() const {
+  size_t n = 0;
+  for (const Group* g : groups_) n += g->params().size();
+  std::vector<uint64_t> bits((n + 63) / 64, 0);
+  size_t i = 0;
+  for (const Group* g : groups_)
+    for (const auto& p : g->params()) {
+      if (p.contributed()) bits[i / 64] |= uint64_t{1} << (i % 64);
+      ++i;
+    }
+  return bits;
+}
+
+void Context::settle_shard_grads(const std::vector<uint64_t>& any_rank) {
+  size_t i = 0;
+  for (Group* g : groups_) {
+    std::vector<bool> any;
+    for (size_t k = 0; k < g->params().size(); ++k, ++i)
+      any.push_back((any_rank.at(i / 64) >> (i % 64)) & 1);
+    g->settle_shard_grads(any);
+  }
+}
+
 void Context::check_all_reduce_settings() {
   if (replicate_agree_lane_)
     agreement_.check_all_reduce_settings(*agree_lane_, *replicate_agree_lane_, groups_);

@@ -140,6 +140,17 @@ class Context {
   // Agreed, checked at the end of every backward and of every forward of the root without grad
   // mode: on the shard lane and, under HSDP, the replicate lane (core/agreement.h).
   void check_agreement();
+  // At the end of a backward: the Agreed check, carrying which parameters each rank contributed
+  // a gradient to, then the shards' gradients settled by the mesh's answer
+  // ([Note: parameters that got no gradient]).
+  // Returns the mesh's bits (contribution_bits' layout).
+  std::vector<uint64_t> check_agreement_and_settle();
+  // One bit per parameter of every group (registration order, then parameter order): this rank
+  // contributed to its reduction (ParamState::contributed).
+  std::vector<uint64_t> contribution_bits() const;
+  // Settles every group that wrote shards' gradients, from `any_rank` (contribution_bits' layout,
+  // ORed over the mesh).
+  void settle_shard_grads(const std::vector<uint64_t>& any_rank);
   // HSDP, when a synced backward begins: every rank decided each group's all-reduce alike
   // (Agreement::check_all_reduce_settings).
   void check_all_reduce_settings();

@@ -226,6 +226,20 @@ class Group : public std::enable_shared_from_this<Group> {
   void finish_reduce(PendingReduce& p);  // waits and accumulates into the shards' grads
   // A backward that failed before issuing this group's reduction: drops what was handed over.
   void drop_handed_over();
+  // [Note: parameters that got no gradient] Something of this group's could be reduced even if
+  // no gradient arrives in this backward: a parameter holds an unsharded or accumulated gradient,
+  // HSDP set a reduced block aside, or set_reduce_scatter_unused_params is on.
+  bool holds_gradients() const;
+  // Whether a reduction wrote the shards' gradients since the last settle_shard_grads.
+  bool wrote_shard_grads() const { return wrote_shard_grads_; }
+  // Once every rank's contributions are known (`any_rank`, per parameter of this group): the
+  // shards' gradients of parameters no rank contributed to go back to what they were
+  // (ParamState::settle_shard_grad).
+  void settle_shard_grads(const std::vector<bool>& any_rank);
+  // FSDP2's set_reduce_scatter_unused_params: a parameter that got no gradient on any rank still
+  // gets the reduction of zeros (a defined zero gradient, which optimizers step on).
+  void set_reduce_scatter_unused_params(bool v) { reduce_scatter_unused_params_ = v; }
+  bool reduce_scatter_unused_params() const { return reduce_scatter_unused_params_; }
 
   // ---- settings ----
   bool resolved_reshard_after_forward() const;
@@ -353,6 +367,8 @@ class Group : public std::enable_shared_from_this<Group> {
   bool requires_gradient_sync_ = true;
   bool requires_all_reduce_ = true;
   bool unshard_in_backward_ = true;
+  bool reduce_scatter_unused_params_ = false;
+  bool wrote_shard_grads_ = false;
   std::optional<double> divide_factor_;
   std::function<void(at::Tensor&)> hook_;  // set_all_reduce_hook
   std::shared_ptr<AllGather> custom_gather_;

@@ -71,8 +71,10 @@ at::Tensor acquire_send(Context& ctx, int64_t flat_numel, at::ScalarType dtype, 
 }  // namespace
 
 void Group::hand_over_grad(size_t i) {
+  if (reduce_scatter_unused_params_) params_[i].mark_contributed();
   if (reduces_locally()) {
     params_[i].move_grad_to_shard(reduce_dtype_, divide_factor_);
+    wrote_shard_grads_ = true;
     return;
   }
   if (!handed_send_.defined()) {
@@ -87,8 +89,11 @@ void Group::hand_over_grad(size_t i) {
 PendingReduce Group::issue_reduce_scatter() {
   PendingReduce p;
   p.group = this;
+  if (reduce_scatter_unused_params_)
+    for (auto& param : params_) param.mark_contributed();
   if (reduces_locally()) {
     for (auto& param : params_) param.move_grad_to_shard(reduce_dtype_, divide_factor_);
+    wrote_shard_grads_ = true;
     return p;
   }
   // The gradients handed over are packed already; the rest (zeros when missing) now.
@@ -171,8 +176,24 @@ void Group::finish_reduce(PendingReduce& p) {
   auto span = copy_span("copy-out ");
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].trainable()) params_[i].add_shard_grad(p.output, offsets_[i]);
+  wrote_shard_grads_ = true;
   context_->pool().release(p.send.view({-1}));
   p.output = p.send = at::Tensor();
+}
+
+bool Group::holds_gradients() const {
+  if (reduce_scatter_unused_params_ && has_trainable()) return true;
+  if (partial_reduce_.defined()) return true;
+  for (const auto& p : params_)
+    if (p.holds_unsharded_grad() || p.holds_accumulated_grad()) return true;
+  return false;
+}
+
+void Group::settle_shard_grads(const std::vector<bool>& any_rank) {
+  if (!wrote_shard_grads_) return;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].trainable()) params_[i].settle_shard_grad(any_rank.at(i));
+  wrote_shard_grads_ = false;
 }
 
 }  // namespace fsdp::detail

@@ -177,6 +177,13 @@ void FSDPModule::set_requires_all_reduce(bool all_reduce) {
     g->set_requires_all_reduce(all_reduce);
 }
 
+void FSDPModule::set_reduce_scatter_unused_params(bool reduce_scatter_unused_params,
+                                                  bool recurse) {
+  if (!recurse) return checked(group_).set_reduce_scatter_unused_params(reduce_scatter_unused_params);
+  for (auto* g : detail::groups_at_or_below(&checked(group_)))
+    g->set_reduce_scatter_unused_params(reduce_scatter_unused_params);
+}
+
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
   std::vector<detail::Group*> targets;
   for (auto& m : modules) targets.push_back(&checked(m.group_));

@@ -179,6 +179,7 @@ void ParamState::pack_grad(const at::Tensor& send, int64_t offset) {
   // Writes every element of this parameter's columns (`send` is not zero-initialised): the
   // gradient's rows, zeros for padding, all zeros when there is no gradient (frozen or unused).
   const at::Tensor g = take_unsharded_grad();
+  if (g.defined()) contributed_ = true;
   for (int r = 0; r < world_; ++r) {
     const int64_t n = g.defined() ? rows_of(r) * row_numel_ : 0;
     if (n > 0) {
@@ -243,10 +244,16 @@ void ParamState::move_grad_to_shard(at::ScalarType reduce_dtype,
   at::Tensor& slot = shard_.mutable_grad();
   at::Tensor g = take_unsharded_grad();
   if (!g.defined()) {
-    // No gradient in this backward: zeros, as the reduction of zeros would give.
-    if (!slot.defined()) slot = at::zeros_like(shard_.detach());
+    // No gradient in this backward: zeros, as the reduction of zeros would give (settled by
+    // settle_shard_grad like a reduction's).
+    if (!slot.defined()) {
+      slot = at::zeros_like(shard_.detach());
+      shard_grad_created_ = true;
+    }
     return;
   }
+  contributed_ = true;
+  shard_grad_created_ = !slot.defined();
   if (g.scalar_type() != reduce_dtype) g = g.to(reduce_dtype);   // the wire's rounding
   if (g.device() != shard_.device()) g = g.to(shard_.device());  // CPUOffloadPolicy: to the host
   if (divide_by) g = g / *divide_by;  // a new tensor: the sum over one rank, divided
@@ -260,10 +267,19 @@ void ParamState::move_grad_to_shard(at::ScalarType reduce_dtype,
   }
 }
 
+void ParamState::settle_shard_grad(bool any_rank) {
+  // Nobody contributed: the reduction added zeros to a gradient that was there (no change), or
+  // created one from none, which goes again.
+  if (!any_rank && shard_grad_created_) shard_.mutable_grad() = at::Tensor();
+  shard_grad_created_ = false;
+  contributed_ = false;
+}
+
 void ParamState::add_shard_grad(const at::Tensor& reduced_flat, int64_t offset) {
   at::Tensor g = reduced_flat.narrow(0, offset, shard_.numel()).view(shard_.sizes());
   if (g.device() != shard_.device()) g = g.to(shard_.device());  // CPUOffloadPolicy: to the host
   at::Tensor& slot = shard_.mutable_grad();
+  shard_grad_created_ = !slot.defined();
   if (slot.defined()) {
     slot.add_(g);  // add_ casts a low-precision reduction up to the shard's dtype
   } else {

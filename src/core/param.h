@@ -104,7 +104,18 @@ class ParamState {
 
   // Packs the unsharded gradient (zeros when undefined or frozen, and for padding) into `send`
   // (world, S) at `offset`, and drops it from the parameter (it has been handed to the reduction).
+  // A defined gradient counts as this rank's contribution (contributed()).
   void pack_grad(const at::Tensor& send, int64_t offset);
+  // [Note: parameters that got no gradient] This rank handed a gradient of this parameter to a
+  // reduction since its shard's gradient was last written (sticky across the reductions HSDP sets
+  // aside); `force` (set_reduce_scatter_unused_params) counts every reduction as one.
+  bool contributed() const { return contributed_; }
+  void mark_contributed() { contributed_ = trainable(); }
+  // The reduction wrote this shard's gradient; `any_rank` says whether any rank of the mesh
+  // contributed to it. None did: the gradient goes back to what it was (none stays none, a
+  // gradient kept or zeroed in place stays as it was), as the unsharded model leaves a parameter
+  // that got no gradient. Then a new window of contributions begins.
+  void settle_shard_grad(bool any_rank);
   // The guarded marker left as the full parameter's gradient once it was handed to the reduction
   // (guard::moved_grad_marker); cleared by a pre hook of the accumulator before autograd
   // accumulates into the full parameter again.
@@ -149,6 +160,8 @@ class ParamState {
   uintptr_t hook_key_ = 0;
   at::Tensor moved_grad_;
   at::Tensor accumulated_grad_;      // keep_unsynced_grad's sum, full-shaped, in reduce_dtype
+  bool contributed_ = false;         // see contributed()
+  bool shard_grad_created_ = false;  // the last reduction created shard().grad() from none
   bool grad_dtype_widened_ = false;  // begin_unsynced_backward set it
   bool accumulates_wider(at::ScalarType reduce_dtype) const {
     return c10::elementSize(reduce_dtype) > param_.element_size();
