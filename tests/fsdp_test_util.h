@@ -57,14 +57,17 @@ inline torch::Tensor rows_of(const ShardInfo& s, const torch::Tensor& full) {
       .reshape(s.shard.sizes());
 }
 
-// Every trainable shard's grad equals its rows of the reference (zeros where the reference has
-// none); an ignored parameter's gradient is this rank's own, equal to the reference's where that
-// has one and absent where it has none. Returns the number of parameters compared.
+// Every trainable shard's grad equals its rows of the reference; an ignored parameter's gradient
+// is this rank's own, equal to the reference's where that has one and absent where it has none.
+// Where the reference has no entry, `absent_means_none` asks for no gradient (a parameter no rank
+// gave a gradient keeps none, as in the unsharded model), else for none or zeros. Returns the
+// number of parameters compared.
 // `normwise`: each element may also differ by rtol times the largest value of its parameter's
 // reference (rounding in a lower precision, relative to the tensor's scale rather than to an
 // element that cancellation made small).
 inline int expect_shard_grads(const FSDPModule& root, const GradMap& ref, double rtol = 1e-5,
-                              double atol = 1e-6, bool normwise = false) {
+                              double atol = 1e-6, bool normwise = false,
+                              bool absent_means_none = false) {
   int compared = 0;
   for (const auto& s : root.shards()) {
     if (!s.requires_grad) {
@@ -77,6 +80,12 @@ inline int expect_shard_grads(const FSDPModule& root, const GradMap& ref, double
       EXPECT_EQ(s.shard.grad().defined(), it != ref.end())
           << "ignored parameter " << s.name << ": a gradient where the reference "
           << (it == ref.end() ? "has none" : "has one");
+      ++compared;
+      continue;
+    }
+    if (it == ref.end() && (absent_means_none || !s.shard.grad().defined())) {
+      EXPECT_FALSE(s.shard.grad().defined())
+          << s.name << ": a gradient where the reference has none (no rank gave it one)";
       ++compared;
       continue;
     }

@@ -51,15 +51,18 @@ const char* const kLayoutNames[] = {"own", "wa transposed", "wa+ba one buffer", 
 struct BlockImpl : torch::nn::Module {
   BlockImpl(BlockKind kind, int64_t rows, Layout layout = Layout::kOwn) : kind(kind) {
     const auto f64 = torch::kDouble;
+    // kIgnoresInput never multiplies x by wa: one row, so that wa.sum(0)'s gradient is ba's
+    // gradient viewed as wa (gradients of one node that share storage).
+    const int64_t wa_rows = kind == BlockKind::kIgnoresInput ? 1 : kWidth;
     at::Tensor a, b, c;
     switch (layout) {
       case Layout::kTransposedA:
-        a = (torch::randn({kWidth, kWidth}, f64) * 0.4).t();
+        a = (torch::randn({kWidth, wa_rows}, f64) * 0.4).t();
         break;
       case Layout::kSharedBuffer: {  // wa and ba at offsets of one buffer (ba first)
-        auto buf = torch::randn({2 + kWidth + kWidth * kWidth}, f64) * 0.3;
+        auto buf = torch::randn({2 + kWidth + wa_rows * kWidth}, f64) * 0.3;
         b = buf.narrow(0, 1, kWidth);
-        a = buf.narrow(0, 1 + kWidth, kWidth * kWidth).view({kWidth, kWidth});
+        a = buf.narrow(0, 1 + kWidth, wa_rows * kWidth).view({wa_rows, kWidth});
         break;
       }
       case Layout::kTransposedB:
@@ -71,7 +74,7 @@ struct BlockImpl : torch::nn::Module {
       default:
         break;
     }
-    wa = register_parameter("wa", a.defined() ? a : torch::randn({kWidth, kWidth}, f64) * 0.4);
+    wa = register_parameter("wa", a.defined() ? a : torch::randn({wa_rows, kWidth}, f64) * 0.4);
     ba = register_parameter("ba", b.defined() ? b : torch::randn({kWidth}, f64) * 0.1);
     wb = register_parameter("wb", c.defined() ? c : torch::randn({rows, kWidth}, f64) * 0.3,
                             /*requires_grad=*/kind != BlockKind::kFrozenTied);
@@ -150,7 +153,7 @@ struct Pass {
 };
 
 enum class BlockMode { kHolder, kOnUse, kInRoot };
-enum class Optim { kSGD, kAdamW };
+enum class Optim { kSGD, kAdamW, kAdam };
 enum class ZeroGrad { kSetToNone, kZeroInPlace, kOptimizer };
 enum class Extra { kEval, kGrad };  // a forward without backward: no grad / grad mode
 // How micro-batches reduce: only the last syncs (set_requires_gradient_sync), every one syncs, or
@@ -238,6 +241,14 @@ struct Program {
   // (ignores below), each passed to the fully_shard call of its group. Every rank keeps and steps
   // its own copy of those. Not with mixed precision, which leaves them in fp64.
   uint32_t ignore = 0;
+  // FSDPModule::set_reduce_scatter_unused_params(true) on the root (recursively): a parameter no
+  // rank gave a gradient gets zeros instead of keeping what it had.
+  bool reduce_unused = false;
+  // ShardOptions::broadcast_buffers on the root: rank 0's buffers before every forward of the root.
+  bool broadcast_buffers = false;
+  // After the last step: a checkpoint saved, consolidated (rank 0) and loaded at another world size
+  // (the first world - 1 ranks, plain FSDP), each against the reference.
+  bool checkpoint = false;
   std::vector<Iteration> iterations;
 
   // Whether parameter `name` (the model's name, e.g. "b1.wa") is one of the ignored ones.
@@ -308,10 +319,15 @@ struct Program {
                      (mixed_output ? ", output fp64" : "") +
                      (keep ? ", keeping fp64 " + std::to_string(keep) : "")
                : "") +
-        (ignore ? ", ignored params " + std::to_string(ignore) : "") + ", audit " +
+        (ignore ? ", ignored params " + std::to_string(ignore) : "") +
+        (reduce_unused ? ", reduce-scatter unused params" : "") +
+        (broadcast_buffers ? ", broadcast buffers" : "") +
+        (checkpoint ? ", checkpoint round trip" : "") + ", audit " +
         (audit ? "on" : "off") + ", max_unsharded_groups " + std::to_string(max_unsharded_groups) +
         ", " +
-        (optim == Optim::kSGD ? "SGD momentum " + std::to_string(momentum) : std::string("AdamW")) +
+        (optim == Optim::kSGD    ? "SGD momentum " + std::to_string(momentum)
+         : optim == Optim::kAdam ? std::string("Adam")
+                                 : std::string("AdamW")) +
         " wd " + std::to_string(weight_decay) + (swapped ? ", SWAPPED CALLS" : "") +
         (transport.empty() ? "" : ", transport " + transport) + ", " +
         kAccumulateNames[static_cast<int>(accumulate)];
@@ -454,7 +470,9 @@ inline Program make_program(uint64_t seed, int world) {
   p.max_unsharded_groups = 1 + d.pick(2);
   p.audit = d.chance(3);
   p.input_requires_grad = d.chance(2);
-  p.optim = d.chance(2) ? Optim::kSGD : Optim::kAdamW;
+  // Adam's weight decay is added to the gradient: a parameter with a zero gradient moves, one
+  // with none does not (as AdamW's decoupled decay and SGD's momentum).
+  p.optim = d.chance(2) ? Optim::kSGD : d.chance(3) ? Optim::kAdam : Optim::kAdamW;
   p.lr = p.optim == Optim::kSGD ? 0.1 : 0.01;
   if (p.optim == Optim::kSGD && !d.chance(3)) p.momentum = 0.9;
   if (!d.chance(2)) p.weight_decay = 0.05;
@@ -565,6 +583,11 @@ inline Program make_program(uint64_t seed, int world) {
   }
   // Then ignored parameters.
   if (d.chance(4) && !p.mixed) p.ignore = 1 + static_cast<uint32_t>(d.pick(1 << 20));
+  // Then zero gradients for parameters no rank used, buffers broadcast, a checkpoint round trip
+  // (at another world size: needs two ranks; parameters in their own dtypes: no mixed precision).
+  p.reduce_unused = d.chance(6);
+  p.broadcast_buffers = d.chance(4);
+  p.checkpoint = world > 1 && !p.mixed && d.chance(5);
   return p;
 }
 
@@ -583,6 +606,8 @@ struct NetImpl : torch::nn::Module {
   explicit NetImpl(const Program& p) : anchor_loss(p.anchor_loss), encode(p.encode) {
     root_w = register_parameter("root_w", torch::randn({kWidth, kWidth}, torch::kDouble) * 0.4);
     root_scale = register_parameter("root_scale", torch::randn({3}, torch::kDouble) * 0.2);
+    root_bias = register_parameter("root_bias", torch::randn({}, torch::kDouble) * 0.3);  // 0-d
+    root_buf = register_buffer("root_buf", torch::arange(2, torch::kDouble));  // never read
     for (size_t b = 0; b < p.kinds.size(); ++b)
       blocks.push_back(register_module(
           "b" + std::to_string(b),
@@ -610,12 +635,14 @@ struct NetImpl : torch::nn::Module {
     // The first call's first output always depends on a trainable weight: the loss needs grad.
     auto loss = anchor_loss ? pool[1].sum() * 0.01 : torch::zeros({}, torch::kDouble);
     for (int t : rc.loss_terms) loss = loss + (pool[t] * 0.7).pow(2).mean();
-    if (rc.use_root_scale) loss = loss * (1 + root_scale.pow(2).sum());
+    if (rc.use_root_scale)
+      loss = loss * (1 + root_scale.pow(2).sum()) +
+             0.1 * BlockImpl::as(root_bias, pool[1]) * pool[1].mean();
     return loss;
   }
   bool anchor_loss;
   std::vector<char> encode;
-  torch::Tensor root_w, root_scale;
+  torch::Tensor root_w, root_scale, root_bias, root_buf;
   std::vector<fsdp::Sharded<Block>> blocks;
 };
 TORCH_MODULE(Net);

@@ -10,6 +10,7 @@
 // world N ..."); rerun just it with FSDP_FUZZ_FIRST_SEED=S FSDP_FUZZ_SEEDS=1. For long runs set
 // FSDP_FUZZ_SEEDS (seeds per launch) and FSDP_FUZZ_FIRST_SEED.
 #include <fsdp/checkpoint.h>
+#include <fsdp/safetensors_torch.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -43,6 +44,9 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Program& p,
   if (p.optim == Optim::kSGD)
     return std::make_unique<torch::optim::SGD>(
         params, torch::optim::SGDOptions(p.lr).momentum(p.momentum).weight_decay(p.weight_decay));
+  if (p.optim == Optim::kAdam)
+    return std::make_unique<torch::optim::Adam>(
+        params, torch::optim::AdamOptions(p.lr).weight_decay(p.weight_decay));
   return std::make_unique<torch::optim::AdamW>(
       params, torch::optim::AdamWOptions(p.lr).weight_decay(p.weight_decay));
 }
@@ -78,8 +82,9 @@ struct Reference {
     for (int k = 0; k < p.world; ++k)
       net(k)->forward(input_for(p, k, it, which), pass, k).backward();
   }
-  // The mean over ranks (or the sum divided by the group's set_gradient_divide_factor), zeros for
-  // a trainable parameter no rank reached (as the shards get), in every model; for an ignored
+  // The mean over ranks (or the sum divided by the group's set_gradient_divide_factor), in every
+  // model; a trainable parameter no rank gave a gradient keeps what it had (none stays none, a
+  // gradient zeroed in place stays zero) and has no entry unless it had one; for an ignored
   // parameter `rank`'s own gradient, absent where that rank never used it.
   GradMap mean_grads(const Program& p, int rank) {
     GradMap out;
@@ -94,8 +99,14 @@ struct Reference {
         continue;
       }
       auto sum = torch::zeros_like(named[0][i].value());
+      bool any = false;
       for (auto& d : named)
-        if (d[i].value().grad().defined()) sum.add_(d[i].value().grad());
+        if (d[i].value().grad().defined()) {
+          sum.add_(d[i].value().grad());
+          any = true;
+        }
+      // set_reduce_scatter_unused_params: the reduction of zeros, a defined gradient.
+      if (!any && !p.reduce_unused) continue;
       sum.div_(p.divisor(name)).mul_(p.hook_scale(name));
       for (auto& d : named) d[i].value().mutable_grad() = sum.clone();
       out[name] = sum;
@@ -113,15 +124,16 @@ struct Reference {
     }
     return norm;
   }
-  // Steps every model; then the reduced gradients are dropped (mean_grads makes them afresh) and
-  // the ignored ones are cleared as the sharded side's zero_grad clears them.
-  void step(const Program& p, ZeroGrad how) {
+  // Steps every model, then clears the gradients as the sharded side's zero_grad clears the
+  // shards' (the optimizer's zero_grad: none on LibTorch 2.x, zeros in place on 1.13), so that a
+  // parameter no rank gives a gradient next time keeps exactly what the shard keeps.
+  void step(const Program&, ZeroGrad how) {
     for (size_t k = 0; k < nets.size(); ++k) {
       opts[k]->step();
       if (how == ZeroGrad::kOptimizer) opts[k]->zero_grad();
       for (auto& item : nets[k]->named_parameters()) {
         auto& g = item.value().mutable_grad();
-        if (!p.ignores(item.key()) || how == ZeroGrad::kSetToNone)
+        if (how == ZeroGrad::kSetToNone)
           g = torch::Tensor();
         else if (how == ZeroGrad::kZeroInPlace && g.defined())
           g.zero_();
@@ -151,16 +163,20 @@ struct ShardedSide {
   std::shared_ptr<std::map<const void*, std::string>> model_names =
       std::make_shared<std::map<const void*, std::string>>();
 
-  ShardedSide(const Program& p, Rank& r) : model(Net(p)) {
+  // Over `over` when given (a subgroup: the program must then be plain FSDP over its ranks),
+  // else over the program's transport.
+  ShardedSide(const Program& p, Rank& r, std::shared_ptr<Communicator> over = nullptr)
+      : model(Net(p)) {
     for (auto& item : model->named_parameters())
       (*model_names)[item.value().unsafeGetTensorImpl()] = item.key();
-    auto comm = communicator(r, p.transport);
+    auto comm = over ? over : communicator(r, p.transport);
     ScopedTransport transport(p.transport);  // the mesh's subgroups use it too
     DeviceMesh mesh = p.replicas > 1 ? init_mesh(comm, p.replicas) : DeviceMesh{};
     auto shard = [&](auto& holder, int reshard, bool checkpointed, std::vector<at::Tensor> ignored,
                      bool root = false) {
       ShardOptions o = options(p, reshard);
       if (root && p.mixed_output) o.mixed_precision.output_dtype = torch::kDouble;
+      if (root) o.broadcast_buffers = p.broadcast_buffers;
       o.activation_checkpointing = checkpointed;
       o.ignored_params = std::move(ignored);
       return p.replicas > 1 ? fully_shard(holder, mesh, o) : fully_shard(holder, comm, o);
@@ -209,6 +225,7 @@ struct ShardedSide {
     if (!p.hook.empty() && p.hook.back() > 0) root.set_all_reduce_hook(hook(comm, p.hook.back()));
     if (!p.keep_storage.empty() && p.keep_storage.back()) root.set_keep_unsharded_storage(true);
     if (p.custom.size() > p.kinds.size()) set_custom(root, p.custom.back());
+    if (p.reduce_unused) root.set_reduce_scatter_unused_params(true);
     opt = make_optimizer(p, root.parameters());
   }
   // The parameters of block b that the program ignores.
@@ -340,7 +357,9 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
   run_extras(p, r, s, ref, it, micro);
   SCOPED_TRACE("iteration " + std::to_string(it) + " after its micro-batches");
   auto mean = ref.mean_grads(p, r.rank);
-  EXPECT_GT(expect_shard_grads(s.root, mean, p.rtol(), p.atol(), p.mixed != 0), 0);
+  EXPECT_GT(expect_shard_grads(s.root, mean, p.rtol(), p.atol(), p.mixed != 0,
+                               /*absent_means_none=*/true),
+            0);
   if (iter.clip > 0)
     expect_close(p, fsdp::clip_grad_norm_(s.root, iter.clip), ref.clip(p, iter.clip),
                  "clip_grad_norm_'s total norm");
@@ -365,6 +384,56 @@ struct Sides {
       : seed_reference(seed), ref(p), seed_sharded(seed), sharded(p, r) {}
 };
 
+// Program::checkpoint, after the last step: a checkpoint of every shard and the optimizer state,
+// consolidated by rank 0 into one file whose tensors equal the reference's (an ignored parameter:
+// rank 0's copy, which the checkpoint keeps), then loaded by the first world - 1 ranks into a
+// fresh model sharded over them alone: its shards equal the reference's. Ignored parameters of
+// every shape (the 0-d root_bias, 1-d biases, views into one buffer) go through all of it.
+void checkpoint_round_trip(const Program& p, Rank& r, ShardedSide& s, Reference& ref) {
+  const std::string dir = "/tmp/fsdp_fuzz_ckpt_" + std::to_string(::getppid()) + "_" +
+                          std::to_string(p.seed);
+  auto world = communicator(r, p.transport);
+  if (r.rank == 0) std::filesystem::remove_all(dir);
+  world->barrier().wait();
+  const std::string saved = fsdp::checkpoint::save(dir, s.root, s.opt.get(),
+                                                   fsdp::checkpoint::TrainState{}, *world);
+  if (r.rank == 0) {
+    const std::string file = dir + "/full.safetensors";
+    fsdp::checkpoint::consolidate(saved, file);
+    auto f = safetensors::File::open(file);
+    for (const auto& item : ref.net(0)->named_parameters())
+      EXPECT_TRUE(torch::allclose(safetensors::read_tensor(*f, item.key()), item.value(), kRtol,
+                                  kAtol))
+          << "consolidated " << item.key();
+    for (const auto& item : ref.net(0)->named_buffers())
+      EXPECT_TRUE(torch::equal(safetensors::read_tensor(*f, item.key()), item.value()))
+          << "consolidated buffer " << item.key();
+  }
+  // Another world size: plain FSDP over the first world - 1 ranks (hpZ's worlds cleared).
+  Program q = p;
+  q.world = p.world - 1;
+  q.replicas = 1;
+  q.root_reshard = std::min(q.root_reshard, 1);
+  for (auto& k : q.child_reshard) k = std::min(k, 1);
+  std::vector<int> first(q.world);
+  for (int i = 0; i < q.world; ++i) first[i] = i;
+  if (r.rank < q.world) {
+    static std::map<std::pair<std::string, int>, std::shared_ptr<Communicator>> smaller;
+    auto& sub = smaller[{p.transport, q.world}];
+    if (!sub) {
+      ScopedTransport transport(p.transport);
+      sub = world->subgroup("fuzz.smaller" + std::to_string(q.world), first);
+    }
+    torch::manual_seed(static_cast<int64_t>(p.seed) + 7);  // other initial values
+    ShardedSide fresh(q, r, sub);
+    fsdp::checkpoint::load(saved, fresh.root, fresh.opt.get(), *sub);
+    SCOPED_TRACE("loaded at world size " + std::to_string(q.world));
+    expect_shards_equal(fresh.root, *ref.net(0), kRtol, kAtol);
+  }
+  world->barrier().wait();
+  if (r.rank == 0) std::filesystem::remove_all(dir);
+}
+
 // One program on this rank: returns false when it failed (the caller stops: collectives may be
 // out of step after a failure).
 bool run_program(Rank& r, const Program& p) {
@@ -377,6 +446,7 @@ bool run_program(Rank& r, const Program& p) {
     auto& s = both.sharded;
     for (int it = 0; it < static_cast<int>(p.iterations.size()); ++it)
       run_iteration(p, r, s, ref, it);
+    if (p.checkpoint) checkpoint_round_trip(p, r, s, ref);
   } catch (const std::exception& e) {
     ADD_FAILURE() << e.what();
   }
@@ -564,6 +634,77 @@ TEST(GuaranteeFindings, RanksCallingDifferentModulesTrainExactlyWithTheAuditOff)
   expect_program_passes(p);
 }
 
+// Finding 6: a module that no rank called in a step got a zero gradient (its group reduced
+// zeros), so Adam, AdamW and SGD with momentum or weight decay moved its parameters where the
+// unsharded model, whose parameters keep no gradient, leaves them. Three blocks, the middle one
+// called by no rank in the second iteration, each optimizer, zero_grad every way (the optimizer's:
+// none on LibTorch 2.x); and that group's reduce-scatter is skipped (a counting custom one).
+Program three_blocks_skipping_the_middle(int world, Optim optim, ZeroGrad zero) {
+  Program p = base_program(world, {BlockKind::kTied, BlockKind::kTied, BlockKind::kBranch});
+  p.optim = optim;
+  p.lr = optim == Optim::kSGD ? 0.1 : 0.01;
+  p.momentum = optim == Optim::kSGD ? 0.9 : 0;
+  p.weight_decay = 0.05;
+  for (int it = 0; it < 3; ++it) {
+    Iteration iter;
+    iter.micro.push_back(it == 1 ? same_pass(world, {{0, 0}, {2, 1}}, {4, 5})
+                                 : same_pass(world, {{0, 0}, {1, 1}, {2, 4}}, {7, 8}));
+    iter.zero = zero;
+    p.iterations.push_back(iter);
+  }
+  return p;
+}
+
+TEST(GuaranteeFindings, AModuleNoRankCalledIsNotSteppedByTheOptimizer) {
+  for (int world : {2, 3})
+    for (Optim optim : {Optim::kAdam, Optim::kAdamW, Optim::kSGD})
+      for (ZeroGrad zero : {ZeroGrad::kOptimizer, ZeroGrad::kZeroInPlace, ZeroGrad::kSetToNone}) {
+        SCOPED_TRACE(detail::cat("world ", world, " optimizer ", static_cast<int>(optim),
+                                 " zero_grad ", static_cast<int>(zero)));
+        Program p = three_blocks_skipping_the_middle(world, optim, zero);
+        p.custom = {0, 2, 0, 0};  // block 1's reduce-scatters, counted
+        run_ranks(world, [&](Rank& r) {
+          Sides both(p, r, p.seed);
+          for (int it = 0; it < 3; ++it) run_iteration(p, r, both.sharded, both.ref, it);
+          ASSERT_EQ(both.sharded.custom_reduces.size(), 1u);
+          EXPECT_EQ(both.sharded.custom_reduces[0]->calls, 2) << "the unused step reduced it";
+        });
+      }
+}
+
+// FSDP2's set_reduce_scatter_unused_params(true): every trainable parameter gets the reduction,
+// zeros where no rank had a gradient (the reference zero-fills them).
+TEST(GuaranteeFindings, ReduceScatterUnusedParamsGivesZerosAndReducesEveryGroup) {
+  Program p = three_blocks_skipping_the_middle(2, Optim::kAdamW, ZeroGrad::kOptimizer);
+  p.reduce_unused = true;
+  p.custom = {0, 2, 0, 0};
+  run_ranks(2, [&](Rank& r) {
+    Sides both(p, r, p.seed);
+    for (int it = 0; it < 3; ++it) run_iteration(p, r, both.sharded, both.ref, it);
+    EXPECT_EQ(both.sharded.custom_reduces[0]->calls, 3);
+  });
+}
+
+// Finding 7: a 0-d parameter among ignored_params made every checkpoint unusable (the file held
+// it as shape [], the index as one row). Ignored parameters of every shape: the 0-d root_bias,
+// 1-d biases, views into one buffer, through a checkpoint saved, consolidated and loaded at another
+// world size, against the reference.
+TEST(GuaranteeFindings, IgnoredParametersOfEveryShapeRoundTripThroughCheckpoints) {
+  Program p = base_program(3, {BlockKind::kTied, BlockKind::kIgnoresInput});
+  p.layout = {Layout::kSharedBuffer, Layout::kOwn};
+  p.optim = Optim::kAdam;
+  p.lr = 0.01;
+  p.checkpoint = true;
+  for (p.ignore = 1; !(p.ignores("root_bias") && p.ignores("b0.ba") && p.ignores("b0.wa"));)
+    ++p.ignore;  // the first salt that ignores the 0-d one and both views
+  for (int it = 0; it < 2; ++it) {
+    Iteration iter;
+    iter.micro.push_back(same_pass(3, {{0, 0}, {1, 1}}, {1, 4}));
+    p.iterations.push_back(iter);
+  }
+  expect_program_passes(p);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Ranks that call different sharded modules ([Note: calls that differ between ranks]): every
 // pattern against the unsharded model (mean over ranks, zeros where a rank did not call).
@@ -594,6 +735,34 @@ Program different_calls_program(int world, int blocks, std::vector<Pass> micro) 
   iter.micro = std::move(micro);
   p.iterations = {iter, iter};
   return p;
+}
+
+// The same decision with accumulation (used in one micro-batch only, or in none), finalize_backward,
+// HSDP (every micro-batch reduce-scatters, the last all-reduces), hpZ and ranks calling different
+// modules (used on rank 0 only: the mean with the others' zeros; then on no rank).
+TEST(GuaranteeFindings, AModuleNoRankCalledKeepsItsGradientInEveryMode) {
+  auto program = [](int world, Accumulate accumulate) {
+    Program p = three_blocks_skipping_the_middle(world, Optim::kAdam, ZeroGrad::kOptimizer);
+    p.accumulate = accumulate;
+    for (auto& iter : p.iterations) iter.micro.push_back(iter.micro[0]);
+    p.iterations[0].micro[1] = same_pass(world, {{0, 0}, {2, 1}}, {4, 5});  // b1 in micro 0 only
+    return p;
+  };
+  expect_program_passes(program(2, Accumulate::kSyncLast));
+  expect_program_passes(program(3, Accumulate::kFinalize));
+  Program hsdp = program(4, Accumulate::kAllReduceLast);
+  hsdp.replicas = 2;
+  hsdp.audit = true;
+  expect_program_passes(hsdp);
+  Program hpz = program(4, Accumulate::kSyncLast);
+  hpz.child_reshard = {2, 2, 2};
+  hpz.root_reshard = 2;
+  expect_program_passes(hpz);
+  Program differ = program(2, Accumulate::kSyncEvery);
+  differ.iterations[0].micro[0] = per_rank_pass({{0, 1, 2}, {0, 2}});
+  differ.iterations[0].micro[1] = per_rank_pass({{0, 2}, {2, 0}});
+  differ.audit = true;
+  expect_program_passes(differ);
 }
 
 // An expert layer: rank 0 calls a1, a2 and rank 1 b1, b2 (all of equal size); the next
@@ -698,25 +867,6 @@ TEST(DifferentCalls, StateDictAndCheckpointAfterDifferentCalls) {
 
 // What must still match is each rank's sequence of top-level calls and backward calls: a rank
 // with an extra forward of the root before the backward stops every rank by name.
-TEST(DifferentCalls, DifferentTopLevelCallsFailByName) {
-  Program p = different_calls_program(2, 2, {per_rank_pass({{0}, {1}})});
-  const Pass& pass = p.iterations[0].micro[0];
-  run_ranks(2, [&](Rank& r) {
-    torch::manual_seed(1);
-    ShardedSide s(p, r);
-    expect_error(
-        [&] {
-          if (r.rank == 0) {
-            torch::NoGradGuard no_grad;
-            s.model(input_for(p, r.rank, 0, 9), pass, r.rank);
-          }
-          s.model(input_for(p, r.rank, 0, 0), pass, r.rank).backward();
-        },
-        {"top-level calls differ", "rank 0 began a top-level forward", "rank 1 began a backward",
-         "same top-level calls"});
-  });
-}
-
 // Runs `body` on every rank of p's world with a fresh sharded side, under a 30 s collective
 // timeout: an error expected at once that instead waits the timeout out fails with the timeout's
 // message, not the one expected.
@@ -734,6 +884,30 @@ void on_each_rank_within_seconds(const Program& p,
       o);
 }
 
+// With buffers broadcast before every forward of the root (ShardOptions::broadcast_buffers) too:
+// the call's opening round comes before that broadcast, so the ranks stop there by name instead of
+// meeting in the broadcast and waiting out the timeout.
+TEST(DifferentCalls, DifferentTopLevelCallsFailByName) {
+  for (bool broadcast : {false, true}) {
+    SCOPED_TRACE(broadcast ? "broadcast_buffers" : "no buffer broadcast");
+    Program p = different_calls_program(2, 2, {per_rank_pass({{0}, {1}})});
+    p.broadcast_buffers = broadcast;
+    const Pass& pass = p.iterations[0].micro[0];
+    on_each_rank_within_seconds(p, [&](Rank& r, ShardedSide& s) {
+      expect_error(
+          [&] {
+            if (r.rank == 0) {
+              torch::NoGradGuard no_grad;
+              s.model(input_for(p, r.rank, 0, 9), pass, r.rank);
+            }
+            s.model(input_for(p, r.rank, 0, 0), pass, r.rank).backward();
+          },
+          {"top-level calls differ", "rank 0 began a top-level forward", "rank 1 began a backward",
+           "same top-level calls"});
+    });
+  }
+}
+
 // Under HSDP the same, over the whole mesh, within seconds: a rank whose call differs stops every
 // rank, in its own shard group and in the other replicas, by name (2 replicas of 2 ranks, and 4
 // replicas of 1, where the shard groups exchange nothing). An explicit collective called on one
@@ -746,6 +920,7 @@ TEST(DifferentCalls, DifferentTopLevelCallsFailOnEveryRankUnderHsdp) {
     for (Case c : {kExtraForward, kUnshard, kClip, kStateDict}) {
       SCOPED_TRACE(detail::cat("replicas ", replicas, ", case ", static_cast<int>(c)));
       p.replicas = replicas;
+      p.broadcast_buffers = c == kExtraForward;  // the root's forward broadcasts buffers first
       on_each_rank_within_seconds(p, [&](Rank& r, ShardedSide& s) {
         const char* what[] = {"began a top-level forward of", "called unshard() of 'root'",
                               "called clip_grad_norm_", "called full_state_dict"};
