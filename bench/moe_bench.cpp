@@ -46,11 +46,15 @@ int run_moe_bench(const MoEBenchOptions& o) {
   fsdp::Sharded<models::MoEGPT> model(cfg);
   auto root = models::shard_moe_gpt(model, world);
   torch::optim::AdamW opt(root.parameters(), torch::optim::AdamWOptions(1e-3));
-  MoEVariant v[2];  // routed, forced
+  // Routed (an expert no rank's tokens chose is not reduce-scattered), routed reducing every
+  // expert (set_reduce_scatter_unused_params: zeros for the unchosen ones), every expert called.
+  constexpr int kVariants = 3;
+  MoEVariant v[kVariants];
   int64_t i = 0;
   for (int round = 0; round < o.rounds; ++round)
-    for (int forced = 0; forced < 2; ++forced) {
-      model->set_force_all(forced == 1);
+    for (int variant = 0; variant < kVariants; ++variant) {
+      model->set_force_all(variant == 2);
+      root.set_reduce_scatter_unused_params(variant == 1);
       for (int w = 0; w < o.warmup; ++w) step(model, opt, world->rank(), o, i++);
       world->barrier().wait();
       world->reset_stats();
@@ -60,18 +64,18 @@ int run_moe_bench(const MoEBenchOptions& o) {
       const double dt =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const auto st = world->total_stats();
-      MoEVariant& f = v[forced];
+      MoEVariant& f = v[variant];
       f.step_s.push_back(dt / o.steps);
       f.bytes += static_cast<double>(st.bytes_sent) / o.steps / o.rounds;
       f.collectives += static_cast<double>(st.collectives) / o.steps / o.rounds;
       f.calls += static_cast<double>(model->expert_calls() - calls) / o.steps / o.rounds;
     }
   if (world->rank() != 0) return 0;
-  const char* names[2] = {"moe-routed", "moe-every-expert"};
-  for (int forced = 0; forced < 2; ++forced) {
-    const MoEVariant& f = v[forced];
+  const char* names[kVariants] = {"moe-routed", "moe-routed-reducing-unused", "moe-every-expert"};
+  for (int variant = 0; variant < kVariants; ++variant) {
+    const MoEVariant& f = v[variant];
     nlohmann::json j;
-    j["mode"] = names[forced];
+    j["mode"] = names[variant];
     j["world"] = world->size();
     j["step_s_median"] = median_of(f.step_s);
     j["step_s_min"] = *std::min_element(f.step_s.begin(), f.step_s.end());
@@ -86,8 +90,10 @@ int run_moe_bench(const MoEBenchOptions& o) {
   }
   nlohmann::json s;
   s["summary"] = "moe";
-  s["routed_over_forced_step"] = median_of(v[0].step_s) / median_of(v[1].step_s);
-  s["routed_over_forced_bytes"] = v[0].bytes / v[1].bytes;
+  s["routed_over_forced_step"] = median_of(v[0].step_s) / median_of(v[2].step_s);
+  s["routed_over_forced_bytes"] = v[0].bytes / v[2].bytes;
+  s["routed_over_reducing_unused_step"] = median_of(v[0].step_s) / median_of(v[1].step_s);
+  s["routed_over_reducing_unused_bytes"] = v[0].bytes / v[1].bytes;
   std::cout << s.dump() << std::endl;
   return 0;
 }

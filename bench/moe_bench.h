@@ -1,11 +1,12 @@
 // fsdp-bench --moe: a mixture-of-experts GPT (fsdp::models::MoEGPT, one group per expert) whose
-// ranks call only the experts their tokens are routed to, against the same model with every
-// expert called on every rank (what FSDP2 requires: a skipped expert runs on an empty batch), in
-// interleaved rounds on one model and the same batches. Per variant: step time (median [min, max]
-// over rounds), bytes sent and collectives per step (every lane of the world communicator, rank 0)
-// and expert calls per rank and step. Rank 0 prints one JSON line per variant and a summary line
-// (routed_over_forced_step, routed_over_forced_bytes). Free of torch headers. Thread-safety: run
-// from the main thread.
+// ranks call only the experts their tokens are routed to, against the same with every expert
+// reduce-scattered every step (set_reduce_scatter_unused_params: zeros for experts no rank chose)
+// and against every expert called on every rank (what FSDP2 requires: a skipped expert runs on an
+// empty batch), in interleaved rounds on one model and the same batches. Per variant: step time
+// (median [min, max] over rounds), bytes sent and collectives per step (every lane of the world
+// communicator, rank 0) and expert calls per rank and step. Rank 0 prints one JSON line per
+// variant and a summary line (routed over every expert, routed over reducing unused experts:
+// step and bytes). Free of torch headers. Thread-safety: run from the main thread.
 #pragma once
 
 #include <cstdint>

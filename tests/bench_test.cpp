@@ -267,10 +267,16 @@ TEST(BenchMoE, RoutedExpertsAgainstEveryExpertOnEveryRank) {
       std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto lines = json_lines(r.output);
-  ASSERT_EQ(lines.size(), 3u) << r.output;
-  const auto &routed = lines[0], &every = lines[1];
+  ASSERT_EQ(lines.size(), 4u) << r.output;
+  const auto &routed = lines[0], &reducing = lines[1], &every = lines[2];
   EXPECT_EQ(routed["mode"], "moe-routed");
+  EXPECT_EQ(reducing["mode"], "moe-routed-reducing-unused");
   EXPECT_EQ(every["mode"], "moe-every-expert");
+  // Experts no rank chose are not reduce-scattered (set_reduce_scatter_unused_params off).
+  EXPECT_LT(routed["collectives_per_step"].get<double>(),
+            reducing["collectives_per_step"].get<double>());
+  EXPECT_LT(routed["bytes_sent_per_step"].get<double>(),
+            reducing["bytes_sent_per_step"].get<double>());
   EXPECT_EQ(every["expert_calls_per_step"].get<double>(), 16.0);  // 8 experts x 2 layers
   EXPECT_LT(routed["expert_calls_per_step"].get<double>(), 16.0);
   EXPECT_LT(routed["bytes_sent_per_step"].get<double>(),
@@ -278,7 +284,7 @@ TEST(BenchMoE, RoutedExpertsAgainstEveryExpertOnEveryRank) {
   EXPECT_LT(routed["collectives_per_step"].get<double>(),
             every["collectives_per_step"].get<double>());
   EXPECT_NEAR(
-      lines[2]["routed_over_forced_bytes"].get<double>(),
+      lines[3]["routed_over_forced_bytes"].get<double>(),
       routed["bytes_sent_per_step"].get<double>() / every["bytes_sent_per_step"].get<double>(),
       0.01);
 }
