@@ -85,7 +85,7 @@ void expect_same_run(const Record& plain, const Record& ckpt) {
 
 ShardOptions checkpointed(bool on) {
   ShardOptions o = audited();
-  o.activation_checkpointing = on;
+  o.runtime.activation_checkpointing = on;
   return o;
 }
 
@@ -193,7 +193,7 @@ TEST(CheckpointingErrors, ParentOfShardedModulesNamedAtFullyShard) {
     fully_shard(model->a, r.world());
     fully_shard(model->b, r.world());
     ShardOptions o;
-    o.activation_checkpointing = true;
+    o.runtime.activation_checkpointing = true;
     expect_error([&] { fully_shard(model, r.world(), o); },
                  {"activation checkpointing on '", "contains the sharded module 'a'", "innermost"});
     EXPECT_FALSE(model.is_sharded());

@@ -54,7 +54,7 @@ TEST(AdoptionCnn, BatchNormTrainsLikeUnshardedWithBroadcastBuffers) {
     ShardOptions o = audited();
     fully_shard(model->block1, r.world(), o);  // fsdp
     fully_shard(model->block2, r.world(), o);  // fsdp
-    o.broadcast_buffers = true;
+    o.runtime.broadcast_buffers = true;
     auto root = fully_shard(model, r.world(), o);                  // fsdp
     torch::optim::AdamW opt(root.parameters(), adoption_adamw());  // fsdp: was model->parameters()
 

@@ -230,7 +230,7 @@ TEST(Containers, MisuseIsNamed) {
     torch::manual_seed(0);
     fsdp::Sharded<torch::nn::Sequential> model{make_mlp()};
     ShardOptions checkpointed;
-    checkpointed.activation_checkpointing = true;
+    checkpointed.runtime.activation_checkpointing = true;
     expect_error([&] { fully_shard_elements(model, r.world(), checkpointed); },
                  {"activation_checkpointing needs the element's calls"});
     auto elements = fully_shard_elements(model, r.world());

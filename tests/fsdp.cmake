@@ -17,3 +17,7 @@ fsdp_model_tests(LABEL adoption
 fsdp_add_test(interception_test LABEL interception PCH core
   SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/interception_test.cpp LIBS fsdp)
 target_include_directories(interception_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
+# The cross-rank protocol's rules on plain messages (src/core/protocol.h): no processes.
+fsdp_add_test(protocol_test LABEL guarantee PCH core SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/protocol_test.cpp
+              LIBS fsdp)
+target_include_directories(protocol_test PRIVATE ${PROJECT_SOURCE_DIR}/src)

@@ -156,7 +156,7 @@ struct AllReduceAllGather : AllGather {
 
 inline ShardOptions audited(std::optional<bool> reshard_after_forward = std::nullopt) {
   ShardOptions o;
-  o.audit = true;
+  o.debug.audit = true;
   o.reshard_after_forward = reshard_after_forward;
   return o;
 }

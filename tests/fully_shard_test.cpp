@@ -5,7 +5,7 @@
 
 #include "adversarial.h"
 #include "compat/optim.h"
-#include "core/context.h"
+#include "core/comm_context.h"
 #include "core/faults.h"
 #include "fsdp_test_util.h"
 

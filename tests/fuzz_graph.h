@@ -249,7 +249,24 @@ struct Program {
   // After the last step: a checkpoint saved, consolidated (rank 0) and loaded at another world size
   // (the first world - 1 ranks, plain FSDP), each against the reference.
   bool checkpoint = false;
+  // RuntimeOptions::calls_may_differ on the root: every forward gather through a round. A program
+  // whose ranks' calls differ anywhere declares it in any case (calls_differ); `undeclared` leaves
+  // it off even then (such a program must fail by name).
+  bool calls_may_differ = false;
+  bool undeclared = false;
   std::vector<Iteration> iterations;
+
+  // Some forward (a micro-batch or an extra one) gives some rank calls of its own.
+  bool calls_differ() const {
+    for (const auto& it : iterations) {
+      for (const auto& pass : it.micro)
+        if (!pass.same_calls()) return true;
+      for (const auto& e : it.extras)
+        if (!e.pass.same_calls()) return true;
+    }
+    return false;
+  }
+  bool declares() const { return !undeclared && (calls_may_differ || calls_differ()); }
 
   // Whether parameter `name` (the model's name, e.g. "b1.wa") is one of the ignored ones.
   bool ignores(const std::string& name) const { return ignore && salted(ignore, name) % 4 == 0; }
@@ -322,7 +339,8 @@ struct Program {
         (ignore ? ", ignored params " + std::to_string(ignore) : "") +
         (reduce_unused ? ", reduce-scatter unused params" : "") +
         (broadcast_buffers ? ", broadcast buffers" : "") +
-        (checkpoint ? ", checkpoint round trip" : "") + ", audit " +
+        (checkpoint ? ", checkpoint round trip" : "") +
+        (declares() ? ", calls_may_differ" : "") + ", audit " +
         (audit ? "on" : "off") + ", max_unsharded_groups " + std::to_string(max_unsharded_groups) +
         ", " +
         (optim == Optim::kSGD    ? "SGD momentum " + std::to_string(momentum)
@@ -588,6 +606,8 @@ inline Program make_program(uint64_t seed, int world) {
   p.reduce_unused = d.chance(6);
   p.broadcast_buffers = d.chance(4);
   p.checkpoint = world > 1 && !p.mixed && d.chance(5);
+  // Then the declaration where calls never differ (rounds with identical calls).
+  p.calls_may_differ = d.chance(4);
   return p;
 }
 

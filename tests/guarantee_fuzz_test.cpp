@@ -176,14 +176,15 @@ struct ShardedSide {
                      bool root = false) {
       ShardOptions o = options(p, reshard);
       if (root && p.mixed_output) o.mixed_precision.output_dtype = torch::kDouble;
-      if (root) o.broadcast_buffers = p.broadcast_buffers;
-      o.activation_checkpointing = checkpointed;
+      if (root) o.runtime.broadcast_buffers = p.broadcast_buffers;
+      if (root) o.runtime.calls_may_differ = p.declares();
+      o.runtime.activation_checkpointing = checkpointed;
       o.ignored_params = std::move(ignored);
       return p.replicas > 1 ? fully_shard(holder, mesh, o) : fully_shard(holder, comm, o);
     };
     auto shard_list = [&](size_t b) {  // blocks b and b + 1 as one group
       ShardOptions o = options(p, p.child_reshard[b]);
-      o.activation_checkpointing = p.checkpointed[b];
+      o.runtime.activation_checkpointing = p.checkpointed[b];
       o.ignored_params = ignored_in(p, b);
       for (auto& t : ignored_in(p, b + 1)) o.ignored_params.push_back(t);
       std::vector<ShardedRef> both = {model->blocks[b], model->blocks[b + 1]};
@@ -270,8 +271,8 @@ struct ShardedSide {
   }
   ShardOptions options(const Program& p, int reshard) const {
     ShardOptions o;
-    o.audit = p.audit;
-    o.max_unsharded_groups = p.max_unsharded_groups;
+    o.debug.audit = p.audit;
+    o.runtime.max_unsharded_groups = p.max_unsharded_groups;
     if (p.mixed) {
       o.mixed_precision.param_dtype = torch::kFloat;
       o.mixed_precision.reduce_dtype = p.mixed == 1 ? torch::kFloat : torch::kDouble;
@@ -596,7 +597,7 @@ TEST(GuaranteeFindings, ACheckpointedModuleThatModifiesItsInputIsRefusedByName) 
     torch::manual_seed(0);
     fsdp::Sharded<Block> b{Block(BlockKind::kInPlace, 3)};
     ShardOptions o;
-    o.activation_checkpointing = true;
+    o.runtime.activation_checkpointing = true;
     fully_shard(b, r.world(), o);
     auto x = torch::randn({3, kWidth}, torch::kDouble).requires_grad_(true) + 1;
     expect_error([&] { b(x); }, {"checkpointed forward modified its tensor input #0 in place",

@@ -52,7 +52,7 @@ class Paths : public ::testing::TestWithParam<PathCase> {
  protected:
   ShardOptions opts() const {
     ShardOptions o;
-    o.audit = GetParam().audit;
+    o.debug.audit = GetParam().audit;
     return o;
   }
   // Shards the four blocks and the root; returns the root handle.

@@ -26,7 +26,7 @@ struct Sharded {
   explicit Sharded(Rank& r, bool checkpointed = false) {
     m->to(torch::kDouble);
     ShardOptions child = audited();
-    child.activation_checkpointing = checkpointed;
+    child.runtime.activation_checkpointing = checkpointed;
     child.ignored_params = {m->a->bias};
     fully_shard(m->a, r.world(), child);
     fully_shard(m->b, r.world(), audited());

@@ -102,7 +102,7 @@ struct Sharded {
       : m(Net(tied)) {
     m->to(torch::kDouble);
     ShardOptions o = audited();
-    o.activation_checkpointing = checkpointed;
+    o.runtime.activation_checkpointing = checkpointed;
     for (auto& b : m->blocks) fully_shard(b, r.world(), o);
     ShardOptions lo = audited();
     lo.reshard_after_forward = reshard;

@@ -78,7 +78,7 @@ TEST(InitialValues, DifferingRanksAreNamedOrSynced) {
     torch::manual_seed(r.rank);
     fsdp::Sharded<TupleNet> synced{TupleNet()};
     ShardOptions o;
-    o.sync_module_states = true;
+    o.runtime.sync_module_states = true;
     fully_shard(synced->block, r.world(), o);
     auto root = fully_shard(synced, r.world(), o);
     expect_shards_equal(root, *rank0, 0, 0);

@@ -71,12 +71,12 @@ struct ShardedNet {
   ShardedNet(Rank& r, bool placed, bool checkpointed = false) {
     m->to(torch::kDouble);
     ShardOptions o = audited();
-    o.activation_checkpointing = checkpointed;
+    o.runtime.activation_checkpointing = checkpointed;
     if (placed) o.shard_placement_fn = placement;
     fully_shard(m->a, r.world(), o);
     if (placed) o.shard_placement_fn = placement_c;
     fully_shard(m->c, r.world(), o);
-    o.activation_checkpointing = false;
+    o.runtime.activation_checkpointing = false;
     if (placed) o.shard_placement_fn = placement;
     root = fully_shard(m, r.world(), o);
   }

@@ -134,6 +134,9 @@ class Communicator {
   // Unlike split() and subgroup(), which read FSDP_TRANSPORT when they build their communicator,
   // a lane keeps the transport this communicator was built with.
   std::shared_ptr<Communicator> lane(const std::string& name);
+  // The same over `ranks` only (subgroup()'s rules): created on first use by those ranks, shared
+  // afterwards (hpZ's post-forward lanes, one per shard group and world size).
+  std::shared_ptr<Communicator> lane(const std::string& name, const std::vector<int>& ranks);
 
   // The c10d process group underneath, for c10d facilities that take one (e.g. c10d::Reducer);
   // collectives issued on it bypass this communicator's checks, timeouts and statistics.
@@ -156,6 +159,8 @@ class Communicator {
 
  private:
   void adopt(const std::shared_ptr<Communicator>& child);  // split, subgroup: count its traffic
+  // subgroup()'s checks of `ranks`: ascending ranks of this communicator, this one among them.
+  void check_subgroup(const std::string& name, const std::vector<int>& ranks) const;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+#include <fsdp/gather_transform.h>
 
 #include <cstdint>
 #include <functional>
@@ -84,37 +85,47 @@ struct Shard {
   int64_t dim = 0;
 };
 
-struct ShardOptions {
-  // See ReshardAfterForward. Default: true for sharded submodules, false for the root (whose
-  // parameters are needed first in backward).
-  std::optional<ReshardAfterForward> reshard_after_forward;
-  // Check the post-backward invariants Final, Once and Complete at every backward on every rank;
-  // also switched on by FSDP_AUDIT=1. Local checks, no communication. (Agreed, that every rank
-  // issued the same collectives, is checked at every forward of the root and every backward
-  // whether this is on or not.)
-  bool audit = false;
+// fsdp-cpp's own settings of a fully_shard call, apart from FSDP2's arguments.
+struct RuntimeOptions {
+  // Drop this module's activations after forward and recompute them in backward (the recompute
+  // runs with the parameters gathered again for backward). See docs/design.md.
+  bool activation_checkpointing = false;
   // How many groups' gathered parameters may be alive at once through prefetching (issue order).
   int max_unsharded_groups = 2;
   // Broadcast rank 0's initial parameter values before sharding. Off: fully_shard checks that the
   // values already agree (a checksum per parameter, one all-gather) and names the first parameter
   // that differs.
   bool sync_module_states = false;
-  // Drop this module's activations after forward and recompute them in backward (the recompute
-  // runs with the parameters gathered again for backward). See docs/design.md.
-  bool activation_checkpointing = false;
   // Broadcast rank 0's buffers (e.g. BatchNorm running statistics) to every rank at the start of
   // each forward of the root, as DDP does. Set on the root.
   bool broadcast_buffers = false;
-  // Per group: fully_shard on a parent does not pass its policy to already sharded children.
-  MixedPrecisionPolicy mixed_precision;
-  // FSDP2's offload_policy: unset is OffloadPolicy() (no offloading).
-  std::optional<CPUOffloadPolicy> offload_policy;
-  // FSDP2's ignored_params: parameters of this module (or below it, not in a sharded submodule)
-  // that fully_shard leaves whole on every rank and unmanaged: never gathered, resharded or
-  // reduced (each rank's gradient is its own), not cast by mixed precision. The handle's
-  // parameters() lists them (an optimizer built on it steps them); full_state_dict gives this
-  // rank's values, checkpoints store rank 0's.
-  std::vector<at::Tensor> ignored_params;
+  // Inside this module's forward the ranks may call different sharded modules, any number of
+  // times, in any order (experts with no routed tokens, an encoder called for some batches only):
+  // every gather inside it then goes through a round agreed with the other ranks, and gradients
+  // stay exact ([Note: calls that differ between ranks] in docs/design.md). Set it on the module
+  // whose forward makes those calls (the root, or a mixture-of-experts layer), the same on every
+  // rank; FSDPModule::set_calls_may_differ changes it later. Off, every rank must call the same
+  // sharded modules in the same order (FSDP2's requirement), and a forward costs no round beyond
+  // the one that opens each top-level call; ranks whose calls differ then stop with an error
+  // naming this setting.
+  bool calls_may_differ = false;
+};
+
+// Debugging aids.
+struct DebugOptions {
+  // Check the post-backward invariants Final, Once and Complete at every backward on every rank;
+  // also switched on by FSDP_AUDIT=1. Local checks, no communication. (Agreed, that every rank
+  // issued the same collectives, is checked at every forward of the root and every backward
+  // whether this is on or not.)
+  bool audit = false;
+};
+
+// fully_shard's options: FSDP2's arguments (mesh aside, which is fully_shard's second argument),
+// then fsdp-cpp's own settings.
+struct ShardOptions {
+  // See ReshardAfterForward. Default: true for sharded submodules, false for the root (whose
+  // parameters are needed first in backward).
+  std::optional<ReshardAfterForward> reshard_after_forward;
   // FSDP2's shard_placement_fn: called once per parameter of the group at fully_shard, with the
   // parameter's name (relative to the module) and the parameter; Shard{d} shards it on dim d
   // instead of 0 (e.g. expert weights whose dim 0, the experts, is smaller than the world), and
@@ -125,6 +136,33 @@ struct ShardOptions {
   // state dicts hold the full parameters as ever.
   std::function<std::optional<Shard>(const std::string& name, const at::Tensor& param)>
       shard_placement_fn;
+  // FSDP2's mp_policy. Per group: fully_shard on a parent does not pass it to sharded children.
+  MixedPrecisionPolicy mixed_precision;
+  // FSDP2's offload_policy: unset is OffloadPolicy() (no offloading).
+  std::optional<CPUOffloadPolicy> offload_policy;
+  // FSDP2's ignored_params: parameters of this module (or below it, not in a sharded submodule)
+  // that fully_shard leaves whole on every rank and unmanaged: never gathered, resharded or
+  // reduced (each rank's gradient is its own), not cast by mixed precision. The handle's
+  // parameters() lists them (an optimizer built on it steps them); full_state_dict gives this
+  // rank's values, checkpoints store rank 0's.
+  std::vector<at::Tensor> ignored_params;
+  // What each parameter puts on the wire when the group is all-gathered (fsdp/gather_transform.h):
+  // fsdp-cpp's counterpart of FSDP2's tensor-subclass extension (fsdp_pre_all_gather /
+  // fsdp_post_all_gather). Unset: the parameters' values in their compute dtype.
+  GatherTransformFn gather_transform_fn;
+
+  RuntimeOptions runtime;  // fsdp-cpp's own settings
+  DebugOptions debug;      // debugging aids
+
+  // Deprecated spellings of runtime's and debug's fields (fully_shard takes either; these go in a
+  // later release).
+  [[deprecated("use ShardOptions::runtime.activation_checkpointing")]] bool
+      activation_checkpointing = false;
+  [[deprecated("use ShardOptions::runtime.broadcast_buffers")]] bool broadcast_buffers = false;
+  [[deprecated("use ShardOptions::runtime.sync_module_states")]] bool sync_module_states = false;
+  [[deprecated("use ShardOptions::runtime.max_unsharded_groups")]] std::optional<int>
+      max_unsharded_groups;
+  [[deprecated("use ShardOptions::debug.audit")]] bool audit = false;
 };
 
 }  // namespace fsdp

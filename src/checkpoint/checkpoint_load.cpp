@@ -13,7 +13,7 @@
 #include "checkpoint/checkpoint_common.h"
 #include "checkpoint/optim_state.h"
 #include "checkpoint/reader.h"
-#include "core/call_agreement.h"
+#include "core/explicit_collective.h"
 
 namespace fsdp::checkpoint {
 
@@ -129,8 +129,8 @@ void init_buffers(st::File& f, const std::vector<std::pair<std::string, at::Tens
 
 TrainState load(const std::string& ckpt_dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                 Communicator& comm) {
-  fsdp::detail::agree_explicit_collective(root,
-                                          fsdp::detail::CallAgreement::Explicit::kCheckpointLoad);
+  fsdp::detail::agree_explicit_collective(
+      root, fsdp::detail::protocol::Explicit::kCheckpointLoad);
   TrainState out;
   std::string error = detail::error_of([&] {
     OptKind kind = kind_of(opt);

@@ -21,7 +21,7 @@
 #include "checkpoint/hex.h"
 #include "checkpoint/optim_state.h"
 #include "checkpoint/test_hooks.h"
-#include "core/call_agreement.h"
+#include "core/explicit_collective.h"
 
 namespace fsdp::checkpoint {
 
@@ -180,8 +180,8 @@ std::string save_shards(const std::string& dir, const FSDPModule& root,
 
 std::string save(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                  const TrainState& state, Communicator& comm) {
-  fsdp::detail::agree_explicit_collective(root,
-                                          fsdp::detail::CallAgreement::Explicit::kCheckpointSave);
+  fsdp::detail::agree_explicit_collective(
+      root, fsdp::detail::protocol::Explicit::kCheckpointSave);
   const auto& replicas = root.replicate_communicator();
   if (!replicas) return save_shards(dir, root, opt, state, comm);
   // HSDP: every replica holds the same shards; replica 0 writes them over the shard communicator,

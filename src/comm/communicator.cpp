@@ -242,7 +242,25 @@ std::shared_ptr<Communicator> Communicator::split(const std::string& name) {
 
 std::shared_ptr<Communicator> Communicator::subgroup(const std::string& name,
                                                      const std::vector<int>& ranks) {
-  Impl& m = *impl_;
+  check_subgroup(name, ranks);
+  auto c = impl_->child(name, ranks, requested_transport());
+  adopt(c);
+  return c;
+}
+
+std::shared_ptr<Communicator> Communicator::lane(const std::string& name,
+                                                 const std::vector<int>& ranks) {
+  const std::string key = name + bracketed_ranks(ranks);
+  auto it = impl_->lanes.find(key);
+  if (it != impl_->lanes.end()) return it->second;
+  check_subgroup(name, ranks);
+  auto c = impl_->child(name, ranks, impl_->requested);
+  impl_->lanes.emplace(key, c);
+  return c;
+}
+
+void Communicator::check_subgroup(const std::string& name, const std::vector<int>& ranks) const {
+  const Impl& m = *impl_;
   FSDP_CHECK(std::find(ranks.begin(), ranks.end(), m.rank) != ranks.end(), "subgroup '", name,
              "': this rank (", m.rank, ") is not in the list ", bracketed_ranks(ranks),
              "; only the ranks of a subgroup may create it");
@@ -250,9 +268,6 @@ std::shared_ptr<Communicator> Communicator::subgroup(const std::string& name,
     FSDP_CHECK(ranks[i] >= 0 && ranks[i] < m.size && (i == 0 || ranks[i] > ranks[i - 1]),
                "subgroup '", name, "': ranks ", bracketed_ranks(ranks),
                " must be ascending ranks of the ", m.size, "-rank communicator '", m.name, "'");
-  auto c = m.child(name, ranks, requested_transport());
-  adopt(c);
-  return c;
 }
 
 std::shared_ptr<Communicator> Communicator::lane(const std::string& name) {

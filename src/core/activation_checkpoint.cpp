@@ -3,15 +3,15 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <fsdp/activation_checkpoint.h>
+#include <fsdp/error.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/nn/module.h>
 
 #include <mutex>
 #include <set>
 
-#include "core/context.h"
-#include "core/group.h"
+#include "compat/autograd.h"
+
 
 namespace fsdp {
 
@@ -187,39 +187,4 @@ std::vector<at::Tensor> checkpoint_activations(const TensorFunction& fn,
   return outs;
 }
 
-namespace detail {
-
-bool activation_checkpointing(Group& group) {
-  if (!group.options().activation_checkpointing) return false;
-  std::set<const torch::nn::Module*> below;
-  for (const auto& m : group.module()->modules(/*include_self=*/false)) below.insert(m.get());
-  for (Group* g : group.context().groups())
-    FSDP_CHECK(g == &group || !g->inside(below), "activation checkpointing on '", group.name(),
-               "' (", group.type_name(), "): it contains the sharded module '", g->name(), "' (",
-               g->type_name(),
-               "), whose hooks would run again during backward's recomputation. Checkpoint the "
-               "innermost sharded modules instead (e.g. each block), not their parent");
-  return true;
-}
-
-std::vector<at::Tensor> checkpoint_parameters(Group& group) {
-  std::vector<at::Tensor> out;
-  for (const auto& p : group.params())
-    if (p.trainable()) out.push_back(p.param());
-  // ignored_params are the module's parameters too: the recompute's backward must reach them.
-  for (const auto& t : group.ignored())
-    if (t.requires_grad()) out.push_back(t);
-  return out;
-}
-
-void check_checkpointable_arguments(Group& group, bool traversable, bool copyable) {
-  FSDP_CHECK(traversable && copyable, "activation checkpointing on '", group.name(), "' (",
-             group.type_name(), "): its forward takes or returns a type ",
-             traversable ? "that cannot be copied" : "fsdp-cpp cannot look into for tensors",
-             ", so the call cannot be replayed in backward. Checkpointed forwards take and return "
-             "copyable at::Tensor, std::vector, std::tuple, std::pair, std::optional of these, "
-             "and values holding no tensor; or switch activation_checkpointing off for it");
-}
-
-}  // namespace detail
 }  // namespace fsdp

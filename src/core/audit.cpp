@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 
-#include "core/backward_pass.h"
+#include "core/backward.h"
 #include "core/group.h"
 
 namespace fsdp::detail {
@@ -20,7 +20,7 @@ void Audit::issued_twice(const Group& g) {
                                     "' was about to be reduced a second time in one backward"));
 }
 
-void Audit::check_reductions(const BackwardPass& pass, const std::vector<Group*>& groups,
+void Audit::check_reductions(const Backward& pass, const std::vector<Group*>& groups,
                              const std::vector<uint64_t>& any_rank) {
   auto fail = [&](std::string v) { violations_.push_back(std::move(v)); };
   size_t bit = 0;  // the parameter's place in any_rank
@@ -54,9 +54,9 @@ void Audit::check_reductions(const BackwardPass& pass, const std::vector<Group*>
                      " reduce-scatters were still in flight when backward returned"));
 }
 
-void Audit::check(const BackwardPass& pass, const std::vector<Group*>& groups,
+void Audit::check(const Backward& pass, const std::vector<Group*>& groups,
                   const std::vector<uint64_t>& any_rank, int rank) {
-  if (pass.reducing()) check_reductions(pass, groups, any_rank);
+  if (pass.plain()) check_reductions(pass, groups, any_rank);
   if (violations_.empty()) return;
   std::string msg = detail::cat("audit failed on rank ", rank, ": ", violations_.front());
   if (violations_.size() > 1) msg += detail::cat(" (and ", violations_.size() - 1, " more)");

@@ -1,23 +1,19 @@
-// Audit: checks the four post-backward invariants at every backward on every rank
-// ([Note: the post-backward guarantee] and [Note: agreement on both lanes] in docs/design.md).
-// Enabled by ShardOptions::audit or FSDP_AUDIT=1. Violations are collected while backward runs
-// and thrown as fsdp::AuditError from the final callback, naming the group, the parameter and the
-// event. Agreed (both lanes) is checked at every backward whether the audit is on or not
-// (core/agreement.h).
-// Thread-safety: used under the Context's mutex.
+// Audit: checks the post-backward invariants Final, Once and Complete at every backward on every
+// rank ([Note: the post-backward guarantee] in docs/design.md). Enabled by DebugOptions::audit or
+// FSDP_AUDIT=1. Violations are collected while backward runs and thrown as fsdp::AuditError from
+// the final callback, naming the group, the parameter and the event. Agreed (both lanes) is checked
+// at every backward whether the audit is on or not (core/agreed.h).
+// Thread-safety: used under the root's mutex.
 #pragma once
 
-#include <fsdp/communicator.h>
-
-#include <memory>
+#include <cstdint>
 #include <string>
-#include <utility>
 #include <vector>
 
 namespace fsdp::detail {
 
 class Group;
-class BackwardPass;
+class Backward;
 
 class Audit {
  public:
@@ -29,13 +25,13 @@ class Audit {
 
   // At the end of backward: Final (no gradient re-appeared after reduction), Once and Complete
   // (every group the backward reduces issued once and waited, every trainable shard that some
-  // rank contributed a gradient to has one: `any_rank`, Context::contribution_bits' layout ORed
-  // over the mesh). Throws AuditError naming this rank (`rank`).
-  void check(const BackwardPass& pass, const std::vector<Group*>& groups,
+  // rank contributed a gradient to has one: `any_rank`, one bit per parameter of `groups` in
+  // order, ORed over the mesh). Throws AuditError naming this rank (`rank`).
+  void check(const Backward& pass, const std::vector<Group*>& groups,
              const std::vector<uint64_t>& any_rank, int rank);
 
  private:
-  void check_reductions(const BackwardPass& pass, const std::vector<Group*>& groups,
+  void check_reductions(const Backward& pass, const std::vector<Group*>& groups,
                         const std::vector<uint64_t>& any_rank);
 
   std::vector<std::string> violations_;

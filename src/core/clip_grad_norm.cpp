@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "core/call_agreement.h"
+#include "core/explicit_collective.h"
 
 namespace fsdp {
 
@@ -63,7 +63,7 @@ double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type
              "std::numeric_limits<double>::infinity() for the max norm");
   FSDP_CHECK(!std::isnan(max_norm), "clip_grad_norm_(", root.name(),
              "): max_norm is NaN; pass the largest gradient norm to allow (e.g. 1.0)");
-  detail::agree_explicit_collective(root, detail::CallAgreement::Explicit::kClipGradNorm);
+  detail::agree_explicit_collective(root, detail::protocol::Explicit::kClipGradNorm);
   const auto grads = local_grads(root);
   Communicator& comm = root.communicator();
   const double total = inf ? global_inf_norm(comm, grads) : global_p_norm(comm, grads, norm_type);

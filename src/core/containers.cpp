@@ -28,8 +28,9 @@ std::vector<std::shared_ptr<torch::nn::Module>> elements_of(torch::nn::Transform
 std::vector<FSDPModule> fully_shard_elements_impl(
     const std::vector<std::shared_ptr<torch::nn::Module>>& elements, const std::string& container,
     std::shared_ptr<Communicator> comm, std::shared_ptr<Communicator> replicate,
-    const ShardOptions& options) {
-  FSDP_CHECK(!options.activation_checkpointing, "fully_shard_elements(", container,
+    const ShardOptions& given) {
+  const ShardOptions options = resolved_options(given);
+  FSDP_CHECK(!options.runtime.activation_checkpointing, "fully_shard_elements(", container,
              "): activation_checkpointing needs the element's calls, which LibTorch's containers "
              "make directly. Declare the block fsdp::Sharded<Block> and call it through the "
              "holder to checkpoint it");

@@ -23,6 +23,7 @@
 #include "compat/interception.h"
 #include "core/deferred_init.h"
 #include "core/deferred_recording.h"
+#include "core/binding.h"
 #include "core/group.h"
 #include "core/registry.h"
 #include "util/checksum.h"
@@ -299,8 +300,9 @@ MaterializeReport Replay::run() {
 }  // namespace
 
 Communicator* deliver_to_shard(const at::Tensor& param, const at::Tensor& full) {
-  auto g = Registry::instance().group_of(param);
-  if (!g) return nullptr;
+  auto b = Registry::instance().binding_of(param);
+  if (!b) return nullptr;
+  Group* g = b->group.get();
   for (size_t i = 0; i < g->params().size(); ++i)
     if (g->params()[i].param().unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) {
       g->materialize_param(i, full);

@@ -5,16 +5,17 @@
 
 #include <algorithm>
 #include <memory>
-#include <mutex>
 #include <utility>
 #include <vector>
 
 #include "comm/rank_agreement.h"
+#include "core/binding.h"
 #include "core/buffers.h"
-#include "core/context.h"
 #include "core/group.h"
+#include "core/hooks.h"
 #include "core/model_agreement.h"
 #include "core/registry.h"
+#include "core/root.h"
 
 namespace fsdp::detail {
 
@@ -109,42 +110,68 @@ std::vector<std::optional<at::ScalarType>> compute_dtypes(const std::string& typ
 }
 
 // hpZ's post-forward lane: this rank's k consecutive ranks of `comm`, one communicator per
-// (communicator, k), shared by the groups that use it. Every rank calls fully_shard with the same
-// options in the same order, so every rank creates the same lanes in the same order.
+// (communicator, k), shared by the groups that use it (Communicator::lane caches it). Every rank
+// calls fully_shard with the same options in the same order, so every rank creates the same lanes
+// in the same order.
 std::shared_ptr<Communicator> post_forward_lane(const std::shared_ptr<Communicator>& comm,
                                                 const ShardOptions& options) {
   if (!options.reshard_after_forward) return nullptr;
   const int k = options.reshard_after_forward->world();
   if (k <= 1 || k == comm->size()) return nullptr;  // false, true, or true by another name
-  // Keyed by the communicator's identity (its control block, which no later communicator
-  // reuses while the key holds it); entries whose lane has gone are dropped as new ones come.
-  struct Entry {
-    std::weak_ptr<Communicator> parent, lane;
-    int k;
-  };
-  static std::mutex mutex;
-  static std::vector<Entry> lanes;
-  std::lock_guard<std::mutex> lock(mutex);
-  lanes.erase(
-      std::remove_if(lanes.begin(), lanes.end(), [](const Entry& e) { return e.lane.expired(); }),
-      lanes.end());
-  const std::owner_less<std::weak_ptr<Communicator>> before;
-  for (const Entry& e : lanes)
-    if (e.k == k && !before(e.parent, comm) && !before(comm, e.parent))
-      if (auto lane = e.lane.lock()) return lane;
   std::vector<int> ranks;
   for (int r = comm->rank() / k * k, end = r + k; r < end; ++r) ranks.push_back(r);
-  auto lane = comm->subgroup(cat("post_forward", k), ranks);
-  lanes.push_back(Entry{comm, lane, k});
-  return lane;
+  return comm->lane(cat("post_forward", k), ranks);
+}
+
+// ShardOptions::gather_transform_fn: each parameter's transform (null: the plain gather).
+std::vector<std::shared_ptr<GatherTransform>> gather_transforms(const std::string& type,
+                                                                const NamedTensors& mine,
+                                                                const ShardOptions& options) {
+  std::vector<std::shared_ptr<GatherTransform>> out;
+  for (const auto& [name, t] : mine) {
+    if (!options.gather_transform_fn) {
+      out.emplace_back();
+      continue;
+    }
+    try {
+      out.push_back(options.gather_transform_fn(name, t));
+    } catch (const std::exception& e) {
+      throw Error(cat("fully_shard(", type, "): gather_transform_fn threw for parameter '", name,
+                      "' (shape ", t.sizes(), "): ", e.what(),
+                      ". Fix: return a transform or nullptr for every parameter"));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+ShardOptions resolved_options(ShardOptions o) {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  o.runtime.activation_checkpointing |= o.activation_checkpointing;
+  o.runtime.broadcast_buffers |= o.broadcast_buffers;
+  o.runtime.sync_module_states |= o.sync_module_states;
+  if (o.max_unsharded_groups) o.runtime.max_unsharded_groups = *o.max_unsharded_groups;
+  o.debug.audit |= o.audit;
+#pragma GCC diagnostic pop
+  return o;
+}
+
+namespace {
+
+[[noreturn]] void reject_second_fully_shard(const torch::nn::Module& module) {
+  throw Error(cat("fully_shard was applied twice to module '", module.name(),
+                  "': apply it once per module (blocks first, then the root)"));
 }
 
 }  // namespace
 
 FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                             std::shared_ptr<Communicator> comm,
-                            std::shared_ptr<Communicator> replicate, const ShardOptions& options,
+                            std::shared_ptr<Communicator> replicate, const ShardOptions& given,
                             CallPath path, const std::vector<torch::nn::Module*>& members) {
+  const ShardOptions options = resolved_options(given);
   FSDP_CHECK(module != nullptr, "fully_shard: the module is empty (construct it first)");
   FSDP_CHECK(comm != nullptr, "fully_shard: the communicator is null (call init_process_group)");
   const std::string type = module->name();
@@ -153,7 +180,7 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   check_reshard_after_forward(type, *comm, options);
   const ModulePaths paths = module_paths(*module);
   // Here rather than at the first forward, where ranks whose calls differ would not all see it.
-  if (options.activation_checkpointing)
+  if (options.runtime.activation_checkpointing)
     for (const auto* m : paths.order)
       FSDP_CHECK(!reg.is_sharded(*m), "activation checkpointing on '", type,
                  "': it contains the sharded module '", paths.path_of.at(m), "' (", m->name(),
@@ -161,42 +188,45 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                  "innermost sharded modules instead (e.g. each block), not their parent");
   auto mine = reg.claim_parameters(*module, paths, options.ignored_params);
   check_placement(type, *comm, mine);
-  // An error of the user's functions (shard_placement_fn, param_dtype_override_fn) on one rank
-  // stops every rank (the others would wait in the next collective).
+  // An error of the user's functions (shard_placement_fn, param_dtype_override_fn,
+  // gather_transform_fn) on one rank stops every rank (the others would wait in the next
+  // collective).
   std::vector<int64_t> dims;
   std::vector<std::optional<at::ScalarType>> dtypes;
+  std::vector<std::shared_ptr<GatherTransform>> transforms;
   const std::string layout_error = error_of([&] {
     dims = shard_dims(type, mine, options);
     dtypes = compute_dtypes(type, mine, options.mixed_precision);
+    transforms = gather_transforms(type, mine, options);
   });
   // On every rank, whether or not it has the functions: a rank given one where another is not
   // still meets the others here (and check_same_model compares their answers). Under HSDP across
   // the replicas too.
   raise_together(*comm, replicate.get(), layout_error, cat("fully_shard(", type, ")"));
   check_same_model(*comm, type, mine, dims, dtypes);
-  agree_on_values(*comm, type, mine, options.sync_module_states);
+  agree_on_values(*comm, type, mine, options.runtime.sync_module_states);
 
-  auto context = reg.absorb_children(paths, comm, replicate, options);
+  auto root = reg.absorb_children(paths, comm, replicate, options);
   std::vector<ParamState> params;
   for (size_t i = 0; i < mine.size(); ++i)
     params.emplace_back(mine[i].first, mine[i].second, dims[i], comm->rank(), comm->size(),
                         options.offload_policy, dtypes[i]);
-  auto lane = post_forward_lane(comm, options);
-  auto group = std::make_shared<Group>(module.get(), type, std::move(params), comm, options);
+  auto group = std::make_shared<Group>(module.get(), type, std::move(params), comm, options,
+                                       std::move(transforms));
   if (!members.empty()) group->set_members(module, members);
-  group->set_post_forward_lane(std::move(lane));
+  group->set_post_forward_lane(post_forward_lane(comm, options));
   group->set_path("");
-  group->set_context(context);
-  context->add(group.get());
-  if (context->groups().size() > 1) group->set_contains_groups();  // it absorbed sharded children
-  group->attach_hooks();
   if (path == CallPath::kGatherOnUse) group->set_gathers_on_use();
-  reg.add(group);
+  root->add(group);
+  auto binding = std::make_shared<Binding>(Binding{group, root, {}});
+  attach_param_hooks(binding);
+  reg.add(binding);
   // Buffers are replicated: rank 0's values win. Sharded children broadcast their own already.
   broadcast_buffers(reg.own_buffers(*module, paths), *comm);
-  context->log(group.get(), detail::cat("fully_shard: ", group->params().size(), " parameters, ",
-                                        group->flat_numel(), " padded elements per rank"));
-  return HandleAccess::make(group);
+  root->comm_context().log(group->name(), cat("fully_shard: ", group->params().size(),
+                                              " parameters, ", group->flat_numel(),
+                                              " padded elements per rank"));
+  return HandleAccess::make(binding);
 }
 
 // A container holds the modules as "0", "1", ... and is sharded as one module; the group keeps
@@ -209,10 +239,11 @@ FSDPModule fully_shard_list(const std::vector<ShardedRef>& modules,
   std::string type;
   std::vector<torch::nn::Module*> members;
   for (size_t k = 0; k < modules.size(); ++k) {
-    const auto& m = modules[k].module_;
+    const auto& m = HandleAccess::module(modules[k]);
     FSDP_CHECK(m != nullptr, "fully_shard: module #", k,
                " of the list is empty (construct it first)");
-    if (Registry::instance().is_sharded(*m)) reject_second_fully_shard(*m);
+    if (HandleAccess::sharded(modules[k]) || Registry::instance().is_sharded(*m))
+      reject_second_fully_shard(*m);
     for (size_t j = 0; j < k; ++j) {
       FSDP_CHECK(members[j] != m.get(), "fully_shard: module '", m->name(),
                  "' is in the list twice (#", j, " and #", k, "); list each module once");
@@ -231,23 +262,18 @@ FSDPModule fully_shard_list(const std::vector<ShardedRef>& modules,
     type += (k ? ", " : "") + m->name();
   }
   if (modules.size() == 1) {
-    auto handle = fully_shard_impl(modules[0].module_, std::move(comm), std::move(replicate),
-                                   options, CallPath::kHolder);
-    modules[0].attach_(handle);
+    auto handle = fully_shard_impl(HandleAccess::module(modules[0]), std::move(comm),
+                                   std::move(replicate), options, CallPath::kHolder);
+    HandleAccess::attach_ref(modules[0], handle);
     return handle;
   }
   auto list = std::make_shared<torch::nn::Module>("ModuleList(" + type + ")");
   for (size_t k = 0; k < modules.size(); ++k)
-    list->register_module(std::to_string(k), modules[k].module_);
+    list->register_module(std::to_string(k), HandleAccess::module(modules[k]));
   auto handle = fully_shard_impl(list, std::move(comm), std::move(replicate), options,
                                  CallPath::kHolder, members);
-  for (const auto& m : modules) m.attach_(handle);
+  for (const auto& m : modules) HandleAccess::attach_ref(m, handle);
   return handle;
-}
-
-void reject_second_fully_shard(const torch::nn::Module& module) {
-  throw Error(cat("fully_shard was applied twice to module '", module.name(),
-                  "': apply it once per module (blocks first, then the root)"));
 }
 
 }  // namespace fsdp::detail

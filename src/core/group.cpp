@@ -1,18 +1,13 @@
+// Group: construction, identity, settings and its state machines.
 #include "core/group.h"
 
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <cmath>
-#include <iostream>
 
-#include "comm/communicator_impl.h"
-#include "core/backward_pass.h"
-#include "core/buffers.h"
-#include "core/context.h"
 #include "core/guard.h"
 
 namespace fsdp::detail {
@@ -43,103 +38,55 @@ const char* to_string(TrainingState s) {
   return "?";
 }
 
-namespace {
-
-// AccumulateGrad post hook: the parameter's gradient for this backward is final.
-struct GradReadyHook : torch::autograd::FunctionPostHook {
-  GradReadyHook(std::weak_ptr<Group> g, size_t i) : group(std::move(g)), index(i) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    if (auto g = group.lock()) g->context().backward().on_grad_ready(*g, index);
-    return outputs;
-  }
-  std::weak_ptr<Group> group;
-  size_t index;
-};
-
-// AccumulateGrad pre hook: a moved-gradient marker left by the previous reduction goes before
-// autograd accumulates into the full parameter again (also for a second backward over a retained
-// graph, with no forward in between).
-struct ClearMarkerHook : torch::autograd::FunctionPreHook {
-  ClearMarkerHook(std::weak_ptr<Group> g, size_t i) : group(std::move(g)), index(i) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    if (auto g = group.lock()) g->params()[index].clear_moved_grad();
-    return grads;
-  }
-  std::weak_ptr<Group> group;
-  size_t index;
-};
-
-}  // namespace
-
 Group::Group(torch::nn::Module* module, std::string type_name, std::vector<ParamState> params,
-             std::shared_ptr<Communicator> comm, ShardOptions options)
+             std::shared_ptr<Communicator> comm, ShardOptions options,
+             std::vector<std::shared_ptr<GatherTransform>> transforms)
     : module_(module),
       members_{module},
       type_name_(std::move(type_name)),
       name_(type_name_),
       params_(std::move(params)),
       comm_(std::move(comm)),
-      options_(options) {
-  // The shards share one dtype (check_placement); the full parameters are already in their
-  // compute dtypes: param_dtype, or their own where param_dtype_override_fn kept it. The gather and
-  // the full block use the widest of these, each full parameter its own bytes in the block.
-  if (!params_.empty()) {
-    device_ = params_[0].param().device();
-    gather_dtype_ = params_[0].param().scalar_type();
-    reduce_dtype_ = params_[0].shard().scalar_type();
-  }
-  for (auto& p : params_) gather_dtype_ = at::promote_types(gather_dtype_, p.param().scalar_type());
-  for (auto& p : params_) {
-    offsets_.push_back(flat_numel_);
-    flat_numel_ += p.padded_numel();
-    gathers_into_places_ =
-        gathers_into_places_ && p.dim() == 0 && p.param().scalar_type() == gather_dtype_;
-  }
-  size_t bytes = 0;
-  for (auto& p : params_) {
-    bytes = (bytes + 63) / 64 * 64;
-    full_offsets_.push_back(bytes);
-    bytes += static_cast<size_t>(p.full_bytes());
-  }
-  const auto elem = static_cast<size_t>(c10::elementSize(gather_dtype_));
-  full_block_numel_ = static_cast<int64_t>((bytes + elem - 1) / elem);
-  bool same_dtype = !params_.empty();
-  for (auto& p : params_) same_dtype = same_dtype && p.shard().scalar_type() == gather_dtype_;
+      options_(std::move(options)),
+      layout_(GroupLayout::of(params_, comm_->size(), comm_->rank(), std::move(transforms))) {
+  reduce_dtype_ = layout_.shard_dtype;
+  bool same_dtype = !params_.empty() && !layout_.transformed;
+  for (auto& p : params_) same_dtype = same_dtype && p.shard().scalar_type() == layout_.gather_dtype;
   if (same_dtype) {
     // Offloaded shards (CPUOffloadPolicy, parameters off the CPU) stay in host memory.
     const at::Device shard_device = params_[0].shard().device();
-    const bool pin = shard_device != device_ && options_.offload_policy->pin_memory;
-    flat_shard_ =
-        at::zeros({flat_numel_},
-                  at::TensorOptions().dtype(gather_dtype_).device(shard_device).pinned_memory(pin));
+    const bool pin = shard_device != layout_.device && options_.offload_policy->pin_memory;
+    flat_shard_ = at::zeros({layout_.flat_numel}, at::TensorOptions()
+                                                      .dtype(layout_.gather_dtype)
+                                                      .device(shard_device)
+                                                      .pinned_memory(pin));
     for (size_t i = 0; i < params_.size(); ++i)
-      params_[i].place_shard_in(flat_shard_.narrow(0, offsets_[i], params_[i].padded_numel()));
+      params_[i].place_shard_in(
+          flat_shard_.narrow(0, layout_.places[i].flat_offset, params_[i].padded_numel()));
   }
   // Unset: the parameters' own dtype, whatever param_dtype computes in (torch 2.15's FSDP2).
   if (options_.mixed_precision.reduce_dtype) reduce_dtype_ = *options_.mixed_precision.reduce_dtype;
+  calls_may_differ_ = options_.runtime.calls_may_differ;
 }
 
 Group::~Group() {
+  // The hooks' bindings are gone with the model: remove what this group's parameters carry.
   for (auto& p : params_) {
     if (p.accumulator() && p.hook_key()) p.accumulator()->del_post_hook(p.hook_key());
     guard::forget(p.param());
     if (p.moved_grad_marker().defined()) guard::forget_marker(p.moved_grad_marker());
   }
-  if (context_) context_->remove(this);
 }
 
-void Group::attach_hooks() {
-  std::weak_ptr<Group> self = weak_from_this();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto& p = params_[i];
-    guard::watch(p.param(), self, i);
-    p.free_full();
-    if (!p.accumulator()) continue;
-    p.set_moved_grad_marker(guard::moved_grad_marker(p.param(), self, i));
-    p.accumulator()->add_pre_hook(std::make_unique<ClearMarkerHook>(self, i));
-    p.set_hook_key(p.accumulator()->add_post_hook(std::make_unique<GradReadyHook>(self, i)));
-  }
+void Group::place(CommContext* ctx, int index, bool is_root, bool contains_groups) {
+  ctx_ = ctx;
+  index_ = index;
+  is_root_ = is_root;
+  contains_groups_ = contains_groups_ || contains_groups;
+}
+
+void Group::log(const std::string& event) const {
+  if (ctx_) ctx_->log(name_, event);
 }
 
 void Group::set_path(const std::string& path) {
@@ -159,9 +106,8 @@ void Group::set_members(std::shared_ptr<torch::nn::Module> container,
 }
 
 bool Group::inside(const std::set<const torch::nn::Module*>& modules) const {
-  for (const auto* m : members_)
-    if (modules.count(m)) return true;
-  return false;
+  return std::any_of(members_.begin(), members_.end(),
+                     [&](const torch::nn::Module* m) { return modules.count(m) > 0; });
 }
 
 void Group::set_member_paths(const std::vector<std::string>& paths) {
@@ -174,12 +120,9 @@ void Group::set_member_paths(const std::vector<std::string>& paths) {
   }
 }
 
-bool Group::is_root() const { return context_ && context_->root() == this; }
-
 bool Group::has_trainable() const {
-  for (const auto& p : params_)
-    if (p.trainable()) return true;
-  return false;
+  return std::any_of(params_.begin(), params_.end(),
+                     [](const ParamState& p) { return p.trainable(); });
 }
 
 int64_t Group::full_bytes() const {
@@ -188,18 +131,42 @@ int64_t Group::full_bytes() const {
   return b;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Deferred initialisation
+// ---------------------------------------------------------------------------------------------
+void Group::materialize_param(size_t i, const at::Tensor& full) {
+  FSDP_CHECK(shard_state_ == ShardState::kSharded, "materialize: sharded module '", name_,
+             "' is gathered; materialize before the first forward");
+  params_[i].materialize(full);
+}
+
+bool Group::materialized() const {
+  return std::all_of(params_.begin(), params_.end(),
+                     [](const ParamState& p) { return p.materialized(); });
+}
+
+void Group::check_materialized() const {
+  FSDP_CHECK(materialized(), "sharded module '", name_, "' (", type_name_,
+             ") was built under fsdp::deferred_init and has no values yet. Fix: call "
+             "fsdp::materialize(model) after fully_shard and before the first forward (or "
+             "unshard, state dict or checkpoint save)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Settings
+// ---------------------------------------------------------------------------------------------
 bool Group::resolved_reshard_after_forward() const {
   if (on_use_) return false;  // its forward's end is not observable (gathers_on_use)
-  if (!options_.reshard_after_forward) return !is_root();
+  if (!options_.reshard_after_forward) return !is_root_;
   return options_.reshard_after_forward->world() != 1;  // true, or a smaller world (hpZ)
 }
 
 void Group::set_reshard_after_forward(bool v) {
   FSDP_CHECK(!on_use_ || !v, "set_reshard_after_forward(true) on '", name_, "' (", type_name_,
-             "): an element sharded by fully_shard_elements stays gathered from its first use in "
-             "forward to the end of backward, because nothing marks the end of its forward. To "
-             "reshard after forward, declare the block fsdp::Sharded<...> and call it through "
-             "the holder");
+             "): an element sharded by fully_shard_elements stays gathered from the start of the "
+             "root's forward to the end of backward, because nothing marks the end of its "
+             "forward. To reshard after forward, declare the block fsdp::Sharded<...> and call it "
+             "through the holder");
   options_.reshard_after_forward = v;
 }
 
@@ -212,11 +179,11 @@ void Group::set_gradient_divide_factor(double factor) {
 }
 
 void Group::set_unshard_in_backward(bool v) {
-  FSDP_CHECK(v || !options_.activation_checkpointing, "set_unshard_in_backward(false) on '", name_,
-             "' (", type_name_,
+  FSDP_CHECK(v || !options_.runtime.activation_checkpointing, "set_unshard_in_backward(false) on '",
+             name_, "' (", type_name_,
              "): the module checkpoints its activations, so its backward runs its forward again "
              "and needs its parameters gathered. Fix: leave unshard_in_backward on, or turn "
-             "ShardOptions::activation_checkpointing off for this module");
+             "RuntimeOptions::activation_checkpointing off for this module");
   unshard_in_backward_ = v;
 }
 
@@ -230,6 +197,13 @@ void Group::set_backward_prefetch(std::vector<Group*> g) {
   backward_prefetch_set_ = true;
 }
 
+void Group::forget(const Group* g) {
+  for (auto* v : {&forward_prefetch_, &backward_prefetch_})
+    v->erase(std::remove(v->begin(), v->end(), g), v->end());
+}
+
+bool Group::all_reduces() const { return ctx_ && ctx_->replicate_reduce && requires_all_reduce_; }
+
 void Group::transition(TrainingState to, std::initializer_list<TrainingState> allowed) {
   for (TrainingState a : allowed)
     if (a == training_state_) {
@@ -240,6 +214,11 @@ void Group::transition(TrainingState to, std::initializer_list<TrainingState> al
                           to_string(training_state_), " to ", to_string(to),
                           ". A sharded module's forward must not call itself, and backward must "
                           "not run inside its forward"));
+}
+
+std::optional<trace::Span> Group::copy_span(const char* what) const {
+  if (!trace::enabled()) return std::nullopt;
+  return std::optional<trace::Span>(std::in_place, what + name_, "copy");
 }
 
 }  // namespace fsdp::detail

@@ -1,17 +1,12 @@
-// Group (FSDP2's FSDPParamGroup): the parameters of one fully_shard call and their lifecycle.
+// Group (FSDP2's FSDPParamGroup): the parameters of one fully_shard call, their storage, layout and
+// collectives. Passive: its root (core/root.h) decides when it gathers, reshards and reduces, and
+// it carries that out, keeping its own state (ShardState, TrainingState) with checked transitions.
+// It refers to no root and registers no hooks; what its groups share (lanes, buffer pool) comes
+// down as a CommContext from the root that owns it. Methods appear in the order they run: unshard,
+// wait_for_unshard, reshard; the forward's inputs and outputs; the backward; the reduction.
 //
-// A Group owns one all-gather and at most one reduce-scatter per pass, over flat buffers. Its
-// runtime methods appear in the order they run: unshard, wait_for_unshard, reshard; pre_forward,
-// post_forward; begin_backward_use, post_backward, finalize_backward. Which backward a
-// hook belongs to, and when a group may gather, reduce or reshard during it, is decided by that
-// backward's BackwardPass ([Note: agreement on both lanes] in docs/design.md); the Group carries
-// out the decision and keeps its own state (ShardState, TrainingState) with checked transitions.
-//
-// Ownership points down: handles and Sharded holders own Groups; Groups share their Context; the
-// Context refers back to its groups by raw pointer (each group unregisters itself on destruction).
-// No code outside Group writes a Group's fields.
-// Thread-safety: hooks run on the engine's threads (the thread that called backward, on CPU);
-// they enter the Context's BackwardPasses, which serialises them (core/backward_passes.h).
+// Ownership points down: a root owns its groups; a group owns its parameters' states.
+// Thread-safety: the root's training thread (hooks reach it through the root's mutex).
 #pragma once
 
 #include <fsdp/communicator.h>
@@ -26,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "core/comm_context.h"
+#include "core/layout.h"
 #include "core/param.h"
 
 namespace torch::nn {
@@ -33,10 +30,6 @@ class Module;
 }
 
 namespace fsdp::detail {
-
-class BufferPool;
-class Context;
-class Group;
 
 enum class ShardState {
   kSharded,    // only the shards hold data; full parameters have no storage (guarded)
@@ -53,347 +46,302 @@ enum class TrainingState {
 };
 const char* to_string(TrainingState s);
 
-// An all-gather in flight: the flat send block and the (world, S) receive buffer. The send block
-// is the group's flat shard block itself when the shards live there (Group::sends_in_place),
-// else a pooled copy.
+// An all-gather in flight: the send block (the flat shard itself when the shards live there, else a
+// pooled copy) and the (world, S) receive buffer (undefined when gathered into places).
 struct PendingGather {
   Work work;
-  at::Tensor send, recv;  // recv: the flat (world, S) buffer; undefined when gathered into places
+  at::Tensor send, recv;
   bool send_pooled = false;
+  bool wire = false;  // recv holds every rank's wire (GatherTransforms), not its rows
 };
 
 // A reduce-scatter in flight: waited and written to the shards' grads at the latest safe point.
-// Under HSDP it has a second stage: the reduced block averaged across replicas (all-reduce).
-// On one rank without replicas there is nothing to exchange: the gradients went straight to the
-// shards when handed over (Group::hand_over_grad) and the reduction is empty.
+// Under HSDP it has a second stage: the reduced block averaged across replicas (all-reduce). On
+// one rank without replicas nothing is exchanged: the reduction is empty (output undefined).
 struct PendingReduce {
-  Group* group = nullptr;
   Work work;
   Work replicate_work;       // HSDP's all-reduce, once the reduce-scatter is done
   bool replicating = false;  // the reduce-scatter is done and the all-reduce issued
   at::Tensor output;         // this rank's reduced flat block (S elements); undefined: empty
   at::Tensor send;           // (world, S), returned to the pool once waited
-  // Decided when issued (the settings may change before it is waited): HSDP's all-reduce follows
-  // (else the block is kept aside, Group::set_requires_all_reduce), and the divisor is applied
-  // once reduced (else the collectives took the mean).
+  // Decided when issued (the settings may change before it is waited).
   bool all_reduce = false;
   std::optional<double> divide_by;
 };
 
-class Group : public std::enable_shared_from_this<Group> {
+class Group {
  public:
+  // `transforms`: per parameter, its GatherTransform or null.
   Group(torch::nn::Module* module, std::string type_name, std::vector<ParamState> params,
-        std::shared_ptr<Communicator> comm, ShardOptions options);
+        std::shared_ptr<Communicator> comm, ShardOptions options,
+        std::vector<std::shared_ptr<GatherTransform>> transforms);
   ~Group();
-  // Installs the AccumulateGrad hooks and the resharded-parameter guard; called once the group
-  // is owned by a shared_ptr.
-  void attach_hooks();
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
 
   // ---- identity ----
   const std::string& name() const { return name_; }      // path under the root ("root" for it)
-  const std::string& prefix() const { return prefix_; }  // "h.0." : prepended to param names
+  const std::string& prefix() const { return prefix_; }  // "h.0.": prepended to param names
   void set_path(const std::string& path);                // when a parent absorbs this group
   const std::string& type_name() const { return type_name_; }
   torch::nn::Module* module() const { return module_; }
-  // ---- a module list (fully_shard of several modules: FSDP2's fully_shard([a, b])) ----
-  // module() is then a container holding the members as "0", "1", ..., owned by the group; the
-  // parameters are named by it until a parent absorbs the group (set_member_paths).
+  // A module list (fully_shard of several modules, FSDP2's fully_shard([a, b])): module() is a
+  // container holding the members as "0", "1", ..., owned by the group; its parameters are named
+  // by it until a parent absorbs the group (set_member_paths).
   void set_members(std::shared_ptr<torch::nn::Module> container,
                    std::vector<torch::nn::Module*> members);
   bool is_list() const { return container_ != nullptr; }
-  // The modules whose calls reach this group: its module, or the members of a list.
-  const std::vector<torch::nn::Module*>& members() const { return members_; }
-  // One of members() is in `modules`.
-  bool inside(const std::set<const torch::nn::Module*>& modules) const;
-  // A parent absorbs a list: each member's path under it; the group is named after them and its
-  // parameters by their paths under the parent.
+  const std::vector<torch::nn::Module*>& members() const { return members_; }  // whose calls reach it
+  bool inside(const std::set<const torch::nn::Module*>& modules) const;  // a member is in them
   void set_member_paths(const std::vector<std::string>& paths);
   const std::vector<ParamState>& params() const { return params_; }
   std::vector<ParamState>& params() { return params_; }
-  Context& context() const { return *context_; }
-  const std::shared_ptr<Context>& shared_context() const { return context_; }
-  void set_context(std::shared_ptr<Context> c) { context_ = std::move(c); }
-  Communicator& comm() const { return *comm_; }
-  const ShardOptions& options() const { return options_; }
-  bool is_root() const;
-  bool has_trainable() const;
-  int64_t flat_numel() const { return flat_numel_; }  // S: padded shard elements per rank
-  // Dtypes on the wire (mixed precision): the all-gather's (= the full parameters') and the
-  // reduce-scatter's.
-  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
-  at::Device device() const { return device_; }
   // ShardOptions::ignored_params: left whole and unmanaged; held so that their identity stays.
   const std::vector<at::Tensor>& ignored() const { return options_.ignored_params; }
-  int64_t full_bytes() const;
+  Communicator& comm() const { return *comm_; }
+  const ShardOptions& options() const { return options_; }
+  const GroupLayout& layout() const { return layout_; }
+  bool has_trainable() const;
+  int64_t flat_numel() const { return layout_.flat_numel; }  // S: padded shard elements per rank
+  int64_t full_bytes() const;                                // of the gathered parameters
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
 
-  // Deferred initialisation: parameter i's values (full shape); its shard takes this rank's rows.
-  void materialize_param(size_t i, const at::Tensor& full);
+  // ---- its place in a root (the root that owns it sets these) ----
+  void place(CommContext* ctx, int index, bool is_root, bool contains_groups);
+  int index() const { return index_; }  // registration index: the same on every rank
+  bool is_root() const { return is_root_; }
+  // Its module contains other sharded modules (the root, a sharded parent): see post_backward.
+  bool contains_groups() const { return contains_groups_; }
+  // An element of a container (fully_shard_elements): no holder calls it; gathered when the
+  // root's forward begins, kept until its backward ends ([Note: elements gathered on use]).
+  bool gathers_on_use() const { return on_use_; }
+  void set_gathers_on_use() { on_use_ = true; }
+
+  // ---- deferred initialisation ----
   bool materialized() const;
-  void check_materialized() const;  // throws naming fsdp::materialize
+  void materialize_param(size_t index, const at::Tensor& full);
+  void check_materialized() const;  // throws, naming fsdp::materialize
 
-  // ---- storage (FSDP2 order: unshard, wait_for_unshard, reshard) ----
-  // Issues the all-gather unless gathered (with current shards) or in flight.
-  void unshard();
-  void wait_for_unshard();  // waits and copies out into the full parameters
-  // Takes part in an all-gather of this group that another rank needs, keeping nothing
-  // ([Note: calls that differ between ranks]); blocks until it completes.
+  // ---- storage, in run order ----
+  // Issues this group's all-gather (from hpZ's chunks where the ranks agreed to) unless it is
+  // gathered or in flight; `epoch` is the root's ([Note: stale gathered parameters]).
+  void unshard(uint64_t epoch);
+  void wait_for_unshard();  // unshard() if needed, then the gather's copy-out
+  // [Note: calls that differ between ranks] Another rank needs this group gathered: a resharded
+  // group is gathered and dropped; one held here sends its part through a gather of its own.
   void serve_gather();
   // Frees the full parameters' storage (and a post-forward chunk); a gather in flight is waited
   // and discarded.
   void reshard();
-  // ---- reshard_after_forward = k (hpZ): [Note: resharding to a smaller world after forward] ----
-  // The lane of this rank's k consecutive ranks of the shard group (fully_shard creates it).
+  // After a forward call, as configured: hpZ keeps this rank's chunk when `grad_mode` (a backward
+  // will gather from it).
+  void reshard_after_forward(bool grad_mode);
+  ShardState shard_state() const { return shard_state_; }
+  // [Note: resharding to a smaller world after forward]
   void set_post_forward_lane(std::shared_ptr<Communicator> lane) {
     post_forward_lane_ = std::move(lane);
   }
-  // This rank holds its 1/k of the full parameters, kept when its forward resharded.
   bool holds_chunk() const { return chunk_.defined(); }
-  // Set by the backward's plan for each group: every rank of the shard group holds its chunk, so
-  // the next gather runs within the post-forward lane (otherwise the chunk is dropped unused).
   void set_gather_from_chunk(bool v) { gather_from_chunk_ = v; }
-  ShardState shard_state() const { return shard_state_; }
-  // [Note: stale gathered parameters]: whether the full values might be older than the shards
-  // is decided by the ranks together when a top-level forward begins (CallAgreement), from these.
-  // Held (gathered or in flight) since before the current epoch.
-  bool held_from_earlier_epoch() const;
-  // This rank's shard changed since the gather (an optimizer step, any write), or cannot tell.
-  bool changed_since_gather() const;
-  void mark_current();  // found not stale: current in this epoch
-  // The epoch of the gather ends with the group still gathered: remembers the shards' values
-  // (once per gather), which stale() compares with later.
-  void fingerprint_if_gathered();
+  // [Note: stale gathered parameters]
+  bool held_from_earlier_epoch(uint64_t epoch) const;  // gathered (or a chunk) before `epoch`
+  bool changed_since_gather() const;  // this rank's shard changed since the gather, or unknown
+  void mark_current(uint64_t epoch);  // found not stale in this epoch
+  void fingerprint_if_gathered();     // its epoch ends still gathered: remember the shards
+  // FSDP2's set_keep_unsharded_storage: the full block outlives a reshard, reused by every gather.
+  void set_keep_unsharded_storage(bool keep);
 
-  // ---- forward ----
-  void begin_iteration();  // the first forward after a backward: clear per-iteration records
-  void pre_forward();
-  void post_forward(const std::vector<at::Tensor>& outs);
-  void abort_forward() noexcept;  // the forward threw: reshard, cancel prefetches, restore state
-  // Casts a floating-point input to param_dtype (mixed precision) and hands it to the module
-  // through the input-side node.
-  at::Tensor wrap_input(const at::Tensor& x);
-  // Mixed precision's output_dtype cast of one result tensor (identity when unset).
-  at::Tensor cast_output(const at::Tensor& y) const;
+  // ---- a forward call ----
+  void begin_iteration();  // the first forward after a backward: forget the last one's records
+  // Enters and leaves a forward call (the state transitions, checked); a call inside a backward
+  // (a recomputation) keeps the state it found.
+  void enter_forward();
+  void leave_forward();
+  void abort_forward() noexcept;  // the forward threw: back to the state it found
+  bool in_forward() const { return training_state_ == TrainingState::kForward; }
+  // The call was made under grad mode (a backward may follow).
+  void note_call(bool grad_mode) { forwarded_with_grad_ = forwarded_with_grad_ || grad_mode; }
   bool forwarded_with_grad() const { return forwarded_with_grad_; }
+  // Mixed precision's cast of a floating-point input (cast_forward_inputs) and of a result
+  // tensor (output_dtype); identity when unset.
+  at::Tensor cast_input(const at::Tensor& x) const;
+  at::Tensor cast_output(const at::Tensor& y) const;
+  // [Note: inputs modified in place] The input `x` handed to forward through the input-side node
+  // `node` (made by the root's hooks, core/hooks.h): a tensor that is not a view and shares x's
+  // storage and version counter. Returns what forward receives.
+  at::Tensor hand_to_forward(const at::Tensor& x, const compat::NodePtr& node);
+  // A view input goes through a custom Function instead: its node is only recorded.
+  void record_input_node(const compat::NodePtr& node) { input_nodes_.push_back(node); }
+  void record_output_node(const compat::NodePtr& node) { output_nodes_.push_back(node); }
+  // Once forward returns: a caller's tensor that forward modified in place takes its history.
+  void rebase_modified_inputs();
   // Autograd nodes recorded by this iteration's forward calls (weak: the graph owns them).
   const std::vector<compat::WeakNodePtr>& input_nodes() const { return input_nodes_; }
   const std::vector<compat::WeakNodePtr>& output_nodes() const { return output_nodes_; }
 
-  // ---- elements gathered on first use (fully_shard_elements) ----
-  // LibTorch's containers call their elements directly, so no holder can intercept an element's
-  // forward. Such a group is gathered when an operator first reaches one of its resharded
-  // parameters inside a forward of the root (the resharded-parameter guard calls
-  // gather_on_use), and stays gathered until the end of that forward's backward (or of the
-  // root's forward, without grad mode): nothing marks where its forward or backward ends.
-  bool gathers_on_use() const { return on_use_; }
-  // Keeps an element group below this one alive as long as this one (its owner: no holder is).
-  void own(std::shared_ptr<Group> element) { owned_elements_.push_back(std::move(element)); }
-  void set_gathers_on_use() { on_use_ = true; }
-  // Its module contains other sharded modules (the root, a sharded parent): see post_backward.
-  void set_contains_groups() { contains_groups_ = true; }
-  // Gathers now and records the use as this group's forward call; false (doing nothing) unless
-  // the group gathers on use and a forward of the root is running.
-  bool gather_on_use();
-
-  // ---- backward: the hooks enter context().backward(); its BackwardPass calls these ----
+  // ---- backward (the root's Backward calls these) ----
   void begin_backward_use();  // the gathered parameters are needed now (-> kPreBackward)
-  void post_backward();       // this backward is done with the group (-> kPostBackward)
-  void finalize_backward();   // end of the backward (-> kIdle), reshards if configured
+  // This backward is done with the group (-> kPostBackward); reshards unless its parameters may
+  // still be read ([Note: resharding during backward]).
+  void post_backward();
+  void finalize_backward();  // the backward's end (-> kIdle): keeps what was not reduced, reshards
   TrainingState training_state() const { return training_state_; }
 
   // ---- reduction ----
-  // Hands parameter i's gradient, final for this backward, to the group's coming reduction: it is
-  // packed into the reduction's send buffer (taken from the pool at the first) and dropped from
-  // the parameter, so that a group's unsharded gradients and its send buffer are never both held.
-  // On one rank (no replicas) it is added to the shard's gradient instead: there is no exchange.
+  // Hands parameter i's gradient, final for this backward, to the group's coming reduction: packed
+  // into its send buffer (taken from the pool at the first) and dropped from the parameter. On one
+  // rank (no replicas) it goes to the shard's gradient instead: there is no exchange.
   void hand_over_grad(size_t param_index);
-  // Parameter i's gradient, final for a backward that does not reduce this group (gradient sync
-  // off): kept for a later reduction, in reduce_dtype where that is wider than its compute dtype
-  // (ParamState::keep_unsynced_grad).
+  // Parameter i's gradient, final for a backward that does not reduce this group: kept for a later
+  // reduction ([Note: accumulating without gradient sync]).
   void keep_unsynced_grad(size_t param_index) {
     params_[param_index].keep_unsynced_grad(reduce_dtype_);
   }
-  // A backward that does not reduce this group begins (ParamState::begin_unsynced_backward).
   void begin_unsynced_backward() {
     for (auto& p : params_) p.begin_unsynced_backward(reduce_dtype_);
   }
-  bool has_handed_over() const { return handed_send_.defined(); }  // holds a send buffer
+  bool has_handed_over() const { return handed_send_.defined(); }
   // Packs the gradients not handed over (zeros when missing) and issues the reduce-scatter.
   PendingReduce issue_reduce_scatter();
   // Never blocks: true when finish_reduce would not wait. Under HSDP a finished reduce-scatter's
-  // all-reduce across replicas is issued here (in reduction order, so every rank issues them in
-  // the same order).
+  // all-reduce across replicas is issued here (in reduction order: every rank issues them alike).
   bool poll_reduce(PendingReduce& p);
-  void finish_reduce(PendingReduce& p);  // waits and accumulates into the shards' grads
-  // A backward that failed before issuing this group's reduction: drops what was handed over.
-  void drop_handed_over();
+  void finish_reduce(PendingReduce& p);  // waits and accumulates into the shards' gradients
+  void drop_handed_over();  // a backward that failed before this reduction: drop what was handed
   // [Note: parameters that got no gradient] Something of this group's could be reduced even if
   // no gradient arrives in this backward: a parameter holds an unsharded or accumulated gradient,
   // HSDP set a reduced block aside, or set_reduce_scatter_unused_params is on.
   bool holds_gradients() const;
-  // Whether a reduction wrote the shards' gradients since the last settle_shard_grads.
   bool wrote_shard_grads() const { return wrote_shard_grads_; }
-  // Once every rank's contributions are known (`any_rank`, per parameter of this group): the
-  // shards' gradients of parameters no rank contributed to go back to what they were
-  // (ParamState::settle_shard_grad).
+  // Once every rank's contributions are known (`any_rank`, per parameter): the shards' gradients
+  // of parameters no rank contributed to go back to what they were.
   void settle_shard_grads(const std::vector<bool>& any_rank);
-  // FSDP2's set_reduce_scatter_unused_params: a parameter that got no gradient on any rank still
-  // gets the reduction of zeros (a defined zero gradient, which optimizers step on).
-  void set_reduce_scatter_unused_params(bool v) { reduce_scatter_unused_params_ = v; }
-  bool reduce_scatter_unused_params() const { return reduce_scatter_unused_params_; }
+  // What the reduction issued now does under HSDP: all-reduce across replicas, or keep the reduced
+  // block aside (every rank must decide alike: the Agreed log records it).
+  bool all_reduces() const;
+  bool holds_partial_reduce() const { return partial_reduce_.defined(); }
+  bool reduces_locally() const;  // one rank, no replicas, no hook: nothing exchanged
 
-  // ---- settings ----
+  // ---- settings (FSDPModule's, each documented in fsdp/fully_shard.h) ----
   bool resolved_reshard_after_forward() const;
   void set_reshard_after_forward(bool v);
   void set_reshard_after_backward(bool v) { reshard_after_backward_ = v; }
   bool reshard_after_backward() const { return reshard_after_backward_; }
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
   void set_requires_gradient_sync(bool v) { requires_gradient_sync_ = v; }
-  // FSDP2's set_gradient_divide_factor: throws fsdp::Error unless positive and finite.
-  void set_gradient_divide_factor(double factor);
+  void set_gradient_divide_factor(double factor);  // throws unless positive and finite
   const std::optional<double>& gradient_divide_factor() const { return divide_factor_; }
-  // FSDP2's set_unshard_in_backward: false leaves the group resharded through backward (its
-  // backward reads none of its parameters: an embedding); throws with activation checkpointing.
   void set_unshard_in_backward(bool v);
-  // FSDP2's set_all_reduce_hook: run on the reduced block before it reaches the shards' grads.
+  bool unshard_in_backward() const { return unshard_in_backward_; }
   void set_all_reduce_hook(std::function<void(at::Tensor&)> hook) { hook_ = std::move(hook); }
   bool has_all_reduce_hook() const { return static_cast<bool>(hook_); }
-  // FSDP2's custom collectives: this group's all-gathers and reduce-scatters go through them.
   void set_custom_all_gather(std::shared_ptr<AllGather> c) { custom_gather_ = std::move(c); }
   void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> c) {
     custom_reduce_ = std::move(c);
   }
-  // FSDP2's set_keep_unsharded_storage: the full block outlives a reshard, reused by every gather.
-  void set_keep_unsharded_storage(bool keep);
-  bool unshard_in_backward() const { return unshard_in_backward_; }
-  // HSDP: whether a synced backward all-reduces across replicas (FSDP2's set_requires_all_reduce).
   void set_requires_all_reduce(bool v) { requires_all_reduce_ = v; }
-  // What the reduction issued now will do under HSDP: all-reduce across replicas, or keep the
-  // reduced block aside (recorded by the agreement check: every rank must decide alike).
-  bool all_reduces() const;
-  // HSDP: reduced blocks are set aside, waiting for the next all-reduce (not yet in the shards).
-  bool holds_partial_reduce() const { return partial_reduce_.defined(); }
+  void set_reduce_scatter_unused_params(bool v) { reduce_scatter_unused_params_ = v; }
+  bool reduce_scatter_unused_params() const { return reduce_scatter_unused_params_; }
+  // [Note: calls that differ between ranks] Inside this module's forward the ranks may call
+  // different sharded modules (RuntimeOptions::calls_may_differ, set_calls_may_differ).
+  void set_calls_may_differ(bool v) { calls_may_differ_ = v; }
+  bool calls_may_differ() const { return calls_may_differ_; }
   const std::vector<Group*>& forward_prefetch() const { return forward_prefetch_; }
   const std::vector<Group*>& backward_prefetch() const { return backward_prefetch_; }
   bool forward_prefetch_set() const { return forward_prefetch_set_; }
   bool backward_prefetch_set() const { return backward_prefetch_set_; }
   void set_forward_prefetch(std::vector<Group*> g);
   void set_backward_prefetch(std::vector<Group*> g);
+  // Another group is going away: drop it from the prefetch overrides.
+  void forget(const Group* g);
 
  private:
   void transition(TrainingState to, std::initializer_list<TrainingState> allowed);
   void start_replicate(PendingReduce& p);  // waits the reduce-scatter, issues the all-reduce
   void keep_partial(PendingReduce& p);     // requires_all_reduce off: sets the block aside
-  void broadcast_buffers_to_all();         // ShardOptions::broadcast_buffers, on the root
   void end_backward_span();
-  // A "copy" span named `what` + this group's name while tracing; nothing (no name built) when off.
+  // A "copy" span named `what` + this group's name while tracing; nothing when off.
   std::optional<trace::Span> copy_span(const char* what) const;
-  // One rank, no replicas: the reduction of a gradient is the gradient itself.
-  bool reduces_locally() const;
-  // One rank and the shards' dtype on the wire: the full parameters borrow the shards' bytes.
-  bool gathers_locally() const;
-  // Every shard still lives in flat_shard_: the all-gather sends it without a copy.
-  bool sends_in_place() const;
-  void keep_chunk();        // post_forward (hpZ): this rank's 1/k of the full block, from it
-  at::Tensor take_chunk();  // the chunk, no longer counted as held here
-  void drop_chunk();        // returns the chunk's buffer to the pool
-  void release_full();      // reshard() without dropping the chunk
-  // The full block for this group's own gather: the kept one (set_keep_unsharded_storage), else
-  // a pooled one; and its return when the group reshards.
+  bool gathers_locally() const;  // one rank, the shards' dtype: the parameters borrow the shards
+  bool sends_in_place() const;   // every shard still lives in flat_shard_: sent without a copy
+  void gathered(uint64_t epoch, const char* how);  // the state and accounting of an issued gather
+  // The all-gather of the flat (or wire) send into a (world, S) buffer, or into places.
+  void issue_gather(Lane& lane, PendingGather& g, at::Tensor& block, bool own);
+  void pack_send(PendingGather& g, bool own_gather);  // the all-gather's send side
+  void keep_chunk();        // hpZ: this rank's rows of the post-forward lane, from the full block
+  at::Tensor take_chunk();  // the chunk, no longer counted as held
+  void drop_chunk();
+  void release_full();  // reshard() without dropping the chunk
+  // The full block for this group's own gather (the kept one, else pooled), and its return.
   at::Tensor take_full_block();
   void give_back_full_block();
-  // The communicator's all-gather, or set_custom_all_gather's.
-  Work all_gather(Communicator& lane, const at::Tensor& recv, const at::Tensor& send);
-  // Issues the all-gather of `g.send` into `block` (gathered into places) or `g.recv`; `own`:
-  // the group's own gather (its full block), else one served for other ranks.
-  void issue_gather(Communicator& lane, BufferPool& pool, PendingGather& g, at::Tensor& block,
-                    bool own);
-  void pack_send(PendingGather& g, bool own_gather);  // the all-gather's send block
-  void gather_for_call();                             // pre_forward's gathers (CallAgreement)
-  void rebase_modified_inputs();          // post_forward: [Note: inputs modified in place]
-  void reshard_after_forward();           // post_forward, as configured (hpZ keeps a chunk)
   void release_gather(PendingGather& g);  // returns its pooled buffers
+  at::Tensor acquire_send();              // a reduce-scatter's (world, S) send buffer
+  void log(const std::string& event) const;
 
   torch::nn::Module* module_;
   std::vector<torch::nn::Module*> members_;
   std::shared_ptr<torch::nn::Module> container_;              // a module list's
   std::vector<std::pair<size_t, std::string>> member_names_;  // per parameter: member, name
-  std::string type_name_;
-  std::string name_;
-  std::string prefix_;
+  std::string type_name_, name_, prefix_;
   std::vector<ParamState> params_;
   std::shared_ptr<Communicator> comm_;
-  std::shared_ptr<Context> context_;
   ShardOptions options_;
-  int64_t flat_numel_ = 0;
-  std::vector<int64_t> offsets_;  // per parameter, into the flat block
-  // Every parameter is sharded on dim 0 and gathered in its own dtype: each rank's rows are
-  // contiguous bytes of the full parameter, where the all-gather can put them.
-  bool gathers_into_places_ = true;
-  // This rank's rows of every parameter at offsets_ (zero padding), the shards being tensors over
-  // it: the all-gather's send block as it is. Undefined when the wire dtype differs from the
-  // shards' (mixed precision's param_dtype), where unshard packs a cast copy.
-  at::Tensor flat_shard_;
-  // The full parameters' storage while gathered: one pooled block (BufferPool), each parameter at
-  // its byte offset (64-byte aligned), so that gathering and resharding reuse the same memory
-  // across groups of equal size and across iterations instead of going through malloc.
-  at::Tensor full_block_;
-  at::Tensor kept_block_;  // set_keep_unsharded_storage: the full block while resharded
-  bool keep_storage_ = false;
-  int64_t full_block_numel_ = 0;
-  std::vector<size_t> full_offsets_;
-  at::ScalarType gather_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
-  at::Device device_ = at::kCPU;  // the full parameters' (check_placement: one per group)
-  // Gradients handed over before the reduction is issued (hand_over_grad): the send buffer they
-  // were packed into, and which parameters it holds.
-  at::Tensor handed_send_;
-  std::vector<bool> handed_;
+  GroupLayout layout_;
+  at::ScalarType reduce_dtype_ = at::kFloat;
+  CommContext* ctx_ = nullptr;  // the root's; set by place()
+  int index_ = -1;
+  bool is_root_ = false, contains_groups_ = false, on_use_ = false;
 
+  // Storage. flat_shard_: this rank's rows of every parameter at their offsets (zero padding), the
+  // shards being tensors over it: the all-gather's send block as it is; undefined when the wire
+  // dtype differs from the shards'. full_block_: the full parameters' storage while gathered, one
+  // pooled block; kept_block_: set_keep_unsharded_storage's, while resharded.
+  at::Tensor flat_shard_, full_block_, kept_block_;
+  bool keep_storage_ = false;
   ShardState shard_state_ = ShardState::kSharded;
   TrainingState training_state_ = TrainingState::kIdle;
   TrainingState state_before_forward_ = TrainingState::kIdle;
   PendingGather gather_;
-  // hpZ: the post-forward lane, and this rank's chunk: (world / k) rows of S elements, the rows of
-  // ranks [p * world / k, (p + 1) * world / k) of the gathered (world, S) layout, p this rank's
-  // place in the lane.
+  // hpZ: the post-forward lane and this rank's chunk, the rows of its lane's ranks of the
+  // gathered (world, S) layout.
   std::shared_ptr<Communicator> post_forward_lane_;
   at::Tensor chunk_;
   bool gather_from_chunk_ = false;
-  uint64_t gathered_epoch_ = 0;  // Context::epoch() when gathered or last found current
+  uint64_t gathered_epoch_ = 0;  // the root's epoch when gathered or last found current
   bool fingerprinted_ = false;   // fingerprint_if_gathered ran since the gather
 
-  bool on_use_ = false;
-  bool contains_groups_ = false;
+  // Reduction: gradients handed over before the reduction is issued, and which; HSDP without the
+  // all-reduce: the reduced blocks summed since the last all-reduce.
+  at::Tensor handed_send_;
+  std::vector<bool> handed_;
+  at::Tensor partial_reduce_;
+  bool wrote_shard_grads_ = false;
+
+  // Settings.
   bool reshard_after_backward_ = true;
   bool requires_gradient_sync_ = true;
   bool requires_all_reduce_ = true;
   bool unshard_in_backward_ = true;
   bool reduce_scatter_unused_params_ = false;
-  bool wrote_shard_grads_ = false;
+  bool calls_may_differ_ = false;
   std::optional<double> divide_factor_;
-  std::function<void(at::Tensor&)> hook_;  // set_all_reduce_hook
+  std::function<void(at::Tensor&)> hook_;
   std::shared_ptr<AllGather> custom_gather_;
   std::shared_ptr<ReduceScatter> custom_reduce_;
-  // HSDP with requires_all_reduce off: the reduce-scattered blocks summed since the last
-  // all-reduce (S elements in the reduction's dtype), added in before the next one.
-  at::Tensor partial_reduce_;
   std::vector<Group*> forward_prefetch_, backward_prefetch_;
   bool forward_prefetch_set_ = false, backward_prefetch_set_ = false;
 
-  // The current forward call's tensor inputs handed over through an input-side node: the caller's
-  // tensor, the one forward received, and the node (rebase_modified_inputs).
+  // The current forward call's tensor inputs handed over through an input-side node.
   struct CallInput {
     at::Tensor outer, inner;
     const torch::autograd::Node* node;
   };
   std::vector<CallInput> call_inputs_;
-
   // Per iteration (cleared by begin_iteration).
   std::vector<compat::WeakNodePtr> input_nodes_, output_nodes_;
   bool forwarded_with_grad_ = false;
   int64_t forward_start_us_ = -1, backward_start_us_ = -1;  // open timeline spans
-
-  // Last: destroyed first, while this group's context is still held.
-  std::vector<std::shared_ptr<Group>> owned_elements_;
 };
 
 }  // namespace fsdp::detail

@@ -1,11 +1,9 @@
-// Group: its part of a backward (hooks' events, post-backward) and the reduction of its gradients.
+// Group: its part of a backward (state, resharding) and the reduction of its gradients.
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
 
-#include "core/backward_pass.h"
-#include "core/buffers.h"
-#include "core/context.h"
+#include "core/copies.h"
 #include "core/group.h"
 
 namespace fsdp::detail {
@@ -47,11 +45,6 @@ void Group::finalize_backward() {
   if (reshard_after_backward_) reshard();
 }
 
-std::optional<trace::Span> Group::copy_span(const char* what) const {
-  if (!trace::enabled()) return std::nullopt;
-  return std::optional<trace::Span>(std::in_place, what + name_, "copy");
-}
-
 void Group::end_backward_span() {
   if (backward_start_us_ < 0) return;
   trace::complete("backward " + name_, "compute", backward_start_us_,
@@ -62,13 +55,11 @@ void Group::end_backward_span() {
 // ---------------------------------------------------------------------------------------------
 // Reduction
 // ---------------------------------------------------------------------------------------------
-namespace {
-// A reduce-scatter's send buffer, (world, S), from the pool.
-at::Tensor acquire_send(Context& ctx, int64_t flat_numel, at::ScalarType dtype, at::Device device) {
-  const int64_t world = ctx.reduce_lane().size();
-  return ctx.pool().acquire(world * flat_numel, dtype, device).view({world, flat_numel});
+at::Tensor Group::acquire_send() {
+  const int64_t world = ctx_->reduce.size();
+  return ctx_->pool.acquire(world * layout_.flat_numel, reduce_dtype_, layout_.device)
+      .view({world, layout_.flat_numel});
 }
-}  // namespace
 
 void Group::hand_over_grad(size_t i) {
   if (reduce_scatter_unused_params_) params_[i].mark_contributed();
@@ -78,17 +69,16 @@ void Group::hand_over_grad(size_t i) {
     return;
   }
   if (!handed_send_.defined()) {
-    handed_send_ = acquire_send(*context_, flat_numel_, reduce_dtype_, device_);
+    handed_send_ = acquire_send();
     handed_.assign(params_.size(), false);
   }
   auto span = copy_span("pack ");
-  params_[i].pack_grad(handed_send_, offsets_[i]);
+  pack_grad(layout_, params_, i, handed_send_);
   handed_[i] = true;
 }
 
 PendingReduce Group::issue_reduce_scatter() {
   PendingReduce p;
-  p.group = this;
   if (reduce_scatter_unused_params_)
     for (auto& param : params_) param.mark_contributed();
   if (reduces_locally()) {
@@ -98,32 +88,27 @@ PendingReduce Group::issue_reduce_scatter() {
   }
   // The gradients handed over are packed already; the rest (zeros when missing) now.
   const bool handed = handed_send_.defined();
-  p.send = handed ? std::move(handed_send_)
-                  : acquire_send(*context_, flat_numel_, reduce_dtype_, device_);
+  p.send = handed ? std::move(handed_send_) : acquire_send();
   handed_send_ = at::Tensor();
   {
     auto span = copy_span("pack ");
     for (size_t i = 0; i < params_.size(); ++i)
-      if (!handed || !handed_[i]) params_[i].pack_grad(p.send, offsets_[i]);
+      if (!handed || !handed_[i]) pack_grad(layout_, params_, i, p.send);
   }
   handed_.clear();
   // In place: the reduced rows land in this rank's own row of the send buffer.
-  auto& lane = context_->reduce_lane();
-  p.output = p.send.view({-1}).narrow(0, lane.rank() * flat_numel_, flat_numel_);
+  Lane& lane = ctx_->reduce;
+  p.output = p.send.view({-1}).narrow(0, lane.rank() * layout_.flat_numel, layout_.flat_numel);
   p.all_reduce = all_reduces();
   p.divide_by = divide_factor_;
   const ReduceOp op = p.divide_by ? ReduceOp::kSum : ReduceOp::kAvg;
-  p.work = custom_reduce_ ? (*custom_reduce_)(p.output, p.send.view({-1}), op, lane)
-                          : lane.reduce_scatter(p.output, p.send, op);
+  const Collective c{index_, layout_.flat_numel, ctx_->replicate_reduce && !p.all_reduce};
+  p.work = lane.reduce_scatter(c, p.output, p.send.view({-1}), op, custom_reduce_.get());
   return p;
 }
 
-bool Group::all_reduces() const {
-  return context_->replicate_lane() != nullptr && requires_all_reduce_;
-}
-
 void Group::drop_handed_over() {
-  context_->pool().release(std::move(handed_send_));
+  ctx_->pool.release(std::move(handed_send_));
   handed_send_ = at::Tensor();
   handed_.clear();
 }
@@ -145,18 +130,17 @@ void Group::start_replicate(PendingReduce& p) {
     p.output.add_(partial_reduce_);
     partial_reduce_ = at::Tensor();
   }
-  p.replicate_work = context_->replicate_lane()->all_reduce(
-      p.output, p.divide_by ? ReduceOp::kSum : ReduceOp::kAvg);
+  p.replicate_work =
+      ctx_->replicate_reduce->all_reduce(p.output, p.divide_by ? ReduceOp::kSum : ReduceOp::kAvg);
   p.replicating = true;
 }
 
 void Group::keep_partial(PendingReduce& p) {
-  if (partial_reduce_.defined()) {
+  if (partial_reduce_.defined())
     partial_reduce_.add_(p.output);
-  } else {
+  else
     partial_reduce_ = p.output.clone();
-  }
-  context_->pool().release(p.send.view({-1}));
+  ctx_->pool.release(p.send.view({-1}));
   p.output = p.send = at::Tensor();
 }
 
@@ -170,23 +154,24 @@ void Group::finish_reduce(PendingReduce& p) {
   }
   if (p.replicating) p.replicate_work.wait();
   p.replicate_work = Work();
-  if (context_->replicate_lane() && !p.all_reduce) return keep_partial(p);
+  if (ctx_->replicate_reduce && !p.all_reduce) return keep_partial(p);
   if (p.divide_by) p.output.div_(*p.divide_by);
   if (hook_) hook_(p.output);
-  auto span = copy_span("copy-out ");
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (params_[i].trainable()) params_[i].add_shard_grad(p.output, offsets_[i]);
+  {
+    auto span = copy_span("copy-out ");
+    add_reduced(layout_, params_, p.output);
+  }
   wrote_shard_grads_ = true;
-  context_->pool().release(p.send.view({-1}));
+  ctx_->pool.release(p.send.view({-1}));
   p.output = p.send = at::Tensor();
 }
 
 bool Group::holds_gradients() const {
   if (reduce_scatter_unused_params_ && has_trainable()) return true;
   if (partial_reduce_.defined()) return true;
-  for (const auto& p : params_)
-    if (p.holds_unsharded_grad() || p.holds_accumulated_grad()) return true;
-  return false;
+  return std::any_of(params_.begin(), params_.end(), [](const ParamState& p) {
+    return p.holds_unsharded_grad() || p.holds_accumulated_grad();
+  });
 }
 
 void Group::settle_shard_grads(const std::vector<bool>& any_rank) {

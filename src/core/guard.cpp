@@ -10,14 +10,16 @@
 #include "compat.h"
 #include "compat/interception.h"
 #include "core/deferred_init.h"
+#include "core/binding.h"
 #include "core/group.h"
+#include "core/root.h"
 #include "util/mutex.h"
 
 namespace fsdp::detail::guard {
 namespace {
 
 struct Entry {
-  std::weak_ptr<Group> group;
+  std::weak_ptr<Binding> binding;
   size_t index = 0;
   bool moved_grad = false;  // a moved-gradient marker rather than a resharded parameter
 };
@@ -56,8 +58,9 @@ class Entries {
 std::optional<Entry> find(const c10::StorageImpl* impl) { return Entries::get().find(impl); }
 
 std::string describe(const std::optional<Entry>& e) {
-  auto g = e ? e->group.lock() : nullptr;
-  if (!g) return "a resharded parameter";
+  auto b = e ? e->binding.lock() : nullptr;
+  if (!b) return "a resharded parameter";
+  const Group* g = b->group.get();
   const auto& p = g->params()[e->index];
   return detail::cat("parameter '", g->prefix(), p.name(), "' of sharded module '", g->name(),
                      "' (", g->type_name(), ")");
@@ -81,7 +84,8 @@ bool harmless_on_marker(const c10::OperatorHandle& op) {
 }
 
 [[noreturn]] void reject_resharded(const c10::OperatorHandle& op, const std::optional<Entry>& e) {
-  auto g = e ? e->group.lock() : nullptr;
+  auto b = e ? e->binding.lock() : nullptr;
+  const Group* g = b ? b->group.get() : nullptr;
   const std::string what = detail::cat(op.schema().name(), " was called on ", describe(e),
                                        ", whose full storage is freed (resharded). ");
   const bool in_backward = g && (g->training_state() == TrainingState::kPreBackward ||
@@ -94,8 +98,8 @@ bool harmless_on_marker(const c10::OperatorHandle& op) {
   if (g && g->gathers_on_use())
     throw Error(what +
                 "The module is an element sharded by fsdp::fully_shard_elements: its parameters "
-                "are gathered on first use inside a forward of the sharded root and kept until "
-                "that forward's backward ends. Fix: use them only inside the root's forward; to "
+                "are gathered when a forward of the sharded root begins and kept until that "
+                "forward's backward ends. Fix: use them only inside the root's forward; to "
                 "read values outside it, use the local shards (FSDPModule::named_parameters()), "
                 "or call unshard() on the element's FSDPModule first and reshard() after");
   throw Error(what +
@@ -145,9 +149,10 @@ void on_python_key(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                               " was called on a tensor built under "
                               "fsdp::deferred_init that has no values yet. Fix: call "
                               "fsdp::materialize(model) (after fully_shard) before using it"));
-    auto g = entry ? entry->group.lock() : nullptr;
-    if (g) g->check_materialized();  // sharded before its values came: name materialize
-    const bool has_values = g && (g->shard_state() == ShardState::kUnsharded || g->gather_on_use());
+    auto b = entry ? entry->binding.lock() : nullptr;
+    if (b) b->group->check_materialized();  // sharded before its values came: name materialize
+    const bool has_values =
+        b && (b->group->shard_state() == ShardState::kUnsharded || b->root->use_element(*b->group));
     if (!has_values) reject_resharded(op, entry);
     // A shallow copy of a parameter gathered meanwhile keeps its mark: checked again at each use.
   }
@@ -163,9 +168,9 @@ void install_once() {
 
 }  // namespace
 
-void watch(const at::Tensor& param, std::weak_ptr<Group> group, size_t index) {
+void watch(const at::Tensor& param, std::weak_ptr<Binding> binding, size_t index) {
   install_once();
-  Entries::get().set(param, Entry{std::move(group), index});
+  Entries::get().set(param, Entry{std::move(binding), index});
 }
 
 void forget(const at::Tensor& param) {
@@ -175,12 +180,13 @@ void forget(const at::Tensor& param) {
 
 void set_active(const at::Tensor& param, bool on) { compat::interception::mark(param, on); }
 
-at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Group> group, size_t index) {
+at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Binding> binding,
+                             size_t index) {
   install_once();
   at::Tensor m = compat::storageless_like(param);
   compat::interception::mark(m, true);
   // One marker per parameter for the group's life (forget_marker in ~Group): bounded entries.
-  Entries::get().set(m, Entry{std::move(group), index, /*moved_grad=*/true});
+  Entries::get().set(m, Entry{std::move(binding), index, /*moved_grad=*/true});
   return m;
 }
 

@@ -7,6 +7,9 @@
 // marks such a tensor with LibTorch's Python dispatch key, which no other tensor in a C++ process
 // carries, and registers a boxed kernel for every operator at that key; metadata (sizes, dtype,
 // requires_grad, grad) stays readable. [Note: the resharded-parameter guard] in docs/design.md.
+// The guard never starts a collective: an element's parameter read inside the root's forward
+// waits for the gather that forward issued when it began (Root::use_element).
+// Process-wide, as the interception handler that reads it is (it sees tensors, not roots).
 // Thread-safety: the registry is guarded by a mutex; set_active runs on the owning thread.
 #pragma once
 
@@ -22,11 +25,11 @@ struct IValue;
 }  // namespace c10
 
 namespace fsdp::detail {
-class Group;
+struct Binding;
 namespace guard {
 
-// Remembers which group and parameter a full parameter belongs to (for the error message).
-void watch(const at::Tensor& param, std::weak_ptr<Group> group, size_t index);
+// Remembers which group (through its binding) and parameter a full parameter belongs to.
+void watch(const at::Tensor& param, std::weak_ptr<Binding> binding, size_t index);
 void forget(const at::Tensor& param);  // its group is gone (the mark stays if still freed)
 // On: the parameter's storage is freed and every operation on it throws.
 void set_active(const at::Tensor& param, bool on);
@@ -36,7 +39,8 @@ void set_active(const at::Tensor& param, bool on);
 // on the full parameters then fails naming the parameter and the fix, instead of silently skipping
 // a parameter without gradient. Zeroing it (Module::zero_grad, Optimizer::zero_grad) is allowed and
 // does nothing. The group clears it before the parameter's next forward.
-at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Group> group, size_t index);
+at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Binding> binding,
+                             size_t index);
 void forget_marker(const at::Tensor& t);  // its group is gone
 
 // While one is installed on a thread, every operator that reaches the Python key on that thread

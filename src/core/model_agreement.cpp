@@ -72,7 +72,7 @@ void agree_on_values(Communicator& comm, const std::string& module, const NamedT
         comm.rank(),
         "). Every rank must start from the same weights: seed the random generator "
         "identically on every rank before building the model (torch::manual_seed), or set "
-        "ShardOptions::sync_module_states = true to broadcast rank 0's values"));
+        "RuntimeOptions::sync_module_states = true to broadcast rank 0's values"));
 }
 
 }  // namespace fsdp::detail

@@ -6,9 +6,10 @@
 #include <optional>
 #include <set>
 
-#include "core/context.h"
+#include "core/binding.h"
 #include "core/deferred_init.h"
 #include "core/group.h"
+#include "core/root.h"
 
 namespace fsdp::detail {
 
@@ -51,7 +52,7 @@ Registry& Registry::instance() {
 }
 
 template <class K>
-std::shared_ptr<Group> Registry::find(Index<K>& index, const K* key) {
+std::shared_ptr<Binding> Registry::find(Index<K>& index, const K* key) {
   auto it = index.find(key);
   if (it == index.end()) return nullptr;
   auto g = it->second.lock();
@@ -64,7 +65,7 @@ bool Registry::is_sharded(const torch::nn::Module& module) {
   return find(modules_, &module) != nullptr;
 }
 
-std::shared_ptr<Group> Registry::group_of(const at::Tensor& param) {
+std::shared_ptr<Binding> Registry::binding_of(const at::Tensor& param) {
   MutexLock lock(mu_);
   return find(params_, param.unsafeGetTensorImpl());
 }
@@ -81,7 +82,8 @@ NamedTensors Registry::claim_parameters(const torch::nn::Module& module, const M
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     const auto* impl = item.value().unsafeGetTensorImpl();
     if (ignored.count(impl) || find(ignored_, impl)) continue;  // left whole, unmanaged
-    if (auto owner = find(params_, impl)) {
+    if (auto bound = find(params_, impl)) {
+      const Group* owner = bound->group.get();
       if (auto p = owner_path(paths, *owner, item.key(), impl)) {
         FSDP_CHECK(item.key().rfind(*p + ".", 0) == 0, "parameter '", item.key(), "' of module '",
                    type, "' is also a parameter of sharded submodule '", *p, "' (",
@@ -116,27 +118,20 @@ NamedTensors Registry::claim_parameters(const torch::nn::Module& module, const M
   return mine;
 }
 
-std::shared_ptr<Context> Registry::absorb_children(const ModulePaths& paths,
-                                                   const std::shared_ptr<Communicator>& comm,
-                                                   const std::shared_ptr<Communicator>& replicate,
-                                                   const ShardOptions& options) {
+std::shared_ptr<Root> Registry::absorb_children(const ModulePaths& paths,
+                                                const std::shared_ptr<Communicator>& comm,
+                                                const std::shared_ptr<Communicator>& replicate,
+                                                const ShardOptions& options) {
   MutexLock lock(mu_);
-  auto context = std::make_shared<Context>(comm, replicate, options.audit);
-  std::vector<std::shared_ptr<Context>> absorbed;
+  auto root = std::make_shared<Root>(comm, replicate, options.debug.audit);
+  std::vector<std::shared_ptr<Root>> absorbed;
   for (const auto* m : paths.order) {
-    auto g = find(modules_, m);
-    if (!g) continue;
-    auto old = g->shared_context();
-    if (std::find(absorbed.begin(), absorbed.end(), old) == absorbed.end()) absorbed.push_back(old);
+    auto b = find(modules_, m);
+    if (b && std::find(absorbed.begin(), absorbed.end(), b->root) == absorbed.end())
+      absorbed.push_back(b->root);
   }
   for (const auto& old : absorbed) {
-    FSDP_CHECK(old->replicate() == replicate && &old->groups().front()->comm() == comm.get(),
-               "fully_shard: sharded submodule '",
-               owner_path(paths, *old->root(), "", nullptr).value_or(""),
-               "' was sharded over a different communicator or mesh than its parent; shard "
-               "every module of a model with the same communicator (or the same DeviceMesh)");
-    if (old->audit().enabled) context->audit().enabled = true;
-    for (Group* g : std::vector<Group*>(old->groups())) {
+    for (Group* g : old->groups()) {
       if (g->is_list()) {
         std::vector<std::string> member_paths;
         for (const auto* m : g->members()) {
@@ -152,32 +147,36 @@ std::shared_ptr<Context> Registry::absorb_children(const ModulePaths& paths,
       } else {
         g->set_path(paths.path_of.at(g->module()));
       }
-      g->set_context(context);
-      context->add(g);
     }
+    root->absorb(*old);
   }
-  return context;
+  // Every binding of an absorbed root now reaches the new one.
+  for (auto& [m, weak] : modules_)
+    if (auto b = weak.lock(); b && std::find(absorbed.begin(), absorbed.end(), b->root) != absorbed.end())
+      b->root = root;
+  return root;
 }
 
-void Registry::add(const std::shared_ptr<Group>& group) {
+void Registry::add(const std::shared_ptr<Binding>& b) {
   MutexLock lock(mu_);
-  adopt_elements(*group);
-  if (group->gathers_on_use()) unowned_elements_.push_back(group);
-  modules_[group->module()] = group;
-  for (const auto* m : group->members()) modules_[m] = group;
-  for (const auto& p : group->params()) params_[p.param().unsafeGetTensorImpl()] = group;
-  for (const auto& t : group->ignored()) ignored_[t.unsafeGetTensorImpl()] = group;
+  adopt_elements(*b);
+  const Group& g = *b->group;
+  if (g.gathers_on_use()) unowned_elements_.push_back(b);
+  modules_[g.module()] = b;
+  for (const auto* m : g.members()) modules_[m] = b;
+  for (const auto& p : g.params()) params_[p.param().unsafeGetTensorImpl()] = b;
+  for (const auto& t : g.ignored()) ignored_[t.unsafeGetTensorImpl()] = b;
 }
 
-// The container elements below `group`'s module that no sharded ancestor owned yet become owned
-// by `group` (they live as long as it).
-void Registry::adopt_elements(Group& group) {
+// The container elements below `b`'s module that no sharded ancestor owned yet become owned by
+// `b` (they live as long as it).
+void Registry::adopt_elements(Binding& b) {
   std::set<const torch::nn::Module*> below;
-  for (const auto& m : group.module()->modules(/*include_self=*/false)) below.insert(m.get());
+  for (const auto& m : b.group->module()->modules(/*include_self=*/false)) below.insert(m.get());
   auto& v = unowned_elements_;
   for (auto it = v.begin(); it != v.end();) {
-    if (below.count((*it)->module())) {
-      group.own(*it);
+    if (below.count((*it)->group->module())) {
+      b.elements.push_back(*it);
       it = v.erase(it);
     } else {
       ++it;
@@ -202,7 +201,8 @@ void Registry::check_ignored(const torch::nn::Module& module, const ModulePaths&
                t.sizes(),
                ") is not a parameter of this module; pass parameters of the module "
                "being sharded (e.g. module->sub->weight)");
-    if (auto owner = find(params_, t.unsafeGetTensorImpl())) {
+    if (auto bound = find(params_, t.unsafeGetTensorImpl())) {
+      const Group* owner = bound->group.get();
       auto path = paths.path_of.find(owner->module());
       throw Error(detail::cat("fully_shard(", type, "): ignored parameter '", it->second,
                               "' is already managed by sharded submodule '",

@@ -1,9 +1,11 @@
-// Registry: which group manages each sharded module and parameter, process-wide, and the one owner
-// of registration. fully_shard claims a module's parameters here, absorbs the groups of its sharded
-// descendants into the new root's context, and registers the new group. Weak references keyed by
-// identity: models and ranks in one process do not interfere, and entries die with their groups.
-// The groups of container elements (fsdp/containers.h), which no holder owns, are kept here until
-// a sharded ancestor adopts them.
+// Registry: which binding (group and root, core/binding.h) manages each sharded module and
+// parameter, and the one owner of registration. fully_shard claims a module's parameters here,
+// absorbs the roots of its sharded descendants into a new root, and registers the new binding.
+// Process-wide, because C++ modules carry no state of their own where a parent's fully_shard could
+// find its children's (FSDP2 keeps it on the Python module); weak references keyed by identity, so
+// models and ranks in one process do not interfere and entries die with their bindings. The
+// bindings of container elements (fsdp/containers.h), which no holder owns, are kept here until a
+// sharded ancestor's binding adopts them.
 // Thread-safety: every method takes the registry's mutex; none runs a collective.
 #pragma once
 
@@ -26,8 +28,9 @@ class Communicator;
 
 namespace fsdp::detail {
 
-class Context;
 class Group;
+class Root;
+struct Binding;
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
@@ -44,8 +47,8 @@ class Registry {
   static Registry& instance();
 
   bool is_sharded(const torch::nn::Module& module);
-  // The group that manages `param`, or null.
-  std::shared_ptr<Group> group_of(const at::Tensor& param);
+  // The binding whose group manages `param`, or null.
+  std::shared_ptr<Binding> binding_of(const at::Tensor& param);
 
   // The parameters a fully_shard call on `module` manages: those no sharded descendant owns, each
   // once (a parameter tied within the group counts once). A parameter shared with another group,
@@ -54,25 +57,27 @@ class Registry {
   // those a descendant ignored are left out.
   NamedTensors claim_parameters(const torch::nn::Module& module, const ModulePaths& paths,
                                 const std::vector<at::Tensor>& ignored_params);
-  // A new context holding every group registered on a descendant (with everything their contexts
-  // held), renamed by their path under the module.
-  std::shared_ptr<Context> absorb_children(const ModulePaths& paths,
-                                           const std::shared_ptr<Communicator>& comm,
-                                           const std::shared_ptr<Communicator>& replicate,
-                                           const ShardOptions& options);
-  // Registers `group` for its module and parameters; it adopts the container elements below its
-  // module that no sharded ancestor owned yet, and is kept here itself when it gathers on use.
-  void add(const std::shared_ptr<Group>& group);
+  // A new root holding every group of the roots of the module's sharded descendants (with all
+  // their groups), renamed by their path under the module; every binding of those roots is
+  // repointed to it.
+  std::shared_ptr<Root> absorb_children(const ModulePaths& paths,
+                                        const std::shared_ptr<Communicator>& comm,
+                                        const std::shared_ptr<Communicator>& replicate,
+                                        const ShardOptions& options);
+  // Registers `b` for its group's module, members and parameters; it adopts the container
+  // elements' bindings below its module that no sharded ancestor owned yet, and is kept here
+  // itself when its group gathers on use.
+  void add(const std::shared_ptr<Binding>& b);
   // The buffers of `module` that no sharded descendant holds, with values (not pending under
   // deferred_init).
   NamedTensors own_buffers(const torch::nn::Module& module, const ModulePaths& paths);
 
  private:
   template <class K>
-  using Index = std::unordered_map<const K*, std::weak_ptr<Group>>;
+  using Index = std::unordered_map<const K*, std::weak_ptr<Binding>>;
   template <class K>
-  static std::shared_ptr<Group> find(Index<K>& index, const K* key);
-  void adopt_elements(Group& group) FSDP_REQUIRES(mu_);
+  static std::shared_ptr<Binding> find(Index<K>& index, const K* key);
+  void adopt_elements(Binding& b) FSDP_REQUIRES(mu_);
   void check_ignored(const torch::nn::Module& module, const ModulePaths& paths,
                      const std::vector<at::Tensor>& ignored_params) FSDP_REQUIRES(mu_);
 
@@ -80,7 +85,7 @@ class Registry {
   Index<torch::nn::Module> modules_ FSDP_GUARDED_BY(mu_);
   Index<c10::TensorImpl> params_ FSDP_GUARDED_BY(mu_);
   Index<c10::TensorImpl> ignored_ FSDP_GUARDED_BY(mu_);  // by the group that ignored them
-  std::vector<std::shared_ptr<Group>> unowned_elements_ FSDP_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Binding>> unowned_elements_ FSDP_GUARDED_BY(mu_);
 };
 
 }  // namespace fsdp::detail

@@ -9,7 +9,8 @@
 #include <set>
 
 #include "core/buffers.h"
-#include "core/call_agreement.h"
+#include "core/binding.h"
+#include "core/explicit_collective.h"
 #include "core/group.h"
 
 namespace fsdp {
@@ -18,7 +19,7 @@ namespace {
 
 torch::nn::Module& module_of(const FSDPModule& root) {
   FSDP_CHECK(root.defined(), "this FSDPModule handle is empty: use the one fully_shard returned");
-  return *detail::HandleAccess::group(root)->module();
+  return *detail::HandleAccess::binding(root)->group->module();
 }
 
 std::string shape_str(at::IntArrayRef s) { return detail::cat(s); }
@@ -54,7 +55,7 @@ at::Tensor gather_full(const ShardInfo& s, Communicator& comm) {
 
 StateDict full_state_dict(const FSDPModule& root, const StateDictOptions& options) {
   torch::nn::Module& module = module_of(root);
-  detail::agree_explicit_collective(root, detail::CallAgreement::Explicit::kFullStateDict);
+  detail::agree_explicit_collective(root, detail::protocol::Explicit::kFullStateDict);
   Communicator& comm = root.communicator();
   const bool keep = !options.rank0_only || comm.rank() == 0;
   at::NoGradGuard no_grad;
@@ -73,7 +74,7 @@ StateDict full_state_dict(const FSDPModule& root, const StateDictOptions& option
 
 void load_full_state_dict(const FSDPModule& root, const StateDict& dict) {
   torch::nn::Module& module = module_of(root);
-  detail::agree_explicit_collective(root, detail::CallAgreement::Explicit::kLoadFullStateDict);
+  detail::agree_explicit_collective(root, detail::protocol::Explicit::kLoadFullStateDict);
   const auto shards = root.shards();
   const auto buffers = detail::defined_buffers(module);
   std::vector<std::string> missing, mismatched, unexpected;
@@ -124,7 +125,8 @@ std::vector<std::pair<std::string, at::Tensor>> named_buffers(const FSDPModule& 
 
 std::optional<std::string> check_buffers_agree(const FSDPModule& root, const std::string& what) {
   torch::nn::Module& module = module_of(root);
-  if (detail::HandleAccess::group(root)->options().broadcast_buffers) return std::nullopt;
+  if (detail::HandleAccess::binding(root)->group->options().runtime.broadcast_buffers)
+    return std::nullopt;
   Communicator& comm = root.communicator();
   auto diff = detail::first_differing_buffer(module, comm);
   if (!diff) return std::nullopt;
@@ -138,15 +140,5 @@ std::optional<std::string> check_buffers_agree(const FSDPModule& root, const std
   return diff->name;
 }
 
-namespace detail {
-void reject_torch_save(const Group& group) {
-  throw Error(cat(
-      "torch::save was called on sharded module '", group.name(), "' (", group.type_name(),
-      "): its full parameters hold no bytes outside its forward and backward (resharded), so the "
-      "archive would hold empty tensors. Fix: to save for inference, write "
-      "fsdp::full_state_dict(root) (every rank calls it) to a safetensors file on rank 0 (README, "
-      "'Save for inference'); to resume training, use fsdp::checkpoint::save"));
-}
-}  // namespace detail
 
 }  // namespace fsdp

@@ -90,7 +90,11 @@ FSDPModule shard_moe_gpt(fsdp::Sharded<MoEGPT>& model, std::shared_ptr<Communica
   for (auto& b : model->blocks) fully_shard(b, comm, options);
   for (auto& m : model->moes)
     for (auto& e : m->experts) fully_shard(e, comm, options);  // one group per expert
-  return fully_shard(model, comm, options);
+  // Each rank calls the experts its tokens chose: inside the model's forward the ranks' calls
+  // differ ([Note: calls that differ between ranks]).
+  ShardOptions root = options;
+  root.runtime.calls_may_differ = true;
+  return fully_shard(model, comm, root);
 }
 
 }  // namespace fsdp::models

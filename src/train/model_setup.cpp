@@ -92,7 +92,7 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
     block_options.reshard_after_forward = cfg.reshard_after_forward;
     if (cfg.reshard_after_forward && cfg.reshard_after_forward_world > 0)
       block_options.reshard_after_forward = cfg.reshard_after_forward_world;
-    block_options.activation_checkpointing = cfg.activation_checkpointing;
+    block_options.runtime.activation_checkpointing = cfg.activation_checkpointing;
     block_options.mixed_precision =
         mixed_precision_policy(cfg.mixed_precision, cfg.mixed_precision_reduce, false);
     ShardOptions root_options;

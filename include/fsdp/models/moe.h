@@ -72,7 +72,8 @@ class MoEGPTImpl : public torch::nn::Module {
 TORCH_MODULE(MoEGPT);
 
 // Shards every block and every expert (one group each), then the root (embeddings, routers,
-// LayerNorms). Returns the root handle.
+// LayerNorms), declared calls_may_differ (each rank calls only its routed experts). Returns the
+// root handle.
 FSDPModule shard_moe_gpt(fsdp::Sharded<MoEGPT>& model, std::shared_ptr<Communicator> comm,
                          const ShardOptions& options = {});
 

@@ -1,0 +1,36 @@
+#include "core/lane.h"
+
+#include "comm/communicator_impl.h"
+
+namespace fsdp::detail {
+
+Lane::Lane(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {}
+
+int Lane::rank() const { return comm_->rank(); }
+int Lane::size() const { return comm_->size(); }
+
+Work Lane::all_gather(const Collective& c, const at::Tensor& out, const at::Tensor& in,
+                      AllGather* custom) {
+  for (auto* o : observers_) o->on_all_gather(c);
+  return custom ? (*custom)(out, in, *comm_) : comm_->all_gather(out, in);
+}
+
+bool Lane::gathers_into_places(const std::vector<at::Tensor>& pieces) const {
+  return detail::gathers_into_places(*comm_, pieces);
+}
+
+Work Lane::all_gather_into(const Collective& c, std::vector<std::vector<at::Tensor>> places,
+                           std::vector<at::Tensor> pieces) {
+  for (auto* o : observers_) o->on_all_gather(c);
+  return detail::all_gather_into(*comm_, std::move(places), std::move(pieces));
+}
+
+Work Lane::reduce_scatter(const Collective& c, const at::Tensor& out, const at::Tensor& in,
+                          ReduceOp op, ReduceScatter* custom) {
+  for (auto* o : observers_) o->on_reduce_scatter(c);
+  return custom ? (*custom)(out, in, op, *comm_) : comm_->reduce_scatter(out, in, op);
+}
+
+Work Lane::all_reduce(const at::Tensor& t, ReduceOp op) { return comm_->all_reduce(t, op); }
+
+}  // namespace fsdp::detail

@@ -1,0 +1,60 @@
+// Lane: one communicator on which a root's collectives of one kind travel (the all-gathers, the
+// reduce-scatters, HSDP's all-reduces across replicas), and the observers that check what is
+// issued on it, as c10d's ProcessGroupWrapper does: the algorithm issues, the observers watch
+// (the Agreed log, core/agreed.h; content checks may join). A group's custom collectives
+// (fsdp/custom_collectives.h) are issued here too, so the observers see them alike.
+// Thread-safety: used by the root's one training thread (the backward's hooks run on it on CPU).
+#pragma once
+
+#include <fsdp/communicator.h>
+#include <fsdp/custom_collectives.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+// A collective as the core issues it: whose, and how large.
+struct Collective {
+  int64_t group = -1;  // registration index of the group
+  int64_t numel = 0;   // padded elements per rank
+  bool flag = false;   // a reduction under HSDP that keeps its block aside (no all-reduce)
+};
+
+class LaneObserver {
+ public:
+  virtual ~LaneObserver() = default;
+  // Called as each collective is issued, before it is.
+  virtual void on_all_gather(const Collective&) {}
+  virtual void on_reduce_scatter(const Collective&) {}
+};
+
+class Lane {
+ public:
+  explicit Lane(std::shared_ptr<Communicator> comm);
+  Communicator& comm() const { return *comm_; }
+  const std::shared_ptr<Communicator>& shared() const { return comm_; }
+  int rank() const;
+  int size() const;
+  void add_observer(LaneObserver* o) { observers_.push_back(o); }
+  const std::vector<LaneObserver*>& observers() const { return observers_; }
+
+  // `custom`, when set, issues instead of the communicator (set_custom_all_gather).
+  Work all_gather(const Collective& c, const at::Tensor& out, const at::Tensor& in,
+                  AllGather* custom = nullptr);
+  // Every rank's pieces straight into their places (Communicator's all_gather_into), where the
+  // transport can put them there (gathers_into_places).
+  bool gathers_into_places(const std::vector<at::Tensor>& pieces) const;
+  Work all_gather_into(const Collective& c, std::vector<std::vector<at::Tensor>> places,
+                       std::vector<at::Tensor> pieces);
+  Work reduce_scatter(const Collective& c, const at::Tensor& out, const at::Tensor& in,
+                      ReduceOp op, ReduceScatter* custom = nullptr);
+  Work all_reduce(const at::Tensor& t, ReduceOp op);  // HSDP across replicas (observed as is)
+
+ private:
+  std::shared_ptr<Communicator> comm_;
+  std::vector<LaneObserver*> observers_;
+};
+
+}  // namespace fsdp::detail
