@@ -581,5 +581,31 @@ TEST(CommTest, ASubgroupOfSomeRanksLeavesLaterSplitsInStep) {
       o);
 }
 
+// Work::then: the step runs once, after the collective, on the thread that waits, and sees its
+// result; waiting again does nothing; a step that throws fails the Work, and later waits rethrow.
+TEST(CommTest, WorkThenRunsItsStepOnceAfterTheCollective) {
+  run_ranks(2, [](Rank& r) {
+    auto c = r.world();
+    auto t = at::full({4}, 1.0 + c->rank(), at::kFloat);
+    int steps = 0;
+    float seen = 0;
+    auto w = c->all_reduce(t, ReduceOp::kSum).then([&] {
+      ++steps;
+      seen = t[0].item<float>();
+    });
+    w.wait();
+    w.wait();
+    EXPECT_EQ(steps, 1);
+    EXPECT_EQ(seen, 3.0f);
+    EXPECT_TRUE(w.is_completed());
+    auto bad = c->barrier().then([] { throw Error("the step failed"); });
+    expect_error([&] { bad.wait(); }, {"the step failed"});
+    expect_error([&] { bad.wait(); }, {"the step failed"});
+    int local = 0;
+    Work().then([&] { ++local; }).wait();  // on an empty Work: the step alone
+    EXPECT_EQ(local, 1);
+  });
+}
+
 }  // namespace
 }  // namespace fsdp::testing::comm_test

@@ -254,6 +254,10 @@ struct Program {
   // it off even then (such a program must fail by name).
   bool calls_may_differ = false;
   bool undeclared = false;
+  // ShardOptions::gather_transform_fn for every group: 0 none, else a salt that picks about half
+  // of the parameters to travel through an exact GatherTransform (the shard's own bytes on a byte
+  // wire, decoded and cast as the plain gather casts).
+  uint32_t transform = 0;
   std::vector<Iteration> iterations;
 
   // Some forward (a micro-batch or an extra one) gives some rank calls of its own.
@@ -270,6 +274,10 @@ struct Program {
 
   // Whether parameter `name` (the model's name, e.g. "b1.wa") is one of the ignored ones.
   bool ignores(const std::string& name) const { return ignore && salted(ignore, name) % 4 == 0; }
+  // Whether parameter `name` travels through the exact gather transform.
+  bool transforms(const std::string& name) const {
+    return transform && salted(transform, name) % 2 == 0;
+  }
   // Whether mixed precision keeps parameter `name` in fp64.
   bool keeps(const std::string& name) const { return keep && salted(keep, name) % 3 == 0; }
   static uint32_t salted(uint32_t salt, const std::string& name) {
@@ -340,7 +348,8 @@ struct Program {
         (reduce_unused ? ", reduce-scatter unused params" : "") +
         (broadcast_buffers ? ", broadcast buffers" : "") +
         (checkpoint ? ", checkpoint round trip" : "") +
-        (declares() ? ", calls_may_differ" : "") + ", audit " +
+        (declares() ? ", calls_may_differ" : "") +
+        (transform ? ", gather transforms " + std::to_string(transform) : "") + ", audit " +
         (audit ? "on" : "off") + ", max_unsharded_groups " + std::to_string(max_unsharded_groups) +
         ", " +
         (optim == Optim::kSGD    ? "SGD momentum " + std::to_string(momentum)
@@ -608,6 +617,8 @@ inline Program make_program(uint64_t seed, int world) {
   p.checkpoint = world > 1 && !p.mixed && d.chance(5);
   // Then the declaration where calls never differ (rounds with identical calls).
   p.calls_may_differ = d.chance(4);
+  // Then gather transforms.
+  if (d.chance(6)) p.transform = 1 + static_cast<uint32_t>(d.pick(1 << 20));
   return p;
 }
 

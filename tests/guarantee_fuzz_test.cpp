@@ -10,6 +10,7 @@
 // world N ..."); rerun just it with FSDP_FUZZ_FIRST_SEED=S FSDP_FUZZ_SEEDS=1. For long runs set
 // FSDP_FUZZ_SEEDS (seeds per launch) and FSDP_FUZZ_FIRST_SEED.
 #include <fsdp/checkpoint.h>
+#include <fsdp/gather_transform.h>
 #include <fsdp/safetensors_torch.h>
 #include <unistd.h>
 
@@ -140,6 +141,25 @@ struct Reference {
       }
     }
   }
+};
+
+// An exact GatherTransform: the shard's own bytes on the wire, decoded into the full parameter's
+// dtype (the cast the plain gather makes when it packs). Counts its calls.
+struct BytesTransform : GatherTransform {
+  explicit BytesTransform(at::ScalarType shard_dtype) : dtype(shard_dtype) {}
+  int64_t wire_bytes(int64_t padded_numel) const override {
+    return padded_numel * static_cast<int64_t>(c10::elementSize(dtype));
+  }
+  void pre_all_gather(const at::Tensor& padded_shard, const at::Tensor& wire) override {
+    ++encoded;
+    wire.view(dtype).copy_(padded_shard);
+  }
+  void post_all_gather(const at::Tensor& wires, const at::Tensor& padded_rows) override {
+    ++decoded;
+    padded_rows.copy_(wires.contiguous().view(dtype).view(padded_rows.sizes()));
+  }
+  at::ScalarType dtype;
+  int encoded = 0, decoded = 0;
 };
 
 // The communicator over the program's transport: one per transport and rank process, shared by
@@ -288,6 +308,13 @@ struct ShardedSide {
     if (p.placement)
       o.shard_placement_fn = [placement = p.placement](const std::string& n, const at::Tensor& t) {
         return shard_dim(placement, n, t);
+      };
+    if (p.transform)  // names relative to the module: look up the model's
+      o.gather_transform_fn = [&p, names = model_names](
+                                  const std::string&,
+                                  const at::Tensor& t) -> std::shared_ptr<GatherTransform> {
+        if (!p.transforms(names->at(t.unsafeGetTensorImpl()))) return nullptr;
+        return std::make_shared<BytesTransform>(t.scalar_type());
       };
     if (reshard >= 2)
       o.reshard_after_forward = reshard;  // hpZ: a world of `reshard` ranks
@@ -864,6 +891,30 @@ TEST(DifferentCalls, StateDictAndCheckpointAfterDifferentCalls) {
       },
       o);
   if (!in_rank_process()) std::filesystem::remove_all(dir);
+}
+
+// [Note: calls that differ between ranks] Without the declaration the ranks' calls must match;
+// calls that differ are never a silent wrong result: every rank stops, on every transport, naming
+// set_calls_may_differ: groups of one size by the Agreed check at the end of the root's forward
+// (before any backward), groups of other sizes by the transport or that check.
+TEST(DifferentCalls, UndeclaredCallsThatDifferFailByNameOnEveryRank) {
+  for (const std::string transport : {"", "tcp", "collective"})
+    for (bool equal_sizes : {true, false}) {
+      SCOPED_TRACE("transport '" + transport + (equal_sizes ? "', equal sizes" : "', other sizes"));
+      Program p = different_calls_program(2, 2, {per_rank_pass({{0}, {1}})});
+      p.undeclared = true;
+      p.transport = transport;
+      if (!equal_sizes) p.rows = {3, 6};
+      const Pass& pass = p.iterations[0].micro[0];
+      on_each_rank_within_seconds(p, [&](Rank& r, ShardedSide& s) {
+        const std::string e =
+            error_of([&] { s.model(input_for(p, r.rank, 0, 0), pass, r.rank).backward(); });
+        EXPECT_TRUE(e.find("set_calls_may_differ") != std::string::npos ||
+                    e.find("issued different collectives") != std::string::npos)
+            << e;
+        EXPECT_EQ(e.find("timed out"), std::string::npos) << e;
+      });
+    }
 }
 
 // What must still match is each rank's sequence of top-level calls and backward calls: a rank

@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,6 +45,11 @@ class Work {
   void wait(std::chrono::milliseconds timeout);
   bool is_completed() const;
   bool defined() const { return impl_ != nullptr; }
+  // A Work that completes once this one has and `step` has run (once, on the thread that waits
+  // for it): a collective followed by a local step of the caller's, such as decoding a quantized
+  // all-gather's bytes or summing a reduce-scatter's blocks. A failure of this one is rethrown
+  // without the step; a step that throws fails the Work the same way.
+  Work then(std::function<void()> step) const;
 
  private:
   std::shared_ptr<Impl> impl_;

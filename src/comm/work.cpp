@@ -83,6 +83,15 @@ void Work::wait(std::chrono::milliseconds timeout) {
       trace::complete("wait " + w.op, "wait", start, end - start);
     }
   } account{*impl_, start};
+  for (auto& b : impl_->before) {
+    try {
+      b.wait(timeout);
+    } catch (const std::exception& e) {
+      impl_->done = true;
+      impl_->error = e.what();
+      throw;
+    }
+  }
   for (auto& w : impl_->works) {
     try {
       w->wait(timeout);
@@ -99,14 +108,41 @@ void Work::wait(std::chrono::milliseconds timeout) {
     }
   }
   impl_->done = true;
-  if (impl_->finish) impl_->finish();
+  if (!impl_->finish) return;
+  try {
+    impl_->finish();
+  } catch (const std::exception& e) {
+    impl_->error = e.what();  // every later wait rethrows it
+    throw;
+  }
 }
 
 bool Work::is_completed() const {
   if (!impl_) return true;
+  for (auto& b : impl_->before)
+    if (!b.is_completed()) return false;
   for (auto& w : impl_->works)
     if (!w->isCompleted()) return false;
   return true;
+}
+
+Work Work::then(std::function<void()> step) const {
+  auto impl = std::make_shared<Impl>();
+  impl->before.push_back(*this);
+  impl->finish = std::move(step);
+  if (impl_) {
+    impl->what = impl_->what;
+    impl->op = impl_->op;
+    impl->lane = impl_->lane;
+    impl->timeout = impl_->timeout;
+    impl->peers = impl_->peers;
+    impl->rank = impl_->rank;
+    impl->group = impl_->group;
+  } else {
+    impl->what = "a local step";
+    impl->timeout = std::chrono::hours(24);
+  }
+  return Work(std::move(impl));
 }
 
 }  // namespace fsdp

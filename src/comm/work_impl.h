@@ -19,6 +19,7 @@
 namespace fsdp {
 
 struct Work::Impl {
+  std::vector<Work> before;  // waited first (Work::then)
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::function<void()> finish;  // local post-processing, run once on the waiting thread
   std::string what;              // "all_gather of 4096 bytes on 'world' (rank 0 of 2)"

@@ -31,19 +31,35 @@ struct Exchanged {
   bool differ = false, any_extra = false;
   std::vector<uint64_t> bits;
 };
-// Gathers (gather hash, count, reduce hash, count, extra, bits...) from every rank of `lane`.
+// Gathers (gather hash, count, reduce hash, count, extra, bits..., riders' words...) from every
+// rank of `lane`; the riders examine theirs.
 Exchanged exchange_hashes(Communicator& lane, const std::vector<int64_t>& hashes, bool extra,
-                          const std::vector<uint64_t>& bits, size_t first = 0) {
+                          const std::vector<uint64_t>& bits, size_t first = 0,
+                          const std::vector<AgreedRider*>& riders = {}) {
   std::vector<int64_t> row = hashes;
   row.push_back(extra ? 1 : 0);
   for (uint64_t w : bits) row.push_back(static_cast<int64_t>(w));
+  std::vector<size_t> at;
+  for (auto* r : riders) {
+    at.push_back(row.size());
+    row.resize(row.size() + r->words());
+    r->fill(row.data() + at.back());
+  }
   Exchanged out;
   out.bits.assign(bits.size(), 0);
-  for (const auto& r : gather_rows(lane, row)) {
+  const auto rows = gather_rows(lane, row);
+  for (const auto& r : rows) {
     out.differ = out.differ || !std::equal(r.begin() + first, r.begin() + 4, hashes.begin() + first);
     out.any_extra = out.any_extra || r[4] != 0;
     for (size_t i = 0; i < bits.size(); ++i) out.bits[i] |= static_cast<uint64_t>(r[5 + i]);
   }
+  // Only where the collectives agreed: otherwise the riders' words describe other collectives.
+  if (!out.differ)
+    for (size_t k = 0; k < riders.size(); ++k) {
+      std::vector<const int64_t*> theirs;
+      for (const auto& r : rows) theirs.push_back(r.data() + at[k]);
+      riders[k]->examine(theirs);
+    }
   return out;
 }
 }  // namespace
@@ -54,7 +70,7 @@ std::vector<uint64_t> AgreedLog::check(Communicator& agree, Communicator* replic
                                   static_cast<int64_t>(reduces_.hash), reduces_.count};
   bool row_differs = false, any_row_differs = false, column_differs = false;
   if (agree.size() > 1) {
-    auto got = exchange_hashes(agree, mine, false, bits);
+    auto got = exchange_hashes(agree, mine, false, bits, 0, riders_);
     any_row_differs = row_differs = got.differ;
     bits = std::move(got.bits);
   }

@@ -27,10 +27,24 @@
 
 namespace fsdp::detail {
 
+// A check that rides the Agreed exchange (no collective of its own): it adds the same number of
+// words to every rank's row and examines every rank's words once they arrived. Every rank sees
+// the same rows, so an examine that throws stops every rank alike.
+class AgreedRider {
+ public:
+  virtual ~AgreedRider() = default;
+  virtual size_t words() const = 0;
+  virtual void fill(int64_t* words) = 0;
+  // rows[r]: rank r's words (indexed by rank of the shard lane).
+  virtual void examine(const std::vector<const int64_t*>& rows) = 0;
+};
+
 class AgreedLog : public LaneObserver {
  public:
   static constexpr size_t kMaxRecorded = 1 << 16;
   using Names = std::function<std::vector<std::string>()>;
+  // Checks that ride the exchange on the shard lane (e.g. verified collectives).
+  void add_rider(AgreedRider* r) { riders_.push_back(r); }
 
   void on_all_gather(const Collective& c) override { gathers_.record(c); }
   void on_reduce_scatter(const Collective& c) override { reduces_.record(c); }
@@ -61,6 +75,7 @@ class AgreedLog : public LaneObserver {
   void reset();
 
   Sequence gathers_, reduces_;
+  std::vector<AgreedRider*> riders_;
 };
 
 }  // namespace fsdp::detail

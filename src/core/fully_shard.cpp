@@ -144,6 +144,40 @@ std::vector<std::shared_ptr<GatherTransform>> gather_transforms(const std::strin
   return out;
 }
 
+// What fully_shard makes of its parameters: their states (shard dims, compute dtypes) and gather
+// transforms, from the user's functions.
+struct Placement {
+  std::vector<ParamState> params;
+  std::vector<std::shared_ptr<GatherTransform>> transforms;
+};
+
+Placement place_parameters(const std::string& type, const NamedTensors& mine,
+                           const std::shared_ptr<Communicator>& comm,
+                           const std::shared_ptr<Communicator>& replicate,
+                           const ShardOptions& options) {
+  // An error of the user's functions (shard_placement_fn, param_dtype_override_fn,
+  // gather_transform_fn) on one rank stops every rank (the others would wait in the next
+  // collective).
+  std::vector<int64_t> dims;
+  std::vector<std::optional<at::ScalarType>> dtypes;
+  Placement out;
+  const std::string error = error_of([&] {
+    dims = shard_dims(type, mine, options);
+    dtypes = compute_dtypes(type, mine, options.mixed_precision);
+    out.transforms = gather_transforms(type, mine, options);
+  });
+  // On every rank, whether or not it has the functions: a rank given one where another is not
+  // still meets the others here (and check_same_model compares their answers). Under HSDP across
+  // the replicas too.
+  raise_together(*comm, replicate.get(), error, cat("fully_shard(", type, ")"));
+  check_same_model(*comm, type, mine, dims, dtypes);
+  agree_on_values(*comm, type, mine, options.runtime.sync_module_states);
+  for (size_t i = 0; i < mine.size(); ++i)
+    out.params.emplace_back(mine[i].first, mine[i].second, dims[i], comm->rank(), comm->size(),
+                            options.offload_policy, dtypes[i]);
+  return out;
+}
+
 }  // namespace
 
 ShardOptions resolved_options(ShardOptions o) {
@@ -188,31 +222,10 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
                  "innermost sharded modules instead (e.g. each block), not their parent");
   auto mine = reg.claim_parameters(*module, paths, options.ignored_params);
   check_placement(type, *comm, mine);
-  // An error of the user's functions (shard_placement_fn, param_dtype_override_fn,
-  // gather_transform_fn) on one rank stops every rank (the others would wait in the next
-  // collective).
-  std::vector<int64_t> dims;
-  std::vector<std::optional<at::ScalarType>> dtypes;
-  std::vector<std::shared_ptr<GatherTransform>> transforms;
-  const std::string layout_error = error_of([&] {
-    dims = shard_dims(type, mine, options);
-    dtypes = compute_dtypes(type, mine, options.mixed_precision);
-    transforms = gather_transforms(type, mine, options);
-  });
-  // On every rank, whether or not it has the functions: a rank given one where another is not
-  // still meets the others here (and check_same_model compares their answers). Under HSDP across
-  // the replicas too.
-  raise_together(*comm, replicate.get(), layout_error, cat("fully_shard(", type, ")"));
-  check_same_model(*comm, type, mine, dims, dtypes);
-  agree_on_values(*comm, type, mine, options.runtime.sync_module_states);
-
+  Placement placed = place_parameters(type, mine, comm, replicate, options);
   auto root = reg.absorb_children(paths, comm, replicate, options);
-  std::vector<ParamState> params;
-  for (size_t i = 0; i < mine.size(); ++i)
-    params.emplace_back(mine[i].first, mine[i].second, dims[i], comm->rank(), comm->size(),
-                        options.offload_policy, dtypes[i]);
-  auto group = std::make_shared<Group>(module.get(), type, std::move(params), comm, options,
-                                       std::move(transforms));
+  auto group = std::make_shared<Group>(module.get(), type, std::move(placed.params), comm, options,
+                                       std::move(placed.transforms));
   if (!members.empty()) group->set_members(module, members);
   group->set_post_forward_lane(post_forward_lane(comm, options));
   group->set_path("");

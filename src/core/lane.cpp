@@ -12,7 +12,9 @@ int Lane::size() const { return comm_->size(); }
 Work Lane::all_gather(const Collective& c, const at::Tensor& out, const at::Tensor& in,
                       AllGather* custom) {
   for (auto* o : observers_) o->on_all_gather(c);
-  return custom ? (*custom)(out, in, *comm_) : comm_->all_gather(out, in);
+  Work w = custom ? (*custom)(out, in, *comm_) : comm_->all_gather(out, in);
+  for (auto* o : observers_) w = o->issued_all_gather(c, out, in, std::move(w));
+  return w;
 }
 
 bool Lane::gathers_into_places(const std::vector<at::Tensor>& pieces) const {
@@ -22,13 +24,17 @@ bool Lane::gathers_into_places(const std::vector<at::Tensor>& pieces) const {
 Work Lane::all_gather_into(const Collective& c, std::vector<std::vector<at::Tensor>> places,
                            std::vector<at::Tensor> pieces) {
   for (auto* o : observers_) o->on_all_gather(c);
-  return detail::all_gather_into(*comm_, std::move(places), std::move(pieces));
+  Work w = detail::all_gather_into(*comm_, places, pieces);
+  for (auto* o : observers_) w = o->issued_all_gather_into(c, places, pieces, std::move(w));
+  return w;
 }
 
 Work Lane::reduce_scatter(const Collective& c, const at::Tensor& out, const at::Tensor& in,
                           ReduceOp op, ReduceScatter* custom) {
   for (auto* o : observers_) o->on_reduce_scatter(c);
-  return custom ? (*custom)(out, in, op, *comm_) : comm_->reduce_scatter(out, in, op);
+  Work w = custom ? (*custom)(out, in, op, *comm_) : comm_->reduce_scatter(out, in, op);
+  for (auto* o : observers_) w = o->issued_reduce_scatter(c, out, in, std::move(w));
+  return w;
 }
 
 Work Lane::all_reduce(const at::Tensor& t, ReduceOp op) { return comm_->all_reduce(t, op); }

@@ -28,6 +28,21 @@ class LaneObserver {
   // Called as each collective is issued, before it is.
   virtual void on_all_gather(const Collective&) {}
   virtual void on_reduce_scatter(const Collective&) {}
+  // Once issued, with its buffers: may return `work` wrapped (Work::then) to look at the result
+  // when it completes (a digest of what arrived).
+  virtual Work issued_all_gather(const Collective&, const at::Tensor& /*out*/,
+                                 const at::Tensor& /*in*/, Work work) {
+    return work;
+  }
+  virtual Work issued_all_gather_into(const Collective&,
+                                      const std::vector<std::vector<at::Tensor>>& /*places*/,
+                                      const std::vector<at::Tensor>& /*pieces*/, Work work) {
+    return work;
+  }
+  virtual Work issued_reduce_scatter(const Collective&, const at::Tensor& /*out*/,
+                                     const at::Tensor& /*in*/, Work work) {
+    return work;
+  }
 };
 
 class Lane {

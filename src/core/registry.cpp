@@ -47,8 +47,10 @@ std::string describe_owner(const Group& g) {
 }  // namespace
 
 Registry& Registry::instance() {
-  static Registry r;
-  return r;
+  // Never destroyed: a root held by a static may release its entries after static destruction
+  // began.
+  static auto* r = new Registry();
+  return *r;
 }
 
 template <class K>
@@ -213,6 +215,17 @@ void Registry::check_ignored(const torch::nn::Module& module, const ModulePaths&
                "' was built under fsdp::deferred_init and has no values (materialize fills "
                "sharded parameters only); build it eagerly, or shard it");
   }
+}
+
+const Root* Registry::claim_backward(const void* task, const Root* root) {
+  MutexLock lock(mu_);
+  auto [it, fresh] = backward_owners_.emplace(task, root);
+  return fresh || it->second == root ? nullptr : it->second;
+}
+
+void Registry::release_backward(const void* task) {
+  MutexLock lock(mu_);
+  backward_owners_.erase(task);
 }
 
 NamedTensors Registry::own_buffers(const torch::nn::Module& module, const ModulePaths& paths) {

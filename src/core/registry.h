@@ -68,6 +68,12 @@ class Registry {
   // elements' bindings below its module that no sharded ancestor owned yet, and is kept here
   // itself when its group gathers on use.
   void add(const std::shared_ptr<Binding>& b);
+  // [Note: the resharded-parameter guard], one root per backward: the root already running a pass
+  // of GraphTask `task`, or null after recording `root` as its owner (two separately sharded
+  // models in one backward would each plan their collectives alone: the one fact about running
+  // backwards that spans roots). release_backward when the pass ends or is dropped.
+  const Root* claim_backward(const void* task, const Root* root);
+  void release_backward(const void* task);
   // The buffers of `module` that no sharded descendant holds, with values (not pending under
   // deferred_init).
   NamedTensors own_buffers(const torch::nn::Module& module, const ModulePaths& paths);
@@ -86,6 +92,7 @@ class Registry {
   Index<c10::TensorImpl> params_ FSDP_GUARDED_BY(mu_);
   Index<c10::TensorImpl> ignored_ FSDP_GUARDED_BY(mu_);  // by the group that ignored them
   std::vector<std::shared_ptr<Binding>> unowned_elements_ FSDP_GUARDED_BY(mu_);
+  std::map<const void*, const Root*> backward_owners_ FSDP_GUARDED_BY(mu_);  // by GraphTask
 };
 
 }  // namespace fsdp::detail

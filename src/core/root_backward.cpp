@@ -7,37 +7,11 @@
 
 #include <map>
 
+#include "core/registry.h"
 #include "core/root.h"
 
 namespace fsdp::detail {
 namespace {
-
-// Which root owns the pass of each running GraphTask, across roots: one backward must not run
-// through two (see claim). Process-wide because it is the one backward fact that spans roots
-// (two separately sharded models in one autograd graph); entries live exactly as long as the
-// passes. Never destroyed: a root held by a static may release its entries after static
-// destruction began.
-class TaskOwners {
- public:
-  static TaskOwners& get() {
-    static auto* owners = new TaskOwners();
-    return *owners;
-  }
-  // The root already owning `key`, or null after recording `root` as its owner.
-  const Root* claim(const void* key, const Root* root) {
-    MutexLock lock(mu_);
-    auto [it, fresh] = owners_.emplace(key, root);
-    return fresh || it->second == root ? nullptr : it->second;
-  }
-  void release(const void* key) {
-    MutexLock lock(mu_);
-    owners_.erase(key);
-  }
-
- private:
-  Mutex mu_;
-  std::map<const void*, const Root*> owners_ FSDP_GUARDED_BY(mu_);
-};
 
 const void* running_task() { return torch::autograd::get_current_graph_task_nodes_in_graph(); }
 
@@ -46,7 +20,7 @@ const void* running_task() { return torch::autograd::get_current_graph_task_node
 // different paths, so agreement could not be guaranteed. Typically fully_shard was applied to the
 // blocks but not to the model that holds them (whose own parameters then train unsynchronised).
 void claim(const void* key, const Root& mine, const Group& g) {
-  const Root* other = TaskOwners::get().claim(key, &mine);
+  const Root* other = Registry::instance().claim_backward(key, &mine);
   if (!other) return;
   const Group* theirs = other->root_group();
   throw Error(cat(
@@ -62,7 +36,7 @@ void claim(const void* key, const Root& mine, const Group& g) {
 
 Root::~Root() {
   EntryLock lock(mu_);
-  for (const auto& [key, pass] : passes_) TaskOwners::get().release(key);
+  for (const auto& [key, pass] : passes_) Registry::instance().release_backward(key);
 }
 
 Backward* Root::current() {
@@ -72,7 +46,7 @@ Backward* Root::current() {
 
 bool Root::drop_unfinished() {
   if (passes_.empty() || running_task() != nullptr) return false;
-  for (const auto& [key, pass] : passes_) TaskOwners::get().release(key);
+  for (const auto& [key, pass] : passes_) Registry::instance().release_backward(key);
   passes_.clear();
   return true;
 }
@@ -166,7 +140,7 @@ void Root::finalize_task(const void* key) {
   if (it == passes_.end()) return;
   std::unique_ptr<Backward> pass = std::move(it->second);
   passes_.erase(it);
-  TaskOwners::get().release(key);
+  Registry::instance().release_backward(key);
   backward_done_ = true;  // the next forward starts a new iteration and epoch
   ++epoch_;
   try {
