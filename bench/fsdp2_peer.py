@@ -2,8 +2,9 @@
 
 The same computation as fsdp-train, written independently from docs/trainer.md and the C++:
 
-- model (src/models/gpt.cpp): pre-LayerNorm GPT-2 blocks (LayerNorm eps 1e-5; attention with a
-  causal mask, scale 1/sqrt(C/H); GELU tanh approximation; MLP 4C), learned positions, the head
+- model (src/models/gpt.cpp): pre-LayerNorm GPT-2 blocks (LayerNorm eps 1e-5; causal attention
+  through F.scaled_dot_product_attention, scale 1/sqrt(C/H), as the C++ model's
+  at::scaled_dot_product_attention; GELU tanh approximation; MLP 4C), learned positions, the head
   tied to `wte`; parameter names those of fsdp-cpp's consolidated safetensors checkpoint
   (`wte.weight`, `h.0.c_attn.weight`, ...); Linear layers compute as LibTorch's C++ frontend does
   (matmul, then the bias added);
@@ -184,10 +185,9 @@ class Block(nn.Module):
         hd = C // self.n_head
         q, k, v = (t.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
                    for t in self.c_attn(self.ln_1(x)).split(C, dim=2))
-        att = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)  # future positions
-        att = torch.softmax(att.masked_fill(mask, float("-inf")), -1)
-        y = att.matmul(v).transpose(1, 2).contiguous().view(B, T, C)
+        # GPT's Attention::kFused: the fused kernel, causal, scale 1/sqrt(hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
         h = x + self.c_proj(y)
         return h + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
 
