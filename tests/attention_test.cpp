@@ -11,8 +11,8 @@
 
 #include <cmath>
 #include <fstream>
-#include <iterator>
 #include <iostream>
+#include <iterator>
 #include <limits>
 
 // A namespace of its own: the unity build compiles this file in one unit with others.
@@ -46,9 +46,8 @@ double max_rel(const torch::Tensor& a, const torch::Tensor& b) {
 
 TEST(Attention, FusedEqualsWrittenOutInFp64WithinRounding) {
   torch::manual_seed(7);
-  for (auto [B, H, T, hd] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{2, 3, 7, 5},
-                             {1, 4, 33, 16},
-                             {3, 2, 1, 8}}) {
+  for (auto [B, H, T, hd] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t>{2, 3, 7, 5}, {1, 4, 33, 16}, {3, 2, 1, 8}}) {
     auto opts = torch::dtype(torch::kDouble).requires_grad(true);
     auto q = torch::randn({B, H, T, hd}, opts), k = torch::randn({B, H, T, hd}, opts),
          v = torch::randn({B, H, T, hd}, opts);
@@ -157,8 +156,7 @@ TEST(Attention, TrainerModelLossesWithin1e5) {
                          << written[s];
   }
   std::cout << "trainer's GPT, 30 AdamW steps in fp32: losses " << written.front() << " -> "
-            << written.back() << ", fused against written out at most " << worst
-            << " relative\n";
+            << written.back() << ", fused against written out at most " << worst << " relative\n";
   // The steps train: the comparison is not between two untrained models.
   EXPECT_LT(written.back(), written.front() - 1.0);
 }
