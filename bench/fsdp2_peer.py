@@ -85,7 +85,9 @@ MASK64 = (1 << 64) - 1
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["fsdp2", "ddp"], default="fsdp2")
+    p.add_argument("--mode", choices=["fsdp2", "ddp", "local"], default="fsdp2",
+                   help="local: the model on every rank without a wrapper, no communication "
+                   "(bench/torch_ddp.py's Python floor)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="train")
     p.add_argument("--init", help="full safetensors file of the initial weights")
     p.add_argument("--init-draws", choices=["peer", "libtorch"], default="peer",
@@ -135,7 +137,7 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int, default=50, help="and after the last step; 0: never")
     p.add_argument("--eval-batches", type=int, default=4)
     args = p.parse_args(argv)
-    if args.mode == "ddp" and args.mixed_precision != "none":
+    if args.mode != "fsdp2" and args.mixed_precision != "none":
         p.error("--mixed-precision bf16 is FSDP2's MixedPrecisionPolicy; use --mode fsdp2")
     if args.mixed_precision_reduce != "param" and args.mixed_precision == "none":
         p.error("--mixed-precision-reduce fp32 needs --mixed-precision bf16")
@@ -333,6 +335,10 @@ def build(args, rank, world):
         model.to_empty(device="cpu")
         load_weights(model, args)
         wrapped = model
+    elif args.mode == "local":
+        model = GPT(*dims)
+        load_weights(model, args)
+        wrapped = model
     else:
         model = GPT(*dims)
         load_weights(model, args)
@@ -474,7 +480,7 @@ def train_step(args, model, wrapped, opt, stream, s, rank, world):
             loss = loss_of(wrapped, x, y, args.vocab)
             (loss / args.grad_accum).backward()
         else:
-            with contextlib.nullcontext() if last else wrapped.no_sync():
+            with contextlib.nullcontext() if last or args.mode == "local" else wrapped.no_sync():
                 loss = loss_of(wrapped, x, y, args.vocab)
                 (loss / args.grad_accum).backward()
         total += loss.item()

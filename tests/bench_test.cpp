@@ -359,10 +359,12 @@ std::map<std::string, double> first_column(const std::string& output) {
 
 // bench/trace_breakdown.py's table for the traces in `dir`: row name -> ms per step of the first
 // (here only) mode.
-std::map<std::string, double> trace_breakdown(const std::string& dir) {
-  auto r = fsdp::testing::run_process(
-      {"/usr/bin/python3", FSDP_SOURCE_DIR "/bench/trace_breakdown.py", dir},
-      std::chrono::seconds(30));
+std::map<std::string, double> trace_breakdown(const std::string& dir,
+                                              const std::vector<std::string>& flags = {}) {
+  std::vector<std::string> argv = {"/usr/bin/python3", FSDP_SOURCE_DIR "/bench/trace_breakdown.py",
+                                   dir};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  auto r = fsdp::testing::run_process(argv, std::chrono::seconds(30));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   auto row = first_column(r.output);
   EXPECT_TRUE(row.count("step")) << r.output;
@@ -452,7 +454,69 @@ TEST(BenchTraceBreakdown, SplitsAStepIntoComputeWaitsAndCopies) {
   EXPECT_DOUBLE_EQ(row["copies"], 0.25);
   EXPECT_DOUBLE_EQ(row["compute (rest)"], 9.25);
   EXPECT_DOUBLE_EQ(row["in flight: fsdp.reduce_scatter"], 4.0);
+  // Split by collective and by kind of copy.
+  EXPECT_DOUBLE_EQ(row["exposed: all_gather"], 0.5);
+  EXPECT_DOUBLE_EQ(row["copies: pack"], 0.15);
+  EXPECT_DOUBLE_EQ(row["copies: copy-out"], 0.1);
+  // Microseconds per group and step: the same figures over 4 groups.
+  auto per_group = trace_breakdown(dir, {"--per-group", "4"});
+  EXPECT_DOUBLE_EQ(per_group["step"], 2500.0);
+  EXPECT_DOUBLE_EQ(per_group["exposed: all_gather"], 125.0);
   std::filesystem::remove_all(dir);
+}
+
+// --optimizer-step: fsdp::optim's fused AdamW and SGD against LibTorch's on the GPT's shards; the
+// benchmark checks that all three copies hold the same bits (bitwise on CPUs with FMA).
+TEST(BenchOptimizerStep, FusedAgainstLibTorchOnTheShardsWithTheSameBits) {
+  auto r = fsdp::testing::run_process(tiny({"--optimizer-step", "--rounds", "1"}),
+                                      std::chrono::seconds(120));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto lines = json_lines(r.output);
+  ASSERT_EQ(lines.size(), 2u) << r.output;
+  EXPECT_EQ(lines[0]["optimizer_step"], "adamw");
+  EXPECT_EQ(lines[1]["optimizer_step"], "sgd");
+  for (const auto& j : lines) {
+    EXPECT_EQ(j["world"], 2) << j.dump();
+    // 2 blocks of width 64 and the root over 2 ranks: half of the 109.6 K parameters each.
+    EXPECT_GT(j["params_per_rank"].get<int64_t>(), 50000) << j.dump();
+    for (const char* key : {"fused_ms", "fused-separate_ms", "torch_ms", "torch_over_fused"})
+      EXPECT_GT(j[key].get<double>(), 0) << key << ": " << j.dump();
+    if (__builtin_cpu_supports("fma")) EXPECT_TRUE(j["bitwise_equal"].get<bool>()) << j.dump();
+  }
+  EXPECT_EQ(r.output.find("WARNING"), std::string::npos) << r.output;
+}
+
+// --preset overhead (many small blocks): the summary reports each sharding's microseconds per
+// group and step above the C++ floor, FSDP2's also above PyTorch's own unwrapped model
+// (torch-local, which starts from local's loss), and issue 50's target.
+TEST(BenchCompare, OverheadPresetReportsMicrosecondsPerGroup) {
+  ASSERT_EQ(::access(FSDP_PEER_PYTHON, X_OK), 0) << FSDP_PEER_PYTHON << " is missing";
+  auto r = fsdp::testing::run_process(
+      {fsdp::testing::bin_dir() + "/fsdp-bench", "--compare", "--preset", "overhead", "--layers",
+       "3", "--steps", "2", "--warmup", "1", "--rounds", "1", "--nproc", "2", "--no-torch-ddp",
+       "--python", FSDP_PEER_PYTHON},
+      std::chrono::seconds(240));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto [modes, summary] = compare_lines(r.output);
+  for (const char* m : {"local", "fsdp", "fsdp2", "torch-local"})
+    ASSERT_TRUE(modes.count(m)) << "no line for " << m << "\n" << r.output;
+  EXPECT_EQ(modes["fsdp"]["width"], 64);  // the preset's sizes but the layers given
+  EXPECT_EQ(modes["fsdp"]["layers"], 3);
+  EXPECT_NEAR(modes["torch-local"]["loss_step1"].get<double>(),
+              modes["local"]["loss_step1"].get<double>(), 1e-6);
+  auto above = [&](const char* m, const char* floor) {  // per group (3 blocks and the root)
+    return (modes[m]["step_s_median"].get<double>() - modes[floor]["step_s_median"].get<double>()) /
+           4 * 1e6;
+  };
+  EXPECT_NEAR(summary["fsdp_us_per_group_above_local"].get<double>(), above("fsdp", "local"), 0.01);
+  EXPECT_NEAR(summary["fsdp2_us_per_group_above_local"].get<double>(), above("fsdp2", "local"),
+              0.01);
+  EXPECT_NEAR(summary["fsdp2_us_per_group_above_torch_local"].get<double>(),
+              above("fsdp2", "torch-local"), 0.01);
+  EXPECT_NEAR(summary["fsdp_overhead_over_fsdp2"].get<double>(),
+              above("fsdp", "local") / above("fsdp2", "local"), 1e-3);
+  EXPECT_TRUE(summary["targets_met"].contains("fsdp_overhead_over_fsdp2<=0.05")) << summary.dump();
+  EXPECT_TRUE(summary["checks_passed"].get<bool>()) << r.output;
 }
 
 // bench/cpu_profile.py's categories on a perf report of known samples: 90% are the ranks'
