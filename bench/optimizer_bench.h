@@ -9,8 +9,8 @@
 //   torch           torch::optim on such copies (LibTorch's operations, one parameter at a time)
 // The benchmark checks its own result: after every round the three copies hold the same bits
 // (parameters and state). Rank 0 prints one JSON line per optimizer: milliseconds per step
-// (median over steps of the slowest rank, [min, max] of the rounds' medians), torch over fused,
-// bitwise equality. Free of torch headers. Thread-safety: run from the main thread.
+// (median over steps of the slowest rank; the median of the rounds, with their [min, max]), torch
+// over fused (per round, then the median and range), bitwise equality.
 #pragma once
 
 #include "train_bench.h"

@@ -118,10 +118,12 @@ def main(argv):
         # ddp's waits are inside c10d::Reducer, not traced: its line measures them.
         exposed = from_lines(lines, "exposed_comm_s")
         print("| exposed comm, the run's lines | " +
-              " | ".join(f"{1e3 * exposed.get(m, float('nan')):.2f}" for m in modes) + " |")
+              " | ".join(f"{scale * exposed.get(m, float('nan')):.2f}" for m in modes) + " |")
         fault = from_lines(lines, "minor_faults_per_step")
-        print("| minor page faults per step | " +
-              " | ".join(f"{fault.get(m, float('nan')):.0f}" for m in modes) + " |")
+        per = f"per group and step" if groups else "per step"
+        print(f"| minor page faults {per} | " +
+              " | ".join(f"{fault.get(m, float('nan')) / (groups or 1):.0f}" for m in modes) +
+              " |")
     return 0
 
 

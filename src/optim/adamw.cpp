@@ -112,6 +112,14 @@ void step_run(const std::vector<at::Tensor>& params, const std::vector<AdamWPara
                       params[k].grad().data_ptr<T>(), scalars<T>(o, states[k]->step())});
     numels.push_back(params[k].numel());
   }
+  if (compat::kAtenSqrtIsIeee) {  // one loop: the sqrt in it is LibTorch's
+    detail::parallel_pass(numels, [&](size_t k, int64_t begin, int64_t end) {
+      const Piece& q = pieces[k];
+      detail::adamw_fused(q.p + begin, q.g + begin, q.m + begin, q.v + begin,
+                          q.vmax ? q.vmax + begin : nullptr, end - begin, q.s);
+    });
+    return detail::bump_versions(params);
+  }
   const auto options = params[0].options().requires_grad(false);
   detail::parallel_pass(numels, [&](size_t k, int64_t begin, int64_t end) {
     // In pieces that stay in the core's cache between the three passes: the moments, LibTorch's
@@ -121,8 +129,7 @@ void step_run(const std::vector<at::Tensor>& params, const std::vector<AdamWPara
     at::Tensor root = at::empty({std::min(end - begin, kCachedPiece)}, options);
     for (int64_t b = begin; b < end; b += kCachedPiece) {
       const int64_t n = std::min(kCachedPiece, end - b);
-      detail::adamw_moments(q.p + b, q.g + b, q.m + b, q.v + b, q.vmax ? q.vmax + b : nullptr, n,
-                            q.s);
+      detail::adamw_moments(q.g + b, q.m + b, q.v + b, q.vmax ? q.vmax + b : nullptr, n, q.s);
       at::Tensor out = root.narrow(0, 0, n);
       at::sqrt_out(out, at::from_blob((q.vmax ? q.vmax : q.v) + b, {n}, options));
       detail::adamw_apply(q.p + b, q.m + b, root.data_ptr<T>(), n, q.s);

@@ -25,15 +25,12 @@ inline T nan_max(T a, T b) {
 }
 
 template <class T, bool kAmsgrad>
-inline __attribute__((always_inline)) void moments_loop(T* __restrict p, const T* __restrict g,
-                                                        T* __restrict m, T* __restrict v,
-                                                        T* __restrict vmax, int64_t n,
-                                                        const AdamWScalars<T>& s) {
-  const T decay = s.decay, b1 = s.beta1, c1 = s.one_minus_beta1, b2 = s.beta2,
-          c2 = s.one_minus_beta2;
+inline __attribute__((always_inline)) void moments_loop(const T* __restrict g, T* __restrict m,
+                                                        T* __restrict v, T* __restrict vmax,
+                                                        int64_t n, const AdamWScalars<T>& s) {
+  const T b1 = s.beta1, c1 = s.one_minus_beta1, b2 = s.beta2, c2 = s.one_minus_beta2;
   for (int64_t i = 0; i < n; ++i) {
     const T gi = g[i];
-    p[i] = p[i] * decay;                            // p.mul_(1 - lr * wd)
     m[i] = std::fma(c1, gi, m[i] * b1);             // exp_avg.mul_(b1).add_(g, 1 - b1)
     const T vi = std::fma(c2 * gi, gi, v[i] * b2);  // exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
     v[i] = vi;
@@ -45,20 +42,44 @@ template <class T>
 inline __attribute__((always_inline)) void apply_loop(T* __restrict p, const T* __restrict m,
                                                       const T* __restrict root, int64_t n,
                                                       const AdamWScalars<T>& s) {
-  const T sbc2 = s.sqrt_bias_correction2, eps = s.eps, step = s.neg_step_size;
+  const T decay = s.decay, sbc2 = s.sqrt_bias_correction2, eps = s.eps, step = s.neg_step_size;
   for (int64_t i = 0; i < n; ++i) {
-    const T d = root[i] / sbc2 + eps;  // (sqrt() / sqrt(bias_correction2)).add_(eps)
-    p[i] = p[i] + (step * m[i]) / d;   // p.addcdiv_(exp_avg, denom, -step_size)
+    const T d = root[i] / sbc2 + eps;         // (sqrt() / sqrt(bias_correction2)).add_(eps)
+    p[i] = p[i] * decay + (step * m[i]) / d;  // p.mul_(1 - lr wd); p.addcdiv_(m, d, -step)
+  }
+}
+
+template <class T, bool kAmsgrad>
+inline __attribute__((always_inline)) void fused_loop(T* __restrict p, const T* __restrict g,
+                                                      T* __restrict m, T* __restrict v,
+                                                      T* __restrict vmax, int64_t n,
+                                                      const AdamWScalars<T>& s) {
+  const T decay = s.decay, b1 = s.beta1, c1 = s.one_minus_beta1, b2 = s.beta2,
+          c2 = s.one_minus_beta2, sbc2 = s.sqrt_bias_correction2, eps = s.eps,
+          step = s.neg_step_size;
+  for (int64_t i = 0; i < n; ++i) {
+    const T gi = g[i];
+    const T mi = std::fma(c1, gi, m[i] * b1);
+    const T vi = std::fma(c2 * gi, gi, v[i] * b2);
+    T si = vi;
+    if constexpr (kAmsgrad) {
+      si = nan_max(vi, vmax[i]);
+      vmax[i] = si;
+    }
+    const T d = std::sqrt(si) / sbc2 + eps;
+    p[i] = p[i] * decay + (step * mi) / d;  // two roundings: -ffp-contract=off
+    m[i] = mi;
+    v[i] = vi;
   }
 }
 
 template <class T>
-inline __attribute__((always_inline)) void moments_any(T* p, const T* g, T* m, T* v, T* vmax,
-                                                       int64_t n, const AdamWScalars<T>& s) {
+inline __attribute__((always_inline)) void moments_any(const T* g, T* m, T* v, T* vmax, int64_t n,
+                                                       const AdamWScalars<T>& s) {
   if (vmax)
-    moments_loop<T, true>(p, g, m, v, vmax, n, s);
+    moments_loop<T, true>(g, m, v, vmax, n, s);
   else
-    moments_loop<T, false>(p, g, m, v, nullptr, n, s);
+    moments_loop<T, false>(g, m, v, nullptr, n, s);
 }
 
 // kMode: 0 no momentum, 1 first step (buf = d), 2 momentum.
@@ -108,14 +129,30 @@ inline __attribute__((always_inline)) void sgd_any(T* p, const T* g, T* buf, int
 
 }  // namespace
 
-FSDP_OPTIM_CLONES void adamw_moments(float* p, const float* g, float* m, float* v, float* vmax,
-                                     int64_t n, const AdamWScalars<float>& s) {
-  moments_any(p, g, m, v, vmax, n, s);
+FSDP_OPTIM_CLONES void adamw_moments(const float* g, float* m, float* v, float* vmax, int64_t n,
+                                     const AdamWScalars<float>& s) {
+  moments_any(g, m, v, vmax, n, s);
 }
 
-FSDP_OPTIM_CLONES void adamw_moments(double* p, const double* g, double* m, double* v, double* vmax,
-                                     int64_t n, const AdamWScalars<double>& s) {
-  moments_any(p, g, m, v, vmax, n, s);
+FSDP_OPTIM_CLONES void adamw_moments(const double* g, double* m, double* v, double* vmax, int64_t n,
+                                     const AdamWScalars<double>& s) {
+  moments_any(g, m, v, vmax, n, s);
+}
+
+FSDP_OPTIM_CLONES void adamw_fused(float* p, const float* g, float* m, float* v, float* vmax,
+                                   int64_t n, const AdamWScalars<float>& s) {
+  if (vmax)
+    fused_loop<float, true>(p, g, m, v, vmax, n, s);
+  else
+    fused_loop<float, false>(p, g, m, v, nullptr, n, s);
+}
+
+FSDP_OPTIM_CLONES void adamw_fused(double* p, const double* g, double* m, double* v, double* vmax,
+                                   int64_t n, const AdamWScalars<double>& s) {
+  if (vmax)
+    fused_loop<double, true>(p, g, m, v, vmax, n, s);
+  else
+    fused_loop<double, false>(p, g, m, v, nullptr, n, s);
 }
 
 FSDP_OPTIM_CLONES void adamw_apply(float* p, const float* m, const float* root, int64_t n,

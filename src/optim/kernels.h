@@ -23,19 +23,26 @@ struct AdamWScalars {
 // ATen's own sqrt (at::sqrt_out): LibTorch's float sqrt is MKL's vsSqrt where LibTorch has MKL
 // (PyPI's wheel), which is not correctly rounded, and the fused step must give LibTorch's bits.
 //
-// adamw_moments: p, m (exp_avg), v (exp_avg_sq) and, with amsgrad, vmax (max_exp_avg_sq; else
+// adamw_moments: m (exp_avg), v (exp_avg_sq) and, with amsgrad, vmax (max_exp_avg_sq; else
 // null) updated in place from g over n elements:
-//   p = p * decay;  m = fma(1 - beta1, g, m * beta1);  v = fma((1 - beta2) * g, g, v * beta2);
+//   m = fma(1 - beta1, g, m * beta1);  v = fma((1 - beta2) * g, g, v * beta2);
 //   vmax = max(vmax, v) (NaN wins)
 // adamw_apply: with root = sqrt(vmax or v) over the same n elements:
-//   d = root / sqrt_bc2 + eps;  p = p + (-step * m) / d
-void adamw_moments(float* p, const float* g, float* m, float* v, float* vmax, int64_t n,
+//   d = root / sqrt_bc2 + eps;  p = p * decay + (-step * m) / d   (two roundings, as LibTorch's
+//   p.mul_ then p.addcdiv_)
+void adamw_moments(const float* g, float* m, float* v, float* vmax, int64_t n,
                    const AdamWScalars<float>& s);
-void adamw_moments(double* p, const double* g, double* m, double* v, double* vmax, int64_t n,
+void adamw_moments(const double* g, double* m, double* v, double* vmax, int64_t n,
                    const AdamWScalars<double>& s);
 void adamw_apply(float* p, const float* m, const float* root, int64_t n,
                  const AdamWScalars<float>& s);
 void adamw_apply(double* p, const double* m, const double* root, int64_t n,
+                 const AdamWScalars<double>& s);
+// Both halves in one loop with the correctly rounded sqrt (std::sqrt): for a LibTorch whose own
+// sqrt is that one (compat::kAtenSqrtIsIeee).
+void adamw_fused(float* p, const float* g, float* m, float* v, float* vmax, int64_t n,
+                 const AdamWScalars<float>& s);
+void adamw_fused(double* p, const double* g, double* m, double* v, double* vmax, int64_t n,
                  const AdamWScalars<double>& s);
 
 // The scalars of one parameter's SGD update and which of its branches apply.
