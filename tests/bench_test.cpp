@@ -465,6 +465,100 @@ TEST(BenchTraceBreakdown, SplitsAStepIntoComputeWaitsAndCopies) {
   std::filesystem::remove_all(dir);
 }
 
+// bench/scaling_model.py: the table keeps every step at or above its compute and FSDP2 (which
+// copies its gathers out) at or above fsdp-cpp; `validate` on a synthetic trace of two ranks
+// whose collectives cost nothing gives the traced step exactly, and with one rank's first block
+// slower, the slowest rank's step (the other waits for it at the next collective).
+std::vector<std::vector<std::string>> table_rows(const std::string& out) {
+  std::vector<std::vector<std::string>> rows;
+  std::istringstream in(out);
+  for (std::string l; std::getline(in, l);) {
+    if (l.rfind("| ", 0) != 0 || l.find("---") != std::string::npos) continue;
+    std::vector<std::string> cells;
+    std::istringstream cs(l.substr(2));
+    for (std::string c; std::getline(cs, c, '|');) {
+      c.erase(0, c.find_first_not_of(' '));
+      c.erase(c.find_last_not_of(' ') + 1);
+      cells.push_back(c);
+    }
+    rows.push_back(cells);
+  }
+  return rows;
+}
+
+TEST(BenchScalingModel, TableAndValidationOnAKnownTrace) {
+  const std::string script = FSDP_SOURCE_DIR "/bench/scaling_model.py";
+  auto t =
+      fsdp::testing::run_process({"/usr/bin/python3", script, "table"}, std::chrono::seconds(30));
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  auto rows = table_rows(t.output);
+  ASSERT_GE(rows.size(), 10u) << t.output;  // the header and 8, 64, 512 GPUs
+  std::set<std::string> gpus;
+  for (size_t i = 1; i < rows.size(); ++i) {
+    const auto& r = rows[i];
+    gpus.insert(r[0]);
+    const double compute = std::stod(r[3]), ours = std::stod(r[4]), fsdp2 = std::stod(r[5]);
+    EXPECT_GE(ours, compute) << t.output;
+    EXPECT_GE(fsdp2, ours) << t.output;
+  }
+  EXPECT_EQ(gpus, (std::set<std::string>{"8", "64", "512"}));
+
+  const std::string dir = scratch_dir("scaling");
+  std::filesystem::create_directories(dir);
+  // Two steps of a 2-block model on two ranks: forward 100 ms per block and 100 ms of the
+  // root's own (300 ms), backward 200 ms per block and 200 ms of the root's (600 ms), optimizer
+  // 50 ms; rank 1's first block takes `slow` ms more in forward.
+  auto write = [&](double slow) {
+    for (int rank = 0; rank < 2; ++rank) {
+      json events = json::array();
+      int64_t ts = 0;
+      auto span = [&](const std::string& name, const std::string& cat, int64_t at, int64_t dur) {
+        events.push_back({{"ph", "X"},
+                          {"name", name},
+                          {"cat", cat},
+                          {"pid", rank},
+                          {"tid", 1},
+                          {"ts", at},
+                          {"dur", dur}});
+      };
+      const int64_t extra = rank == 1 ? static_cast<int64_t>(slow * 1000) : 0;
+      for (int step = 0; step < 2; ++step) {
+        span("model.forward", "step", ts, 300000 + extra);
+        span("forward h.0", "compute", ts + 50000, 100000 + extra);
+        span("forward h.1", "compute", ts + 150000 + extra, 100000);
+        ts += 300000 + extra;
+        span("model.backward", "step", ts, 600000);
+        span("backward h.1", "compute", ts + 100000, 200000);
+        span("backward h.0", "compute", ts + 300000, 200000);
+        ts += 600000;
+        span("optimizer.step", "step", ts, 50000);
+        ts += 100000;
+      }
+      std::ofstream(dir + "/rank" + std::to_string(rank) + ".json")
+          << json{{"traceEvents", events}}.dump();
+    }
+    auto v = fsdp::testing::run_process(
+        {"/usr/bin/python3", script, "validate",   dir, "--world",  "2", "--ag-gbps", "1e9",
+         "--rs-gbps",        "1e9",  "--alpha-us", "0", "--layers", "2", "--width",   "8",
+         "--vocab",          "8",    "--seq",      "4"},
+        std::chrono::seconds(30));
+    EXPECT_EQ(v.exit_code, 0) << v.output;
+    auto r = table_rows(v.output);
+    EXPECT_EQ(r.size(), 2u) << v.output;
+    return r.back();
+  };
+  auto even = write(0);
+  ASSERT_GE(even.size(), 8u);
+  EXPECT_EQ(even[2], "0.950");  // the traced step
+  EXPECT_EQ(even[5], "1.000");  // the model, each rank's compute: exact
+  auto skewed = write(100);
+  ASSERT_GE(skewed.size(), 8u);
+  EXPECT_EQ(skewed[2], "1.050");  // the slow rank's step
+  EXPECT_EQ(skewed[5], "1.000");
+  EXPECT_LT(std::stod(skewed[6]), std::stod(skewed[4]));  // ranks alike: the mean, shorter
+  std::filesystem::remove_all(dir);
+}
+
 // --optimizer-step: fsdp::optim's fused AdamW and SGD against LibTorch's on the GPT's shards; the
 // benchmark checks that all three copies hold the same bits (bitwise on CPUs with FMA).
 TEST(BenchOptimizerStep, FusedAgainstLibTorchOnTheShardsWithTheSameBits) {
