@@ -32,7 +32,7 @@
 namespace fsdp::bench {
 
 struct TrainBenchOptions {
-  std::string mode = "fsdp";       // local, ddp, fsdp, fsdp-noreshard
+  std::string mode = "fsdp";  // local, ddp, fsdp, fsdp-noreshard
   // "default", "mem" (parameters and optimizer state dominate) or "overhead" (48 blocks of width
   // 64, seq 16, batch 1: compute near zero); explicit size options override it
   std::string preset = "default";
