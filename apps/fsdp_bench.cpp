@@ -9,6 +9,9 @@
 //                                            rounds, then the median ratios (bench/sweeps.h)
 //   fsdp-bench --memory-scaling              peak RSS of fsdp and ddp at N = 1, 2, 4 (--preset mem)
 //   fsdp-bench --max-model --nproc N --memory-mb M   deepest GPT that fits, ddp vs fsdp
+//   fsdp-bench --optimizer-step [--nproc N]  the optimizer step alone on the GPT's shards: fused
+//                                            fsdp::optim against torch::optim
+//                                            (bench/optimizer_bench.h)
 //
 // With --nproc N (and not already a launched rank), fsdp-bench re-executes itself under fsdp-run
 // from its own directory with N ranks and passes rank 0's stdout through without the "[rank 0] "
@@ -35,6 +38,7 @@
 #include "checkpointing_bench.h"
 #include "comm_bench.h"
 #include "moe_bench.h"
+#include "optimizer_bench.h"
 #include "sweeps.h"
 #include "train/malloc.h"
 #include "train_bench.h"
@@ -196,8 +200,11 @@ struct TrainCli {
                 "(default --preset mem)");
     g->add_option("--memory-mb", memory_mb, "--max-model: per-rank budget in MB");
     preset_option = g->add_option("--preset", o.preset,
-                                  "default, or mem (parameters and optimizer state dominate)")
-                        ->check(CLI::IsMember({"default", "mem"}))
+                                  "default, mem (parameters and optimizer state dominate) or "
+                                  "overhead (48 x 64, seq 16, batch 1: compute near zero; "
+                                  "--compare then also reports microseconds per group and step "
+                                  "above the floor, and runs PyTorch's model without wrapper)")
+                        ->check(CLI::IsMember({"default", "mem", "overhead"}))
                         ->capture_default_str();
     for (auto [name, field, help] : {std::tuple{"layers", &o.layers, "transformer blocks"},
                                      std::tuple{"width", &o.width, "embedding width"},
@@ -211,6 +218,11 @@ struct TrainCli {
     g->add_option("--bucket-mb", o.bucket_mb, "ddp gradient bucket size in MiB")
         ->capture_default_str();
     g->add_option("--lr", o.lr, "AdamW learning rate")->capture_default_str();
+    g->add_option("--optimizer", o.optimizer,
+                  "the C++ modes' AdamW: fused (fsdp::optim::AdamW, fsdp-train's default) or "
+                  "torch (torch::optim::AdamW); the Python peers use torch.optim.AdamW")
+        ->check(CLI::IsMember({"fused", "torch"}))
+        ->capture_default_str();
     g->add_option("--seed", o.seed, "weights and data seed")->capture_default_str();
     g->add_option("--mixed-precision", o.mixed_precision,
                   "--mode fsdp/fsdp-noreshard: bf16 gathers, computes and reduce-scatters in "
@@ -268,13 +280,16 @@ struct TrainCli {
                                   "--bucket-mb", num(o.bucket_mb),
                                   "--lr",        num(o.lr),
                                   "--seed",      num(o.seed)};
+    if (m != "torch-ddp" && m != "fsdp2" && m != "torch-local")
+      a.insert(a.end(), {"--optimizer", o.optimizer});
     const bool sharded = fsdp::bench::is_sharded(m) || m == "fsdp2";
     if (sharded && o.mixed_precision != "none")
       a.insert(a.end(), {"--mixed-precision", o.mixed_precision});
     if (m == "fsdp" && o.reshard_after_forward_world > 0)
       a.insert(a.end(), {"--reshard-after-forward-world", num(o.reshard_after_forward_world)});
-    if (m == "torch-ddp" || m == "fsdp2") {
-      a[1] = m == "fsdp2" ? "fsdp2" : "ddp";  // bench/torch_ddp.py --mode; sizes are explicit
+    if (m == "torch-ddp" || m == "fsdp2" || m == "torch-local") {
+      // bench/torch_ddp.py --mode; sizes are explicit
+      a[1] = m == "fsdp2" ? "fsdp2" : m == "torch-local" ? "local" : "ddp";
       return a;
     }
     if (!trace_dir.empty()) a.insert(a.end(), {"--trace", trace_dir});
@@ -318,7 +333,7 @@ fsdp::bench::ArgsFor args_for(const TrainCli& cli) {
 
 // What the parsed command line asks for: one benchmark, here or through fsdp-run.
 struct Request {
-  bool comm = false, checkpointing = false, moe = false;
+  bool comm = false, checkpointing = false, moe = false, optimizer_step = false;
   fsdp::bench::MoEBenchOptions moe_options;
   int nproc = 0;
   std::string malloc_policy = "default";
@@ -337,11 +352,12 @@ int run_request(Request& q, int argc, char** argv) {
   // code rather than on glibc's allocation history (docs/performance.md, Memory).
   if (malloc_policy == "steady") fsdp::train::use_steady_malloc();
   const bool sweep = train.compare || train.memory_scaling || train.max_model;
-  if (comm + checkpointing + q.moe + !train.mode.empty() + train.compare + train.memory_scaling +
-          train.max_model !=
+  if (comm + checkpointing + q.moe + q.optimizer_step + !train.mode.empty() + train.compare +
+          train.memory_scaling + train.max_model !=
       1) {
     std::cerr << "fsdp-bench: choose exactly one of --comm, --activation-checkpointing, --moe, "
-                 "--mode M, --compare, --memory-scaling, --max-model (see --help)\n";
+                 "--optimizer-step, --mode M, --compare, --memory-scaling, --max-model (see "
+                 "--help)\n";
     return 2;
   }
   if (train.options.mixed_precision != "none" && train.mode.empty() && !train.compare) {
@@ -355,9 +371,10 @@ int run_request(Request& q, int argc, char** argv) {
   const bool child = std::getenv(kChildMarker) != nullptr;
   if (sweep && !child && (nproc > 0 || !train.compare)) {
     if (train.compare)
-      return fsdp::bench::compare_rounds(
-          {nproc, train.rounds, !train.no_torch_ddp, !train.no_fsdp2}, args_for(train),
-          bench_launch(), torch_launch(train), std::cout, std::cerr);
+      return fsdp::bench::compare_rounds({nproc, train.rounds, !train.no_torch_ddp, !train.no_fsdp2,
+                                          !train.no_fsdp2 && train.options.preset == "overhead"},
+                                         args_for(train), bench_launch(), torch_launch(train),
+                                         std::cout, std::cerr);
     if (train.memory_scaling)
       return fsdp::bench::memory_scaling(train.worlds, args_for(train), bench_launch(), std::cout,
                                          std::cerr);
@@ -371,6 +388,7 @@ int run_request(Request& q, int argc, char** argv) {
   if (nproc > 0 && !child) return relaunch(nproc, args_without_nproc(argc, argv));
   if (comm) return fsdp::bench::run_comm_bench(comm_options);
   if (checkpointing) return fsdp::bench::run_checkpointing_bench(train.options);
+  if (q.optimizer_step) return fsdp::bench::run_optimizer_bench(train.options, train.rounds);
   if (q.moe) {
     q.moe_options.steps = train.options.steps;
     q.moe_options.warmup = train.options.warmup;
@@ -399,6 +417,8 @@ int main(int argc, char** argv) {
       "              activation memory held after forward, peak RSS, step time, loss equality.\n"
       "  --moe       a mixture-of-experts GPT, one group per expert: ranks calling only their\n"
       "              routed experts against every expert on every rank (--rounds rounds).\n"
+      "  --optimizer-step   the optimizer step alone on the GPT's shards: fsdp::optim's fused\n"
+      "              AdamW and SGD against torch::optim's (--rounds rounds, the size options).\n"
       "Examples:\n"
       "  fsdp-bench --comm --nproc 4\n"
       "  fsdp-bench --compare --nproc 2\n"
@@ -406,6 +426,8 @@ int main(int argc, char** argv) {
       "  fsdp-run -n 4 -- fsdp-bench --comm"};
   Request q;
   app.add_flag("--comm", q.comm, "run the communication benchmark");
+  app.add_flag("--optimizer-step", q.optimizer_step,
+               "time the optimizer step alone on the GPT's shards: fused against LibTorch's");
   app.add_flag("--activation-checkpointing", q.checkpointing,
                "activation memory saved by checkpointing the blocks (the training size options)");
   app.add_option("--malloc", q.malloc_policy,

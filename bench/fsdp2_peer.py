@@ -2,8 +2,9 @@
 
 The same computation as fsdp-train, written independently from docs/trainer.md and the C++:
 
-- model (src/models/gpt.cpp): pre-LayerNorm GPT-2 blocks (LayerNorm eps 1e-5; attention with a
-  causal mask, scale 1/sqrt(C/H); GELU tanh approximation; MLP 4C), learned positions, the head
+- model (src/models/gpt.cpp): pre-LayerNorm GPT-2 blocks (LayerNorm eps 1e-5; causal attention
+  through F.scaled_dot_product_attention, scale 1/sqrt(C/H), as the C++ model's
+  at::scaled_dot_product_attention; GELU tanh approximation; MLP 4C), learned positions, the head
   tied to `wte`; parameter names those of fsdp-cpp's consolidated safetensors checkpoint
   (`wte.weight`, `h.0.c_attn.weight`, ...); Linear layers compute as LibTorch's C++ frontend does
   (matmul, then the bias added);
@@ -84,7 +85,9 @@ MASK64 = (1 << 64) - 1
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["fsdp2", "ddp"], default="fsdp2")
+    p.add_argument("--mode", choices=["fsdp2", "ddp", "local"], default="fsdp2",
+                   help="local: the model on every rank without a wrapper, no communication "
+                   "(bench/torch_ddp.py's Python floor)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="train")
     p.add_argument("--init", help="full safetensors file of the initial weights")
     p.add_argument("--init-draws", choices=["peer", "libtorch"], default="peer",
@@ -134,7 +137,7 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int, default=50, help="and after the last step; 0: never")
     p.add_argument("--eval-batches", type=int, default=4)
     args = p.parse_args(argv)
-    if args.mode == "ddp" and args.mixed_precision != "none":
+    if args.mode != "fsdp2" and args.mixed_precision != "none":
         p.error("--mixed-precision bf16 is FSDP2's MixedPrecisionPolicy; use --mode fsdp2")
     if args.mixed_precision_reduce != "param" and args.mixed_precision == "none":
         p.error("--mixed-precision-reduce fp32 needs --mixed-precision bf16")
@@ -184,10 +187,9 @@ class Block(nn.Module):
         hd = C // self.n_head
         q, k, v = (t.view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
                    for t in self.c_attn(self.ln_1(x)).split(C, dim=2))
-        att = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)  # future positions
-        att = torch.softmax(att.masked_fill(mask, float("-inf")), -1)
-        y = att.matmul(v).transpose(1, 2).contiguous().view(B, T, C)
+        # GPT's Attention::kFused: the fused kernel, causal, scale 1/sqrt(hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
         h = x + self.c_proj(y)
         return h + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
 
@@ -333,6 +335,10 @@ def build(args, rank, world):
         model.to_empty(device="cpu")
         load_weights(model, args)
         wrapped = model
+    elif args.mode == "local":
+        model = GPT(*dims)
+        load_weights(model, args)
+        wrapped = model
     else:
         model = GPT(*dims)
         load_weights(model, args)
@@ -474,7 +480,7 @@ def train_step(args, model, wrapped, opt, stream, s, rank, world):
             loss = loss_of(wrapped, x, y, args.vocab)
             (loss / args.grad_accum).backward()
         else:
-            with contextlib.nullcontext() if last else wrapped.no_sync():
+            with contextlib.nullcontext() if last or args.mode == "local" else wrapped.no_sync():
                 loss = loss_of(wrapped, x, y, args.vocab)
                 (loss / args.grad_accum).backward()
         total += loss.item()

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -61,6 +62,36 @@ std::vector<double> load_average() {
 // ---------------------------------------------------------------------------------------------
 // --compare
 // ---------------------------------------------------------------------------------------------
+namespace {
+
+// Per group and step, what sharding adds to the step: microseconds above the C++ floor (`local`)
+// for fsdp and for PyTorch's FSDP2, and, where PyTorch's own unwrapped model ran (torch-local),
+// FSDP2 above that Python floor (which leaves out what the Python model itself costs). Groups:
+// one per block and the root.
+void add_overheads(std::map<std::string, json>& modes,
+                   const std::function<void(const std::string&, double)>& add) {
+  if (!modes.count("fsdp") || !modes.count("local")) return;
+  const double groups = modes["fsdp"]["layers"].get<double>() + 1;
+  auto us_above = [&](const std::string& m, const std::string& floor) {
+    return (modes[m]["step_s_median"].get<double>() - modes[floor]["step_s_median"].get<double>()) /
+           groups * 1e6;
+  };
+  const double fsdp = us_above("fsdp", "local");
+  add("fsdp_us_per_group_above_local", fsdp);
+  if (!modes.count("fsdp2")) return;
+  const double fsdp2 = us_above("fsdp2", "local");
+  add("fsdp2_us_per_group_above_local", fsdp2);
+  add("fsdp_overhead_over_fsdp2", fsdp / fsdp2);
+  if (!modes.count("torch-local")) return;
+  const double own = us_above("fsdp2", "torch-local");
+  add("fsdp2_us_per_group_above_torch_local", own);
+  add("torch_local_over_local", modes["torch-local"]["step_s_median"].get<double>() /
+                                    modes["local"]["step_s_median"].get<double>());
+  add("fsdp_overhead_over_fsdp2_own", fsdp / own);
+}
+
+}  // namespace
+
 std::string summarize_rounds(const std::vector<std::vector<std::string>>& rounds,
                              std::ostream& warnings) {
   FSDP_CHECK(!rounds.empty(), "--compare: no rounds to summarize");
@@ -89,6 +120,14 @@ std::string summarize_rounds(const std::vector<std::vector<std::string>>& rounds
     // (the same mixed precision). Each builds the same model from the same seed and trains on the
     // same batches: its step-1 loss equals its counterpart's (to the last bits where the kernels
     // are the same LibTorch's; 1e-5 still tells a model drawn otherwise, ~3e-3 away, apart).
+    auto same_first_loss = [&](const std::string& name, const std::string& ours) {
+      const double a = modes[name]["loss_step1"], b = modes[ours]["loss_step1"];
+      if (std::abs(a - b) > 1e-5 * std::max(1.0, std::abs(b))) {
+        ok = false;
+        warnings << "fsdp-bench: WARNING: step-1 loss of " << name << " is " << a << ", of " << ours
+                 << " " << b << "; bench/torch_ddp.py no longer builds the same model or batches\n";
+      }
+    };
     auto peer = [&](const std::string& name, const std::string& key, const std::string& ours) {
       if (!modes.count(name)) return;
       const json &p = modes[name], &o = modes[ours];
@@ -98,15 +137,12 @@ std::string summarize_rounds(const std::vector<std::vector<std::string>>& rounds
       if (ours == "ddp") add("ddp_over_" + key, o["step_s_median"].get<double>() / peer_s);
       add("fsdp_mem_over_" + key,
           modes["fsdp"]["train_memory_mb"].get<double>() / p["train_memory_mb"].get<double>());
-      const double a = p["loss_step1"], b = o["loss_step1"];
-      if (std::abs(a - b) > 1e-5 * std::max(1.0, std::abs(b))) {
-        ok = false;
-        warnings << "fsdp-bench: WARNING: step-1 loss of " << name << " is " << a << ", of " << ours
-                 << " " << b << "; bench/torch_ddp.py no longer builds the same model or batches\n";
-      }
+      same_first_loss(name, ours);
     };
     peer("torch-ddp", "torch_ddp", "ddp");
     peer("fsdp2", "fsdp2", "fsdp");
+    if (modes.count("torch-local")) same_first_loss("torch-local", "local");
+    add_overheads(modes, add);
   }
   ordered_json s;
   s["summary"] = "compare";
@@ -131,6 +167,9 @@ std::string summarize_rounds(const std::vector<std::vector<std::string>>& rounds
   if (s["world"] == 2) target("fsdp_over_torch_ddp", "fsdp_over_torch_ddp<=0.92", 0.92);
   target("fsdp_mem_over_fsdp2", "fsdp_mem_over_fsdp2<=0.75", 0.75);
   if (s["preset"] == "mem") target("fsdp_mem_over_ddp", "fsdp_mem_over_ddp<=0.60", 0.60);
+  // Issue 50's: fsdp's time per group above the floor at most a twentieth of FSDP2's.
+  if (s["preset"] == "overhead")
+    target("fsdp_overhead_over_fsdp2", "fsdp_overhead_over_fsdp2<=0.05", 0.05);
   s["targets_met"] = targets;
   return s.dump();
 }
@@ -141,7 +180,10 @@ int compare_rounds(const CompareSpec& spec, const ArgsFor& args_for, const Launc
   std::vector<std::string> order = compare_modes();
   if (spec.torch_ddp && torch_launch) order.push_back("torch-ddp");
   if (spec.fsdp2 && torch_launch) order.push_back("fsdp2");
-  auto is_peer = [](const std::string& m) { return m == "torch-ddp" || m == "fsdp2"; };
+  if (spec.torch_local && torch_launch) order.push_back("torch-local");
+  auto is_peer = [](const std::string& m) {
+    return m == "torch-ddp" || m == "fsdp2" || m == "torch-local";
+  };
   const auto load_start = load_average();
   std::vector<std::vector<std::string>> rounds;
   for (int r = 0; r < spec.rounds; ++r) {
@@ -159,7 +201,10 @@ int compare_rounds(const CompareSpec& spec, const ArgsFor& args_for, const Launc
       if (rc != 0)
         err << "fsdp-bench: --compare: the Python peer " << m << " failed (exit status " << rc
             << (rc == 3 ? ": no torch 2.15 with FSDP2 there, see above" : "")
-            << "); its ratios (fsdp_over_" << (m == "fsdp2" ? "fsdp2" : "torch_ddp")
+            << "); its ratios (fsdp_over_"
+            << (m == "fsdp2"         ? "fsdp2"
+                : m == "torch-local" ? "torch_local"
+                                     : "torch_ddp")
             << ", ...) are left out of this round\n";
       for (const auto& l : got) out << l << "\n" << std::flush;
       lines.insert(lines.end(), got.begin(), got.end());

@@ -24,8 +24,8 @@ namespace fsdp::bench {
 using Launch =
     std::function<int(int nproc, const std::vector<std::string>& args, std::vector<std::string>&)>;
 // The command-line arguments of one run of `mode` ("local", "ddp", "fsdp", "fsdp-noreshard", or
-// "torch-ddp" and "fsdp2" for the Python peers) with `layers` blocks (0: the configured depth) and
-// `trace`.
+// "torch-ddp", "fsdp2" and "torch-local" for the Python peers) with `layers` blocks (0: the
+// configured depth) and `trace`.
 using ArgsFor = std::function<std::vector<std::string>(const std::string& mode, int64_t layers)>;
 
 // The 1-, 5- and 15-minute load averages (/proc/loadavg), reported beside every figure.
@@ -36,6 +36,8 @@ struct CompareSpec {
   int rounds = 3;
   bool torch_ddp = true;  // also run PyTorch's DDP (when `torch_launch` is set)
   bool fsdp2 = true;      // also run PyTorch's FSDP2 (when `torch_launch` is set)
+  // also run PyTorch's model without a wrapper (torch-local: the Python floor; --preset overhead)
+  bool torch_local = false;
 };
 
 // --compare over rounds: prints every run's line as it comes, then the summary JSON line. A

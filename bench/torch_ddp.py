@@ -1,7 +1,9 @@
 #!/usr/bin/python3
 """PyTorch's own DDP or FSDP2 on fsdp-bench's GPT: the peers of `fsdp-bench --compare` (issues 12, 30).
 
-Rank 0 prints one JSON line with the keys of fsdp-bench's modes (mode "torch-ddp" or "fsdp2").
+Rank 0 prints one JSON line with the keys of fsdp-bench's modes (mode "torch-ddp", "fsdp2", or
+"torch-local": `--mode local`, the model unwrapped on every rank, no communication: the Python floor
+of `--preset overhead`, issue 50).
 The model, its layout and AdamW are bench/fsdp2_peer.py's (the same GPT as src/models/gpt.cpp, its
 Linear layers computed as LibTorch's C++ frontend does; FSDP2: fully_shard on every block, the last
 not resharded after forward, then the root; DDP: DistributedDataParallel with --bucket-mb buckets;
@@ -38,7 +40,7 @@ import time
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=0, help="start this many local ranks")
-    p.add_argument("--mode", choices=["ddp", "fsdp2"], default="ddp")
+    p.add_argument("--mode", choices=["ddp", "fsdp2", "local"], default="ddp")
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
     p.add_argument("--preset", default="default", help="reported only: sizes are explicit")
     for name, default in [("layers", 8), ("width", 512), ("heads", 8), ("seq", 256), ("batch", 2),
@@ -136,7 +138,8 @@ def run_rank(args):
     if rank == 0:
         med = statistics.median(times.tolist())
         print(json.dumps({
-            "mode": "fsdp2" if args.mode == "fsdp2" else "torch-ddp", "world": ws,
+            "mode": {"fsdp2": "fsdp2", "local": "torch-local"}.get(args.mode, "torch-ddp"),
+            "world": ws,
             "step_s_median": round(med, 4), "step_s_min": round(times.min().item(), 4),
             "step_s_max": round(times.max().item(), 4),
             "tokens_per_s_per_rank": round(args.batch * args.seq / med, 1),
@@ -156,7 +159,7 @@ def run_rank(args):
 
 def main(argv):
     args = parse_args(argv)
-    if args.mode == "ddp" and args.mixed_precision != "none":
+    if args.mode != "fsdp2" and args.mixed_precision != "none":
         sys.exit("torch_ddp.py: --mixed-precision bf16 is FSDP2's policy; use --mode fsdp2")
     if args.nproc > 0 and "RANK" not in os.environ:
         return launch(args, argv)

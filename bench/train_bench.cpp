@@ -52,6 +52,7 @@ std::unique_ptr<Trainer> build_trainer(const TrainBenchOptions& o,
   train::TrainConfig tc;
   tc.layers = o.layers, tc.heads = o.heads, tc.width = o.width, tc.seq = o.seq;
   tc.lr = o.lr, tc.seed = o.seed, tc.reshard_after_forward = o.mode == "fsdp";
+  tc.optimizer = o.optimizer;
   const bool sharded = is_sharded(o.mode);
   tc.mixed_precision = sharded ? o.mixed_precision : "none";
   if (o.mode == "fsdp") tc.reshard_after_forward_world = o.reshard_after_forward_world;
@@ -314,6 +315,7 @@ std::string mode_line(const TrainBenchOptions& o, const Trainer& t, const Commun
   j["mixed_precision"] = o.mixed_precision;
   j["reshard_after_forward_world"] = o.reshard_after_forward_world;
   j["forward_prefetch"] = o.forward_prefetch;
+  j["optimizer"] = o.optimizer;
   j["malloc"] = memory::malloc_settings();
   // How the ranks' all-gathers and reduce-scatters travel (FSDP_TRANSPORT); ddp's all-reduces
   // are Gloo's (TCP) either way.
@@ -407,8 +409,17 @@ void apply_preset(TrainBenchOptions& o, const std::vector<std::string>& explicit
     set("heads", o.heads, 16);
     set("seq", o.seq, 32);
     set("batch", o.batch, 1);
+  } else if (o.preset == "overhead") {
+    // Many small blocks and almost no compute: what a step costs above `local` is the per-group
+    // work of sharding (hooks, rounds, collectives, copies), measured per group and step.
+    set("layers", o.layers, 48);
+    set("width", o.width, 64);
+    set("heads", o.heads, 2);
+    set("seq", o.seq, 16);
+    set("batch", o.batch, 1);
   } else {
-    FSDP_CHECK(o.preset == "default", "--preset '", o.preset, "' is unknown; use default or mem");
+    FSDP_CHECK(o.preset == "default", "--preset '", o.preset,
+               "' is unknown; use default, mem or overhead");
   }
 }
 

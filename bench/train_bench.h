@@ -32,8 +32,10 @@
 namespace fsdp::bench {
 
 struct TrainBenchOptions {
-  std::string mode = "fsdp";       // local, ddp, fsdp, fsdp-noreshard
-  std::string preset = "default";  // "default" or "mem"; explicit size options override it
+  std::string mode = "fsdp";  // local, ddp, fsdp, fsdp-noreshard
+  // "default", "mem" (parameters and optimizer state dominate) or "overhead" (48 blocks of width
+  // 64, seq 16, batch 1: compute near zero); explicit size options override it
+  std::string preset = "default";
   int64_t layers = 8;
   int64_t width = 512;
   int64_t heads = 8;
@@ -53,6 +55,7 @@ struct TrainBenchOptions {
   // (reshard_after_forward = K, hpZ); 0: off.
   int reshard_after_forward_world = 0;
   std::string forward_prefetch = "auto";  // --mode fsdp: auto, off or unshard (fsdp-train's)
+  std::string optimizer = "fused";        // fsdp-train's --optimizer: fused or torch (AdamW)
 };
 
 // The sizes `preset` stands for; fields the user set explicitly (`explicit_sizes`, option names

@@ -32,7 +32,7 @@ add_library(fsdp_train_resume STATIC src/train/resume.cpp)
 target_link_libraries(fsdp_train_resume PUBLIC fsdp_train_base fsdp_safetensors)
 
 add_library(fsdp_train_model STATIC src/train/model_setup.cpp src/train/rounding_collectives.cpp)
-target_link_libraries(fsdp_train_model PUBLIC fsdp_train_base fsdp_models)
+target_link_libraries(fsdp_train_model PUBLIC fsdp_train_base fsdp_models fsdp_optim)
 target_precompile_headers(fsdp_train_model REUSE_FROM fsdp_models)
 
 add_library(fsdp_train STATIC src/train/trainer.cpp)

@@ -5,6 +5,7 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/fsdp.h>
 #include <fsdp/models/gpt.h>
+#include <fsdp/optim.h>
 #include <fsdp/safetensors_torch.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -33,7 +34,8 @@ using models::GPTConfig;
 
 constexpr const char* kDirEnv = "FSDP_CKPT_TEST_DIR";
 
-enum class Opt { kAdamW, kAdam, kSGD };
+// LibTorch's optimizers, and fsdp::optim's fused ones (their state layout is LibTorch's).
+enum class Opt { kAdamW, kAdam, kSGD, kFusedAdamW, kFusedSGD };
 
 // A sharded GPT and its optimizer on this rank.
 struct Trainee {
@@ -52,9 +54,15 @@ struct Trainee {
     } else if (opt == Opt::kAdam) {
       optim = std::make_unique<torch::optim::Adam>(root.parameters(),
                                                    torch::optim::AdamOptions(1e-2).amsgrad(true));
-    } else {
+    } else if (opt == Opt::kSGD) {
       optim = std::make_unique<torch::optim::SGD>(root.parameters(),
                                                   torch::optim::SGDOptions(1e-2).momentum(0.9));
+    } else if (opt == Opt::kFusedAdamW) {
+      optim =
+          std::make_unique<fsdp::optim::AdamW>(root.parameters(), torch::optim::AdamWOptions(1e-2));
+    } else {
+      optim = std::make_unique<fsdp::optim::SGD>(root.parameters(),
+                                                 torch::optim::SGDOptions(1e-2).momentum(0.9));
     }
   }
   void train(int rank, int steps) {
@@ -197,12 +205,13 @@ TEST_P(RoundTrip, ConsolidatedValuesAreBitIdentical) {
   auto fb = full_tensors(dir + "/b/step_00000002");
   expect_bit_identical(fa, fb);
   // Optimizer state is present (and was compared above).
-  const char* probe = t.opt == Opt::kSGD ? "wte.weight::momentum_buffer" : "wte.weight::exp_avg";
+  const bool sgd = t.opt == Opt::kSGD || t.opt == Opt::kFusedSGD;
+  const char* probe = sgd ? "wte.weight::momentum_buffer" : "wte.weight::exp_avg";
   EXPECT_TRUE(fa.count(probe)) << probe;
   if (t.opt == Opt::kAdam) {
     EXPECT_TRUE(fa.count("wte.weight::max_exp_avg_sq"));
   }
-  if (t.opt != Opt::kSGD) {
+  if (!sgd) {
     EXPECT_EQ(fa.at("wte.weight::step").item<int64_t>(), 2);
   }
   auto idx = ck::parse_index(st::read_text(dir + "/b/step_00000002/index.json", 1 << 26), "b");
@@ -211,7 +220,7 @@ TEST_P(RoundTrip, ConsolidatedValuesAreBitIdentical) {
 }
 
 std::string trip_name(const ::testing::TestParamInfo<Trip>& info) {
-  static const char* kOpt[] = {"AdamW", "Adam", "SGD"};
+  static const char* kOpt[] = {"AdamW", "Adam", "SGD", "FusedAdamW", "FusedSGD"};
   return std::to_string(info.param.from) + "to" + std::to_string(info.param.to) +
          kOpt[static_cast<int>(info.param.opt)];
 }
@@ -219,8 +228,59 @@ std::string trip_name(const ::testing::TestParamInfo<Trip>& info) {
 INSTANTIATE_TEST_SUITE_P(Worlds, RoundTrip,
                          ::testing::Values(Trip{2, 2, Opt::kAdamW}, Trip{2, 3, Opt::kAdamW},
                                            Trip{3, 1, Opt::kAdamW}, Trip{1, 4, Opt::kAdamW},
-                                           Trip{2, 3, Opt::kSGD}, Trip{3, 2, Opt::kAdam}),
+                                           Trip{2, 3, Opt::kSGD}, Trip{3, 2, Opt::kAdam},
+                                           Trip{2, 3, Opt::kFusedAdamW},
+                                           Trip{3, 2, Opt::kFusedSGD}),
                          trip_name);
+
+// fsdp::optim's optimizers write and read LibTorch's state layout: a checkpoint saved with one
+// loads into the other (at another world size), and training goes on with the same bits either
+// way. Saved at 2 ranks after 2 steps by each kind, loaded at 3 ranks by both kinds, 2 more steps.
+TEST(Checkpoint, FusedAndLibTorchOptimizersShareCheckpoints) {
+  const std::string dir = test_dir();
+  auto opts = with_dir(dir);
+  for (auto [saver, name] :
+       {std::pair{Opt::kAdamW, "torch"}, std::pair{Opt::kFusedAdamW, "fused"},
+        std::pair{Opt::kSGD, "torch_sgd"}, std::pair{Opt::kFusedSGD, "fused_sgd"}}) {
+    run_ranks(
+        2,
+        [&, saver = saver, name = name](Rank& r) {
+          Trainee run(r, tiny_gpt(), 0, saver);
+          run.train(r.rank, 2);
+          ck::TrainState s;
+          s.step = 2;
+          ck::save(dir + "/" + name, run.root, run.optim.get(), s, *r.world());
+        },
+        opts);
+  }
+  run_ranks(
+      3,
+      [&](Rank& r) {
+        for (bool sgd : {false, true}) {
+          // Every saved kind into every loading kind: one result.
+          std::vector<std::vector<torch::Tensor>> after;
+          for (const char* saved : {"torch", "fused"}) {
+            for (Opt loader : sgd ? std::vector<Opt>{Opt::kSGD, Opt::kFusedSGD}
+                                  : std::vector<Opt>{Opt::kAdamW, Opt::kFusedAdamW}) {
+              Trainee run(r, tiny_gpt(), 7, loader);
+              const std::string from = dir + "/" + saved + (sgd ? "_sgd" : "");
+              ck::load(from + "/step_00000002", run.root, run.optim.get(), *r.world());
+              run.train(r.rank, 2);
+              after.push_back(run.snapshot());
+            }
+          }
+          // Bitwise where the CPU has FMA (include/fsdp/optim.h, Numerics).
+          const bool fma = __builtin_cpu_supports("fma");
+          for (size_t k = 1; k < after.size(); ++k)
+            for (size_t i = 0; i < after[0].size(); ++i)
+              EXPECT_TRUE(fma ? torch::equal(after[0][i], after[k][i])
+                              : torch::allclose(after[0][i], after[k][i], 1e-6, 1e-9))
+                  << (sgd ? "SGD" : "AdamW") << ": combination " << k << ", shard " << i;
+        }
+      },
+      opts);
+  if (!in_rank_process()) fs::remove_all(dir);
+}
 
 // ---- interrupted save ----
 TEST(Checkpoint, InterruptedSaveLeavesPreviousLoadable) {

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -261,6 +262,33 @@ TEST(TrainE2E, SameSeedSameLossesSequentialOrder) {
   const auto r = run(tiny(other, 6), {"--no-shard", "--data-order", "sequential", "--seed", "6"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(losses(other), runs[0]);
+}
+
+// --optimizer fused (fsdp::optim::AdamW, the default) and --optimizer torch (torch::optim::AdamW)
+// give the same losses at N = 2 (bitwise on CPUs with FMA, include/fsdp/optim.h), and a run saved
+// with LibTorch's resumes with the fused one as it would have gone on.
+TEST(TrainE2E, FusedOptimizerMatchesLibTorchsAndResumesWithIt) {
+  std::map<std::string, std::string> dirs;
+  std::map<std::string, std::vector<double>> runs;
+  for (const char* opt : {"fused", "torch"}) {
+    dirs[opt] = scratch_dir(std::string("opt_") + opt);
+    const auto r = run(tiny(dirs[opt], 6), {"--optimizer", opt, "--save-every", "3"});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    runs[opt] = losses(dirs[opt]);
+  }
+  ASSERT_EQ(runs["fused"].size(), 6u);
+  const bool fma = __builtin_cpu_supports("fma");
+  if (fma) EXPECT_EQ(runs["fused"], runs["torch"]);
+  expect_close(runs["fused"], runs["torch"], 1e-6, "fused against LibTorch's AdamW");
+  const auto resumed = scratch_dir("opt_resumed");
+  std::filesystem::copy(dirs["torch"], resumed, std::filesystem::copy_options::recursive);
+  std::filesystem::remove_all(resumed + "/step_00000006");
+  const auto r = run(tiny(resumed, 6), {"--optimizer", "fused", "--resume", resumed});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resuming from " + resumed + "/step_00000003"), std::string::npos)
+      << r.output;
+  if (fma) EXPECT_EQ(losses(resumed), runs["torch"]);
+  expect_close(losses(resumed), runs["torch"], 1e-6, "resumed with the fused optimizer");
 }
 
 TEST(TrainE2E, ConfigFileJsonAndToml) {

@@ -72,6 +72,7 @@ TEST(TrainConfig, DefaultsAreValid) {
   ASSERT_TRUE(r.config.has_value()) << r.message;
   EXPECT_EQ(r.config->nproc, 2);
   EXPECT_TRUE(r.config->reshard_after_forward);
+  EXPECT_EQ(r.config->optimizer, "fused");  // fsdp::optim::AdamW
   EXPECT_TRUE(r.config->explicit_keys.empty());
 }
 
@@ -228,6 +229,7 @@ TEST(TrainConfig, ValidationNamesTheSetting) {
       {{"--reshard-after-forward-world", "-1"}, "--reshard-after-forward-world is -1"},
       {{"--reshard-after-forward-world", "2", "--no-reshard-after-forward"},
        "drop one of the two flags"},
+      {{"--optimizer", "adam"}, "--optimizer is 'adam'; expected fused"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args{"fsdp-train"};

@@ -33,8 +33,10 @@ namespace fsdp::checkpoint {
 // its shards; rank 0 also the model's buffers, whole, after a warning (TORCH_WARN) when they differ
 // across ranks: fsdp::check_buffers_agree), rank 0 writes index.json last. Returns the checkpoint
 // directory. `opt` may be null (parameters only). Optimizer state is saved for torch::optim AdamW,
-// Adam and SGD; another optimizer type is an error. Under HSDP `comm` is the shard communicator
-// (mesh.shard) or the world; the ranks of replica 0 write, the others wait for their outcome.
+// Adam and SGD, and fsdp::optim AdamW and SGD (include/fsdp/optim.h: LibTorch's state layout, so a
+// checkpoint of one loads into the other); another optimizer type is an error. Under HSDP `comm` is
+// the shard communicator (mesh.shard) or the world; the ranks of replica 0 write, the others wait
+// for their outcome.
 std::string save(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                  const TrainState& state, Communicator& comm);
 

@@ -87,8 +87,9 @@ OptKind kind_of(torch::optim::Optimizer* opt) {
   if (dynamic_cast<torch::optim::Adam*>(opt)) return OptKind::kAdam;
   if (dynamic_cast<torch::optim::SGD*>(opt)) return OptKind::kSGD;
   throw Error(
-      "checkpoint: the optimizer is not torch::optim AdamW, Adam or SGD, whose state layout this "
-      "checkpoint format knows; pass nullptr to save parameters only");
+      "checkpoint: the optimizer is not torch::optim AdamW, Adam or SGD (or fsdp::optim AdamW or "
+      "SGD, which keep their state), whose state layout this checkpoint format knows; pass "
+      "nullptr to save parameters only");
 }
 
 const char* kind_name(OptKind k) {

@@ -22,9 +22,9 @@ class CheckpointReader;
 
 enum class OptKind {
   kNone,   // no optimizer state saved / loaded
-  kAdamW,  // torch::optim::AdamW
+  kAdamW,  // torch::optim::AdamW, and fsdp::optim::AdamW (derived: the same state layout)
   kAdam,   // torch::optim::Adam
-  kSGD,    // torch::optim::SGD
+  kSGD,    // torch::optim::SGD, and fsdp::optim::SGD (derived: the same state layout)
 };
 
 // The kind of `opt` (kNone for null); throws for an optimizer the format does not know.

@@ -2,8 +2,15 @@
 // parameter's TensorImpl* (its "0x..." form). 2.x (since c10::guts::to_string was removed): the
 // TensorImpl* itself, as a void*. Either way the identity is the TensorImpl object: set_data
 // keeps a parameter's state, a new tensor object does not have one.
+//
+// Also: whether ATen's float and double sqrt is the correctly rounded IEEE one. A LibTorch built
+// with MKL (PyPI's wheel) takes it from MKL's vector library (vsSqrt, vdSqrt in high-accuracy
+// mode), which is not: about one float in 150 differs in its last bit. Without MKL (Debian's
+// 1.13) ATen's Vectorized sqrt is the hardware instruction. fsdp::optim's AdamW matches either
+// (src/optim/adamw.cpp).
 #pragma once
 
+#include <ATen/Config.h>
 #include <ATen/core/Tensor.h>
 #include <torch/version.h>
 
@@ -14,6 +21,8 @@
 #endif
 
 namespace fsdp::compat {
+
+constexpr bool kAtenSqrtIsIeee = !AT_MKL_ENABLED();
 
 #if TORCH_VERSION_MAJOR >= 2
 using OptimStateKey = void*;

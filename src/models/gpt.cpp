@@ -3,7 +3,21 @@
 
 #include <cmath>
 
+#include "compat/attention.h"
+
 namespace fsdp::models {
+
+torch::Tensor causal_self_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, Attention how) {
+  if (how == Attention::kFused && compat::has_scaled_dot_product_attention())
+    return compat::scaled_dot_product_attention(q, k, v, /*is_causal=*/true);
+  const int64_t T = q.size(-2), hd = q.size(-1);
+  auto att = q.matmul(k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  auto mask =
+      torch::ones({T, T}, q.options().dtype(torch::kBool)).triu(1);  // (T, T) future positions
+  att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
+  return att.matmul(v);  // (B, nh, T, hd)
+}
 
 void GPTConfig::validate() const {
   auto positive = [](const char* name, int64_t v) {
@@ -19,7 +33,7 @@ void GPTConfig::validate() const {
              "; choose a width that is a multiple of the heads");
 }
 
-BlockImpl::BlockImpl(const GPTConfig& cfg) : n_head(cfg.n_head) {
+BlockImpl::BlockImpl(const GPTConfig& cfg) : n_head(cfg.n_head), attention(cfg.attention) {
   const int64_t c = cfg.n_embd;
   ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c})));
   c_attn = register_module("c_attn", torch::nn::Linear(c, 3 * c));
@@ -35,12 +49,10 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   auto heads = [&](const torch::Tensor& t) {
     return t.view({B, T, n_head, hd}).transpose(1, 2);  // (B, nh, T, hd)
   };
-  auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-  auto att = q.matmul(k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  auto mask =
-      torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);  // (T, T) future positions
-  att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
-  auto y = att.matmul(v).transpose(1, 2).contiguous().view({B, T, C});
+  auto y = causal_self_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), attention)
+               .transpose(1, 2)
+               .contiguous()
+               .view({B, T, C});
   auto h = x + c_proj(y);
   return h + mlp_proj(torch::gelu(c_fc(ln_2(h)), "tanh"));
 }

@@ -57,6 +57,7 @@ MoEGPTImpl::MoEGPTImpl(const MoEConfig& config) : cfg(config) {
   block.n_embd = cfg.width;
   block.n_head = cfg.heads;
   block.n_layer = cfg.layers;
+  block.attention = cfg.attention;
   wte = register_module("wte", torch::nn::Embedding(cfg.vocab_size, cfg.width));
   wpe = register_module("wpe", torch::nn::Embedding(cfg.tokens, cfg.width));
   for (int64_t l = 0; l < cfg.layers; ++l) {

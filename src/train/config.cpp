@@ -54,6 +54,10 @@ void add_training_options(CLI::App& app, TrainConfig& c) {
   app.add_option("--beta1", c.beta1, "AdamW beta1")->group("Optimisation");
   app.add_option("--beta2", c.beta2, "AdamW beta2")->group("Optimisation");
   app.add_option("--eps", c.eps, "AdamW epsilon")->group("Optimisation");
+  app.add_option("--optimizer", c.optimizer,
+                 "fused (fsdp::optim::AdamW: one vectorised pass per group's flat shard) or torch "
+                 "(torch::optim::AdamW); the same update and checkpoints")
+      ->group("Optimisation");
   app.add_option("--seed", c.seed, "seeds initialisation, data order and sampling")
       ->group("Optimisation");
   app.add_option("--grad-accum", c.grad_accum,
@@ -274,6 +278,7 @@ std::string TrainConfig::to_json() const {
   j["seed"] = seed;
   j["grad-accum"] = grad_accum;
   j["clip"] = clip;
+  j["optimizer"] = optimizer;
   j["data"] = data;
   j["data-order"] = data_order;
   j["val-fraction"] = val_fraction;
@@ -333,6 +338,7 @@ const std::vector<std::string>& resumable_keys() {
   // evaluation, logging and outputs: none changes the model, the optimizer state or the training
   // stream (grad-accum splits the same batch differently). --mixed-precision is not here: the
   // shards stay fp32, but it changes the gradients, so a resumed run keeps the checkpoint's.
+  // --optimizer: fused or torch, the same update and the same state either way.
   static const std::vector<std::string> keys = {"nproc",
                                                 "threads",
                                                 "malloc",
@@ -344,6 +350,7 @@ const std::vector<std::string>& resumable_keys() {
                                                 "steps",
                                                 "min-lr-ratio",
                                                 "grad-accum",
+                                                "optimizer",
                                                 "eval-every",
                                                 "eval-batches",
                                                 "run-dir",

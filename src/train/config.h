@@ -61,6 +61,9 @@ struct TrainConfig {
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
+  // "fused": fsdp::optim::AdamW (one vectorised pass per group's flat shard, include/fsdp/optim.h;
+  // the same results as LibTorch's); "torch": torch::optim::AdamW.
+  std::string optimizer = "fused";
   uint64_t seed = 1337;
   int64_t grad_accum =
       1;            // micro-batches per optimizer step (batch / ranks / grad_accum rows each)

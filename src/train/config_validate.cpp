@@ -66,6 +66,8 @@ void check_optimisation(const TrainConfig& c) {
   FSDP_CHECK(c.beta1 >= 0 && c.beta1 < 1 && c.beta2 >= 0 && c.beta2 < 1, "--beta1 ", c.beta1,
              " / --beta2 ", c.beta2, ": each must lie in [0, 1)");
   FSDP_CHECK(c.eps > 0, "--eps is ", c.eps, "; it must be positive, e.g. 1e-8");
+  FSDP_CHECK(c.optimizer == "fused" || c.optimizer == "torch", "--optimizer is '", c.optimizer,
+             "'; expected fused (fsdp::optim::AdamW) or torch (torch::optim::AdamW)");
   FSDP_CHECK(c.temperature > 0, "--temperature is ", c.temperature,
              "; it must be positive, e.g. 0.8");
 }

@@ -4,6 +4,7 @@
 
 #include <fsdp/deferred_init.h>
 #include <fsdp/error.h>
+#include <fsdp/optim.h>
 #include <torch/torch.h>
 
 #include <sstream>
@@ -154,7 +155,9 @@ std::unique_ptr<torch::optim::AdamW> build_optimizer(const TrainConfig& cfg, Tra
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(m.decay, options(cfg.weight_decay));
   groups.emplace_back(m.no_decay, options(0.0));
-  return std::make_unique<torch::optim::AdamW>(std::move(groups), *options(0.0));
+  if (cfg.optimizer == "torch")
+    return std::make_unique<torch::optim::AdamW>(std::move(groups), *options(0.0));
+  return std::make_unique<fsdp::optim::AdamW>(std::move(groups), *options(0.0));
 }
 
 }  // namespace fsdp::train

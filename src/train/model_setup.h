@@ -49,7 +49,8 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
 MixedPrecisionPolicy mixed_precision_policy(const std::string& name, const std::string& reduce,
                                             bool root);
 
-// AdamW(lr, beta1, beta2, eps) with two groups: decay (cfg.weight_decay) and no_decay (0).
+// AdamW(lr, beta1, beta2, eps) with two groups: decay (cfg.weight_decay) and no_decay (0):
+// fsdp::optim::AdamW (cfg.optimizer "fused"), or torch::optim::AdamW ("torch").
 std::unique_ptr<torch::optim::AdamW> build_optimizer(const TrainConfig& cfg, TrainModel& m);
 
 }  // namespace fsdp::train

@@ -1,8 +1,9 @@
 // A GPT-2-style language model for tests, benchmarks and fsdp-train (docs/trainer.md sections 3-4
 // specify it precisely): token + position embeddings, pre-LayerNorm blocks of causal self-attention
 // and a 4x GELU MLP, a final LayerNorm, and an output head tied to the token embedding. Each block
-// is declared fsdp::Sharded<Block>, so fully_shard can give it its own group. Thread-safety: as any
-// torch::nn module.
+// is declared fsdp::Sharded<Block>, so fully_shard can give it its own group. Attention goes
+// through at::scaled_dot_product_attention (fused kernels) where LibTorch has it. Thread-safety: as
+// any torch::nn module.
 #pragma once
 
 #include <fsdp/fully_shard.h>
@@ -17,12 +18,28 @@
 
 namespace fsdp::models {
 
+// How a block computes causal self-attention.
+enum class Attention {
+  // at::scaled_dot_product_attention (is_causal, default scale): flash or memory-efficient kernels
+  // on CUDA, a fused kernel of the same mathematics on the CPU. On LibTorch 1.13, which lacks it,
+  // the written-out form (src/compat/attention.h).
+  kFused,
+  // softmax(q k^T / sqrt(hd), future positions masked) v as separate operations: the form the
+  // models had before, kept as the parity tests' reference.
+  kWrittenOut,
+};
+
+// Causal self-attention of (B, heads, T, hd) queries, keys and values -> (B, heads, T, hd).
+torch::Tensor causal_self_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, Attention how = Attention::kFused);
+
 struct GPTConfig {
   int64_t vocab_size = 256;  // byte-level tokens
   int64_t seq_len = 64;      // context length (position embedding rows)
   int64_t n_layer = 2;
   int64_t n_head = 2;
   int64_t n_embd = 64;
+  Attention attention = Attention::kFused;
   // Throws fsdp::Error naming the offending field (non-positive sizes, n_embd % n_head != 0).
   void validate() const;
 };
@@ -36,6 +53,7 @@ class BlockImpl : public torch::nn::Module {
   torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};  // attention: qkv in, output projection
   torch::nn::Linear c_fc{nullptr}, mlp_proj{nullptr};  // MLP: C -> 4C -> C
   int64_t n_head = 1;
+  Attention attention = Attention::kFused;
 };
 TORCH_MODULE(Block);
 

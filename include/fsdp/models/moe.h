@@ -27,6 +27,7 @@ struct MoEConfig {
   int64_t heads = 2;
   int64_t experts = 16;
   int64_t top_k = 2;
+  Attention attention = Attention::kFused;  // the blocks' (fsdp::models::Attention)
   // Throws fsdp::Error naming the offending field.
   void validate() const;
 };
