@@ -75,8 +75,6 @@ std::string format_summary(const TrainConfig& cfg, const Summary& s, int world, 
        << cfg.temperature << ":\n";
     std::istringstream lines(printable(cfg.prompt + s.sample));
     for (std::string line; std::getline(lines, line);) os << "    | " << line << "\n";
-  } else if (!s.no_sample_reason.empty()) {
-    os << "  sample        none: " << s.no_sample_reason << "\n";
   }
   os << "  outputs       " << cfg.run_dir
      << "/ (metrics.csv, metrics.jsonl, loss.svg, config.json)\n";
