@@ -302,11 +302,26 @@ TEST(HfParity, ExportedCheckpointLoadsInTransformersToTheFineTunedLogits) {
     EXPECT_TRUE(fs::exists(out + "/model.safetensors.index.json"));
     // Unchanged: from_pretrained(out) with its defaults (dtype from the config).
     ref = logits_file(out, "exported", "auto");
-    // Refused: an existing directory, and a checkpoint of another model.
+    // Refused: an existing directory.
     const auto again = run({fsdp::testing::bin_dir() + "/fsdp-checkpoint", "export", ckpt, out});
     EXPECT_NE(again.exit_code, 0);
     EXPECT_NE(again.output.find("exists and is not an empty directory"), std::string::npos)
         << again.output;
+    // fsdp-checkpoint consolidate of the run directory (its newest checkpoint): the same tensors,
+    // bit for bit, in one file.
+    const std::string whole = scratch() + "/consolidated.safetensors";
+    const auto c = run({fsdp::testing::bin_dir() + "/fsdp-checkpoint", "consolidate",
+                        scratch() + "/finetune_run", whole});
+    ASSERT_EQ(c.exit_code, 0) << c.output;
+    auto file = safetensors::File::open(whole);
+    const auto exported = hf::weight_files(out);
+    EXPECT_EQ(file->header().tensors.size(), exported.size());
+    for (const auto& [name, path] : exported) {
+      auto part = safetensors::File::open(path);
+      EXPECT_TRUE(torch::equal(safetensors::read_tensor(*file, name),
+                               safetensors::read_tensor(*part, name)))
+          << name;
+    }
   }
   fsdp::testing::run_ranks(
       2,
