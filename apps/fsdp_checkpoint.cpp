@@ -43,7 +43,8 @@ std::string read_file(const std::string& path) {
 }
 
 int run(int argc, char** argv) {
-  CLI::App app{"fsdp-checkpoint: offline tools for fsdp-cpp's sharded checkpoints", "fsdp-checkpoint"};
+  CLI::App app{"fsdp-checkpoint: offline tools for fsdp-cpp's sharded checkpoints",
+               "fsdp-checkpoint"};
   app.require_subcommand(1);
   std::string ckpt, out, config;
   double max_shard_mb = 5 * 1024;
@@ -67,8 +68,9 @@ int run(int argc, char** argv) {
   exporter->add_option("--config", config,
                        "the model's config.json, for a checkpoint that carries none (fsdp-train's "
                        "checkpoints of --model llama carry theirs)");
-  exporter->add_option("--max-shard-mb", max_shard_mb,
-                       "largest safetensors file in MiB; more make model-0000K-of-0000N files")
+  exporter
+      ->add_option("--max-shard-mb", max_shard_mb,
+                   "largest safetensors file in MiB; more make model-0000K-of-0000N files")
       ->capture_default_str();
 
   try {
@@ -83,7 +85,8 @@ int run(int argc, char** argv) {
     return 0;
   }
   FSDP_CHECK(max_shard_mb > 0, "--max-shard-mb is ", max_shard_mb, "; it must be positive");
-  std::string text = config.empty() ? fsdp::hf::checkpoint_config(dir).value_or("") : read_file(config);
+  std::string text =
+      config.empty() ? fsdp::hf::checkpoint_config(dir).value_or("") : read_file(config);
   FSDP_CHECK(!text.empty(), "checkpoint '", dir,
              "' carries no model configuration (it was not saved by fsdp-train --model llama); "
              "pass the model's config.json with --config FILE");

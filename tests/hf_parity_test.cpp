@@ -79,7 +79,8 @@ const std::string& python_problem() {
     if (r.exit_code != 0)
       return "FSDP_PEER_PYTHON " + std::string(FSDP_PEER_PYTHON) +
              " lacks transformers 5.x, tokenizers or safetensors; run scripts/torch_pip.sh. "
-             "Output:\n" + r.output;
+             "Output:\n" +
+             r.output;
     return std::string();
   }();
   return problem;
@@ -111,13 +112,13 @@ const Inputs& inputs() {
     i.error = py({"tokenizer", i.tokenizer, "--corpus",
                   std::string(FSDP_SOURCE_DIR) + "/data/corpus.txt", "--vocab", "512"});
     if (!i.error.empty()) return i;
-    const auto t = run({FSDP_PEER_PYTHON, std::string(FSDP_SOURCE_DIR) + "/scripts/tokenize.py",
-                        "--tokenizer", i.tokenizer, std::string(FSDP_SOURCE_DIR) + "/data/corpus.txt",
-                        i.tokens});
+    const auto t =
+        run({FSDP_PEER_PYTHON, std::string(FSDP_SOURCE_DIR) + "/scripts/tokenize.py", "--tokenizer",
+             i.tokenizer, std::string(FSDP_SOURCE_DIR) + "/data/corpus.txt", i.tokens});
     if (t.exit_code != 0) i.error = "tokenize.py failed:\n" + t.output;
     if (i.error.empty())
-      i.error = py({"make", i.sharded_model, "--rope-scaling", "llama3", "--max-shard-size",
-                    "100KB"});
+      i.error =
+          py({"make", i.sharded_model, "--rope-scaling", "llama3", "--max-shard-size", "100KB"});
     if (i.error.empty())
       i.error = py({"make", i.bf16_model, "--dtype", "bfloat16", "--tie", "--seed", "1",
                     "--rope-theta", "500000"});
@@ -193,7 +194,7 @@ TEST(HfParity, LogitsMatchTransformersAtOneTwoAndFourRanks) {
   if (!fsdp::testing::in_rank_process()) REQUIRE_INPUTS();
   const std::string model = scratch() + "/llama_fp32_sharded";
   const std::string ref = fsdp::testing::in_rank_process() ? scratch() + "/fp32_sharded.safetensors"
-                                                            : logits_file(model, "fp32_sharded");
+                                                           : logits_file(model, "fp32_sharded");
   for (int n : {1, 2, 4}) {
     fsdp::testing::run_ranks(
         n,
@@ -216,7 +217,7 @@ TEST(HfParity, Bf16TiedModelLoadsToTransformersFp32Logits) {
   if (!fsdp::testing::in_rank_process()) REQUIRE_INPUTS();
   const std::string model = scratch() + "/llama_bf16_tied";
   const std::string ref = fsdp::testing::in_rank_process() ? scratch() + "/bf16_tied.safetensors"
-                                                            : logits_file(model, "bf16_tied");
+                                                           : logits_file(model, "bf16_tied");
   fsdp::testing::run_ranks(
       2,
       [&](Rank& r) {
@@ -226,8 +227,8 @@ TEST(HfParity, Bf16TiedModelLoadsToTransformersFp32Logits) {
         hf::load_llama(model, s.root);
         const double diff = max_logit_diff(s, ref);
         if (r.rank == 0)
-          put_figure("bf16", fmt("bf16 tied Llama read into fp32, N=2: max |logit difference| %.3g",
-                                 diff));
+          put_figure("bf16",
+                     fmt("bf16 tied Llama read into fp32, N=2: max |logit difference| %.3g", diff));
         EXPECT_LE(diff, 1e-5);
       },
       options());
@@ -243,17 +244,40 @@ const FineTune& fine_tune() {
   static const FineTune ft = [] {
     FineTune f;
     f.run_dir = scratch() + "/finetune_run";
-    const auto r = run({fsdp::testing::bin_dir() + "/fsdp-train", "--init-from",
-                        inputs().sharded_model, "--data", inputs().tokens, "--steps",
-                        std::to_string(kSteps), "--seq", "32", "--batch", "8", "--lr", "1e-3",
-                        "--warmup", "5", "--eval-every", "0", "--sample-tokens", "0",
-                        "--save-every", std::to_string(kSteps), "--nproc", "2", "--peak-tflops",
-                        "1", "--quiet", "--run-dir", f.run_dir});
+    const auto r = run({fsdp::testing::bin_dir() + "/fsdp-train",
+                        "--init-from",
+                        inputs().sharded_model,
+                        "--data",
+                        inputs().tokens,
+                        "--steps",
+                        std::to_string(kSteps),
+                        "--seq",
+                        "32",
+                        "--batch",
+                        "8",
+                        "--lr",
+                        "1e-3",
+                        "--warmup",
+                        "5",
+                        "--eval-every",
+                        "0",
+                        "--sample-tokens",
+                        "0",
+                        "--save-every",
+                        std::to_string(kSteps),
+                        "--nproc",
+                        "2",
+                        "--peak-tflops",
+                        "1",
+                        "--quiet",
+                        "--run-dir",
+                        f.run_dir});
     if (r.exit_code != 0) {
       f.error = "fsdp-train failed:\n" + r.output;
       return f;
     }
-    for (const auto& row : train::read_metrics(f.run_dir + "/metrics.csv")) f.loss.push_back(row.loss);
+    for (const auto& row : train::read_metrics(f.run_dir + "/metrics.csv"))
+      f.loss.push_back(row.loss);
     return f;
   }();
   return ft;
@@ -278,13 +302,14 @@ TEST(HfParity, FineTuningMatchesTransformersUnderPyTorchForTwentySteps) {
   for (int i = 0; i < kSteps; ++i) {
     const double rel = std::abs(ours.loss[i] - theirs[i]) / std::abs(theirs[i]);
     worst = std::max(worst, rel);
-    EXPECT_LE(rel, 1e-5) << "step " << i + 1 << ": fsdp-train " << ours.loss[i]
-                         << ", transformers " << theirs[i];
+    EXPECT_LE(rel, 1e-5) << "step " << i + 1 << ": fsdp-train " << ours.loss[i] << ", transformers "
+                         << theirs[i];
   }
-  std::printf("[hf parity] fine-tuning, fsdp-train N=2 against transformers %s under torch %s: "
-              "max relative loss difference over %d steps %.3g (loss %.4f -> %.4f)\n",
-              j["transformers"].get<std::string>().c_str(), j["torch"].get<std::string>().c_str(),
-              kSteps, worst, theirs.front(), theirs.back());
+  std::printf(
+      "[hf parity] fine-tuning, fsdp-train N=2 against transformers %s under torch %s: "
+      "max relative loss difference over %d steps %.3g (loss %.4f -> %.4f)\n",
+      j["transformers"].get<std::string>().c_str(), j["torch"].get<std::string>().c_str(), kSteps,
+      worst, theirs.front(), theirs.back());
   EXPECT_LT(ours.loss.back(), ours.loss.front() - 0.2) << "the run did not train";
 }
 
@@ -371,20 +396,20 @@ TEST(HfParity, FsdpTrainRefusesOtherArchitecturesAndMissingTensorsByName) {
          c["model_type"] = "mistral";
        },
        {"'architectures' is [\"MistralForCausalLM\"]", "LlamaForCausalLM only"}},
-      {"yarn", [](auto& c, auto&) { c["rope_parameters"]["rope_type"] = "yarn"; },
+      {"yarn",
+       [](auto& c, auto&) { c["rope_parameters"]["rope_type"] = "yarn"; },
        {"rope type 'yarn'", "default, linear and llama3"}},
-      {"bias", [](auto& c, auto&) { c["attention_bias"] = true; },
-       {"'attention_bias' is true"}},
+      {"bias", [](auto& c, auto&) { c["attention_bias"] = true; }, {"'attention_bias' is true"}},
       {"missing",
        [](auto&, auto& i) { i["weight_map"].erase("model.layers.3.mlp.down_proj.weight"); },
        {"lacks 1 of the", "'model.layers.3.mlp.down_proj.weight'"}},
   };
   for (const auto& c : cases) {
     const std::string dir = edited_copy(c.name, c.edit);
-    const auto r = run({fsdp::testing::bin_dir() + "/fsdp-train", "--init-from", dir, "--data",
-                        inputs().tokens, "--steps", "1", "--nproc", "2", "--quiet",
-                        "--run-dir", scratch() + "/refused_" + c.name},
-                       60);
+    const auto r = run(
+        {fsdp::testing::bin_dir() + "/fsdp-train", "--init-from", dir, "--data", inputs().tokens,
+         "--steps", "1", "--nproc", "2", "--quiet", "--run-dir", scratch() + "/refused_" + c.name},
+        60);
     EXPECT_EQ(r.exit_code, 1) << c.name << ":\n" << r.output;
     for (const auto& part : c.message)
       EXPECT_NE(r.output.find(part), std::string::npos) << c.name << ": '" << part << "' not in\n"
@@ -397,32 +422,61 @@ TEST(HfParity, FsdpTrainRefusesOtherArchitecturesAndMissingTensorsByName) {
 // --tokenizer exactly as the tokenizers package decodes them.
 TEST(HfParity, TokenSampleIsDecodedAsTokenizersDecodes) {
   REQUIRE_INPUTS();
-  const auto r = run({fsdp::testing::bin_dir() + "/fsdp-train", "--model", "llama", "--data",
-                      inputs().tokens, "--vocab", "512", "--layers", "2", "--heads", "4",
-                      "--kv-heads", "2", "--width", "32", "--seq", "32", "--batch", "4",
-                      "--steps", "3", "--nproc", "1", "--sample-tokens", "16", "--tokenizer",
-                      inputs().tokenizer, "--eval-every", "0", "--peak-tflops", "1", "--run-dir",
+  const auto r = run({fsdp::testing::bin_dir() + "/fsdp-train",
+                      "--model",
+                      "llama",
+                      "--data",
+                      inputs().tokens,
+                      "--vocab",
+                      "512",
+                      "--layers",
+                      "2",
+                      "--heads",
+                      "4",
+                      "--kv-heads",
+                      "2",
+                      "--width",
+                      "32",
+                      "--seq",
+                      "32",
+                      "--batch",
+                      "4",
+                      "--steps",
+                      "3",
+                      "--nproc",
+                      "1",
+                      "--sample-tokens",
+                      "16",
+                      "--tokenizer",
+                      inputs().tokenizer,
+                      "--eval-every",
+                      "0",
+                      "--peak-tflops",
+                      "1",
+                      "--run-dir",
                       scratch() + "/sample_run"},
                      120);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("prompt tokens \\[([0-9 ]+)\\]"))) << r.output;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("prompt tokens \\[([0-9 ]+)\\]")))
+      << r.output;
   const std::string prompt = m[1];
   ASSERT_TRUE(std::regex_search(r.output, m, std::regex("token ids: ([0-9 ]+)"))) << r.output;
   const std::string ids = m[1];
   ASSERT_TRUE(std::regex_search(r.output, m, std::regex("\\| text: ([^\\n]*)"))) << r.output;
   const std::string text = m[1];
-  const auto decoded = run({FSDP_PEER_PYTHON, "-c",
-                            "import sys; from tokenizers import Tokenizer; "
-                            "t = Tokenizer.from_file(sys.argv[1]); "
-                            "p = [int(x) for x in sys.argv[2].split()]; "
-                            "g = [int(x) for x in sys.argv[3].split()]; "
-                            "d = lambda ids: t.decode(ids, skip_special_tokens=False); "
-                            "s = d(p) + '[' + d(g) + ']'; "
-                            "s = ''.join({'\\n': '\\\\n', '\\t': '\\\\t'}.get(c, '?' if ord(c) < 32 "
-                            "or ord(c) == 127 else c) for c in s); "
-                            "sys.stdout.buffer.write(s.encode())",
-                            inputs().tokenizer + "/tokenizer.json", prompt, ids});
+  const auto decoded =
+      run({FSDP_PEER_PYTHON, "-c",
+           "import sys; from tokenizers import Tokenizer; "
+           "t = Tokenizer.from_file(sys.argv[1]); "
+           "p = [int(x) for x in sys.argv[2].split()]; "
+           "g = [int(x) for x in sys.argv[3].split()]; "
+           "d = lambda ids: t.decode(ids, skip_special_tokens=False); "
+           "s = d(p) + '[' + d(g) + ']'; "
+           "s = ''.join({'\\n': '\\\\n', '\\t': '\\\\t'}.get(c, '?' if ord(c) < 32 "
+           "or ord(c) == 127 else c) for c in s); "
+           "sys.stdout.buffer.write(s.encode())",
+           inputs().tokenizer + "/tokenizer.json", prompt, ids});
   ASSERT_EQ(decoded.exit_code, 0) << decoded.output;
   // The summary's line: newline and tab escaped, other control characters '?' (one_line).
   EXPECT_EQ(text, decoded.output);

@@ -78,7 +78,8 @@ TEST(LlamaModel, GroupedQueryAttentionServesEachQueryHeadItsGroup) {
 
 TEST(LlamaModel, AttentionMatchesTheMathInDouble) {
   torch::manual_seed(1);
-  const auto q = torch::randn({2, 4, 9, 8}), k = torch::randn({2, 2, 9, 8}), v = torch::randn({2, 2, 9, 8});
+  const auto q = torch::randn({2, 4, 9, 8}), k = torch::randn({2, 2, 9, 8}),
+             v = torch::randn({2, 2, 9, 8});
   const auto got = compat::causal_attention(q, k, v);
   auto qd = q.to(torch::kDouble), kd = k.to(torch::kDouble).repeat_interleave(2, 1),
        vd = v.to(torch::kDouble).repeat_interleave(2, 1);
@@ -148,7 +149,8 @@ TEST(LlamaModel, ShardedTrainingEqualsUnshardedAtTwoAndThreeRanks) {
       torch::optim::AdamW b(root.parameters(), torch::optim::AdamWOptions(1e-2));
       for (int step = 0; step < 3; ++step) {
         torch::manual_seed(100 + step);
-        const auto x = torch::randint(40, {6, 10}, torch::kLong), y = torch::randint(40, {6, 10}, torch::kLong);
+        const auto x = torch::randint(40, {6, 10}, torch::kLong),
+                   y = torch::randint(40, {6, 10}, torch::kLong);
         const int64_t rows = 6 / r.size + (r.rank < 6 % r.size ? 1 : 0);
         const int64_t from = r.rank * (6 / r.size) + std::min<int64_t>(r.rank, 6 % r.size);
         auto lp = plain->forward(x, y);
@@ -209,8 +211,9 @@ TEST(LlamaConfigJson, RefusesWhatTheModelLacksNamingTheKey) {
   expect_error([&] { parse(R"(, "model_type": "llama", "hidden_act": "gelu")"); },
                {"'hidden_act' is \"gelu\""});
   expect_error([&] { parse(R"(, "model_type": "llama", "mlp_bias": true)"); }, {"'mlp_bias'"});
-  expect_error([&] { parse(R"(, "model_type": "llama", "rope_parameters": {"rope_type": "yarn"})"); },
-               {"rope type 'yarn'"});
+  expect_error(
+      [&] { parse(R"(, "model_type": "llama", "rope_parameters": {"rope_type": "yarn"})"); },
+      {"rope type 'yarn'"});
   expect_error([&] { parse(R"(, "model_type": "llama", "num_key_value_heads": 3)"); },
                {"num_attention_heads 2 is not a multiple of num_key_value_heads 3"});
   expect_error(
@@ -244,7 +247,8 @@ std::string write_directory(const LlamaConfig& cfg, const std::string& dir,
     files[0].push_back(safetensors::view_of(extra, keep.back()));
     index["weight_map"][extra] = "part0.safetensors";
   }
-  for (int f : {0, 1}) safetensors::write(dir + "/part" + std::to_string(f) + ".safetensors", files[f]);
+  for (int f : {0, 1})
+    safetensors::write(dir + "/part" + std::to_string(f) + ".safetensors", files[f]);
   std::ofstream(dir + "/model.safetensors.index.json") << index.dump();
   std::ofstream(dir + "/config.json") << cfg.to_hf_json();
   return dir;
@@ -265,7 +269,8 @@ TEST(HfDirectory, LoadsBf16ShardsIntoTheWholeModel) {
   hf::load_llama(dir, *got);
   const auto w = want->named_parameters();
   for (const auto& p : got->named_parameters())
-    EXPECT_TRUE(torch::equal(p.value(), w[p.key()].to(torch::kBFloat16).to(torch::kFloat))) << p.key();
+    EXPECT_TRUE(torch::equal(p.value(), w[p.key()].to(torch::kBFloat16).to(torch::kFloat)))
+        << p.key();
   fs::remove_all(dir);
 }
 
@@ -297,18 +302,20 @@ TEST(HfDirectory, EachRankLoadsItsRows) {
 TEST(HfDirectory, NamesMissingAndUnexpectedTensors) {
   const LlamaConfig cfg = tiny(2);
   using fsdp::testing::expect_error;
-  const std::string missing = write_directory(cfg, test_dir("missing"), "model.layers.1.mlp.up_proj.weight");
+  const std::string missing =
+      write_directory(cfg, test_dir("missing"), "model.layers.1.mlp.up_proj.weight");
   expect_error([&] { hf::check_llama_weights(missing, cfg); },
                {"lacks 1 of the", "'model.layers.1.mlp.up_proj.weight'"});
   torch::manual_seed(0);
   Llama m(cfg);
   expect_error([&] { hf::load_llama(missing, *m); }, {"'model.layers.1.mlp.up_proj.weight'"});
-  const std::string extra = write_directory(cfg, test_dir("extra"), "", "model.layers.0.self_attn.q_proj.bias");
+  const std::string extra =
+      write_directory(cfg, test_dir("extra"), "", "model.layers.0.self_attn.q_proj.bias");
   expect_error([&] { hf::check_llama_weights(extra, cfg); },
                {"does not have", "'model.layers.0.self_attn.q_proj.bias'"});
   // Older files' rotary tables are computed here: skipped, not refused.
-  const std::string rotary = write_directory(cfg, test_dir("rotary"), "",
-                                             "model.layers.0.self_attn.rotary_emb.inv_freq");
+  const std::string rotary =
+      write_directory(cfg, test_dir("rotary"), "", "model.layers.0.self_attn.rotary_emb.inv_freq");
   hf::check_llama_weights(rotary, cfg);
   fs::remove_all(test_dir("noweights"));
   fs::create_directories(test_dir("noweights"));

@@ -390,12 +390,14 @@ TEST(TrainConfig, LlamaSettingsFromFlagsAndFromConfigJson) {
   cfg = parse_args({"fsdp-train", "--init-from", "m", "--layers", "2"}).config.value();
   auto msg = error_of([&] { take_model_from_config(cfg, hf, "m/config.json"); });
   EXPECT_NE(msg.find("--layers 2 differs from m/config.json's num_hidden_layers 3"),
-            std::string::npos) << msg;
+            std::string::npos)
+      << msg;
   cfg = parse_args({"fsdp-train", "--init-from", "m", "--model", "gpt"}).config.value();
   msg = error_of([&] { take_model_from_config(cfg, hf, "m/config.json"); });
   EXPECT_NE(msg.find("--model gpt with --init-from m"), std::string::npos) << msg;
-  msg = error_of(
-      [&] { parse_args({"fsdp-train", "--model", "llama", "--heads", "4", "--kv-heads", "3"}); });
+  msg = error_of([&] {
+    parse_args({"fsdp-train", "--model", "llama", "--heads", "4", "--kv-heads", "3"});
+  });
   EXPECT_NE(msg.find("--heads 4 is not a multiple of --kv-heads 3"), std::string::npos) << msg;
   // From the flags: the GPT's sizes and the Llama's own.
   cfg = parse_args({"fsdp-train", "--model", "llama", "--kv-heads", "2", "--tie-embeddings"})

@@ -49,7 +49,8 @@ std::vector<std::pair<std::string, uint64_t>> planned_tensors(const CheckpointRe
     out.push_back({name, 4 * numel});
   }
   for (const auto& e : rd.index().tensors)
-    if (e.name.find("::") == std::string::npos && !wanted.count(e.name)) unexpected.push_back(e.name);
+    if (e.name.find("::") == std::string::npos && !wanted.count(e.name))
+      unexpected.push_back(e.name);
   FSDP_CHECK(missing.empty() && unexpected.empty(), "checkpoint '", rd.dir(),
              "' is not the Llama of the config: ",
              missing.empty() ? "" : cat("missing ", join(missing), "; "),
@@ -88,8 +89,8 @@ void write_file(CheckpointReader& rd, const std::vector<std::pair<std::string, u
   for (const auto& [name, bytes] : tensors) {
     const checkpoint::IndexEntry& e = *rd.index().find(name);
     rd.check_pieces(e);
-    at::Tensor full = at::empty(e.global_shape, at::TensorOptions().dtype(st::scalar_type(
-                                                    e.dtype, rd.dir(), e.name)));
+    at::Tensor full = at::empty(
+        e.global_shape, at::TensorOptions().dtype(st::scalar_type(e.dtype, rd.dir(), e.name)));
     rd.fill(e, full, 0, 0);
     keep.push_back(full.to(at::kFloat).contiguous());
     views.push_back(st::view_of(name, keep.back()));
@@ -133,10 +134,11 @@ void export_llama(const std::string& ckpt_dir, const std::string& out_dir,
   cfg.validate();
   FSDP_CHECK(options.max_shard_bytes > 0, "export: max_shard_bytes must be positive");
   std::error_code ec;
-  FSDP_CHECK(!fs::exists(out_dir, ec) || (fs::is_directory(out_dir, ec) && fs::is_empty(out_dir, ec)),
-             "export: '", out_dir,
-             "' exists and is not an empty directory; choose a new directory (nothing is "
-             "overwritten)");
+  FSDP_CHECK(
+      !fs::exists(out_dir, ec) || (fs::is_directory(out_dir, ec) && fs::is_empty(out_dir, ec)),
+      "export: '", out_dir,
+      "' exists and is not an empty directory; choose a new directory (nothing is "
+      "overwritten)");
   CheckpointReader rd(ckpt_dir);
   std::string parent = fs::path(out_dir).lexically_normal().parent_path().string();
   if (parent.empty()) parent = ".";

@@ -128,8 +128,10 @@ void check_names(const std::string& dir, const std::map<std::string, std::string
   FSDP_CHECK(missing.empty(), "Hugging Face model '", dir, "' lacks ", missing.size(), " of the ",
              wanted.size(), " tensors of its config.json's Llama: ", join(missing),
              "; the weights do not belong to this config (or a save was interrupted)");
-  FSDP_CHECK(unexpected.empty(), "Hugging Face model '", dir, "' holds tensors the Llama of its "
-             "config.json does not have: ", join(unexpected),
+  FSDP_CHECK(unexpected.empty(), "Hugging Face model '", dir,
+             "' holds tensors the Llama of its "
+             "config.json does not have: ",
+             join(unexpected),
              "; it is another architecture or variant (biases, a vision tower, ...), which "
              "fsdp::models::Llama does not implement");
 }

@@ -23,7 +23,8 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
 torch::Tensor rope_inv_freq(const LlamaConfig& cfg) {
   const int64_t d = cfg.dim_per_head();
   // 1 / theta^(2i / D), as transformers: pow in fp32, then the reciprocal.
-  const auto exponents = torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(d);
+  const auto exponents =
+      torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(d);
   auto inv_freq = torch::pow(cfg.rope_theta, exponents).reciprocal();
   const RopeScaling& r = cfg.rope_scaling;
   if (r.type == "linear") return inv_freq / r.factor;
@@ -31,21 +32,23 @@ torch::Tensor rope_inv_freq(const LlamaConfig& cfg) {
   // Llama 3.1: wavelengths beyond the original context / low_freq_factor are stretched by
   // `factor`, those below it / high_freq_factor kept, and a linear ramp in between.
   const double old_len = static_cast<double>(r.original_max_position_embeddings);
-  const double low_wavelen = old_len / r.low_freq_factor, high_wavelen = old_len / r.high_freq_factor;
+  const double low_wavelen = old_len / r.low_freq_factor,
+               high_wavelen = old_len / r.high_freq_factor;
   const auto wavelen = inv_freq.reciprocal() * (2 * M_PI);
   auto scaled = torch::where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq);
-  const auto smooth =
-      (wavelen.reciprocal() * old_len - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+  const auto smooth = (wavelen.reciprocal() * old_len - r.low_freq_factor) /
+                      (r.high_freq_factor - r.low_freq_factor);
   const auto smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
-  const auto medium = (wavelen < high_wavelen).logical_not() * (wavelen > low_wavelen).logical_not();
+  const auto medium =
+      (wavelen < high_wavelen).logical_not() * (wavelen > low_wavelen).logical_not();
   return torch::where(medium, smoothed, scaled);
 }
 
 std::pair<torch::Tensor, torch::Tensor> rotary_tables(const LlamaConfig& cfg, int64_t T,
                                                       const torch::TensorOptions& options) {
   const auto pos = torch::arange(T, torch::kLong).to(torch::kFloat).unsqueeze(1);  // (T, 1)
-  const auto freqs = pos * rope_inv_freq(cfg).unsqueeze(0);                     // (T, D/2)
-  const auto emb = torch::cat({freqs, freqs}, -1);                              // (T, D)
+  const auto freqs = pos * rope_inv_freq(cfg).unsqueeze(0);                        // (T, D/2)
+  const auto emb = torch::cat({freqs, freqs}, -1);                                 // (T, D)
   return {emb.cos().to(options), emb.sin().to(options)};
 }
 

@@ -33,8 +33,8 @@ double number_key(const json& j, const char* key, double fallback, const std::st
 void require(const json& j, const char* key, const json& wanted, const std::string& source,
              const char* why) {
   if (!j.contains(key) || j[key].is_null() || j[key] == wanted) return;
-  throw Error(detail::cat(source, ": '", key, "' is ", j[key].dump(), "; fsdp::models::Llama ",
-                          why, " (", key, " = ", wanted.dump(), ")"));
+  throw Error(detail::cat(source, ": '", key, "' is ", j[key].dump(), "; fsdp::models::Llama ", why,
+                          " (", key, " = ", wanted.dump(), ")"));
 }
 
 void check_architecture(const json& j, const std::string& source) {
@@ -61,12 +61,13 @@ void read_rope(const json& j, LlamaConfig& c, const std::string& source) {
   } else if (j.contains("rope_scaling") && j["rope_scaling"].is_object()) {
     params = j["rope_scaling"];
   }
-  c.rope_theta = number_key(params, "rope_theta", number_key(j, "rope_theta", 10000.0, source), source);
+  c.rope_theta =
+      number_key(params, "rope_theta", number_key(j, "rope_theta", 10000.0, source), source);
   std::string type = "default";
   for (const char* key : {"rope_type", "type"})
     if (params.contains(key) && params[key].is_string()) type = params[key].get<std::string>();
-  FSDP_CHECK(type == "default" || type == "linear" || type == "llama3", source,
-             ": rope type '", type,
+  FSDP_CHECK(type == "default" || type == "linear" || type == "llama3", source, ": rope type '",
+             type,
              "' (rope_parameters / rope_scaling) is not implemented; fsdp::models::Llama has "
              "default, linear and llama3");
   c.rope_scaling.type = type;
@@ -89,7 +90,7 @@ int64_t LlamaConfig::ffn_default(int64_t hidden) {
 int64_t LlamaConfig::parameter_count() const {
   const int64_t c = hidden_size, d = dim_per_head(), h = num_attention_heads, kv = kv_heads();
   const int64_t attention = c * h * d * 2 + c * kv * d * 2;  // q, o; k, v
-  const int64_t block = attention + 3 * c * ffn() + 2 * c;    // + SwiGLU + two norms
+  const int64_t block = attention + 3 * c * ffn() + 2 * c;   // + SwiGLU + two norms
   return num_hidden_layers * block + vocab_size * c * (tie_word_embeddings ? 1 : 2) + c;
 }
 
@@ -120,14 +121,15 @@ void LlamaConfig::validate() const {
   FSDP_CHECK(r.type == "default" || r.type == "linear" || r.type == "llama3",
              "Llama config: rope type '", r.type, "'; expected default, linear or llama3");
   FSDP_CHECK(r.factor > 0, "Llama config: rope factor ", r.factor, " must be positive");
-  FSDP_CHECK(r.type != "llama3" || (r.high_freq_factor > r.low_freq_factor &&
-                                    r.low_freq_factor > 0 && r.original_max_position_embeddings > 0),
-             "Llama config: llama3 rope needs high_freq_factor (", r.high_freq_factor,
-             ") > low_freq_factor (", r.low_freq_factor,
-             ") > 0 and a positive original_max_position_embeddings");
+  FSDP_CHECK(
+      r.type != "llama3" || (r.high_freq_factor > r.low_freq_factor && r.low_freq_factor > 0 &&
+                             r.original_max_position_embeddings > 0),
+      "Llama config: llama3 rope needs high_freq_factor (", r.high_freq_factor,
+      ") > low_freq_factor (", r.low_freq_factor,
+      ") > 0 and a positive original_max_position_embeddings");
   FSDP_CHECK(!pad_token_id || (*pad_token_id >= 0 && *pad_token_id < vocab_size),
-             "Llama config: pad_token_id ", pad_token_id.value_or(0), " is outside the vocabulary of ",
-             vocab_size);
+             "Llama config: pad_token_id ", pad_token_id.value_or(0),
+             " is outside the vocabulary of ", vocab_size);
 }
 
 LlamaConfig LlamaConfig::from_hf_json(const std::string& text, const std::string& source) {
@@ -149,8 +151,8 @@ LlamaConfig LlamaConfig::from_hf_json(const std::string& text, const std::string
   c.num_hidden_layers = int_key(j, "num_hidden_layers", std::nullopt, source);
   c.num_attention_heads = int_key(j, "num_attention_heads", std::nullopt, source);
   c.num_key_value_heads = int_key(j, "num_key_value_heads", c.num_attention_heads, source);
-  c.head_dim = int_key(j, "head_dim", c.hidden_size / std::max<int64_t>(1, c.num_attention_heads),
-                       source);
+  c.head_dim =
+      int_key(j, "head_dim", c.hidden_size / std::max<int64_t>(1, c.num_attention_heads), source);
   c.max_position_embeddings = int_key(j, "max_position_embeddings", 2048, source);
   c.rms_norm_eps = number_key(j, "rms_norm_eps", 1e-6, source);
   read_rope(j, c, source);

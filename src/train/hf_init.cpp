@@ -9,8 +9,7 @@ namespace fsdp::train {
 
 void resolve_model_source(TrainConfig& cfg) {
   if (cfg.init_from.empty() || !is_model_directory(cfg.init_from)) return;
-  take_model_from_config(cfg, hf::read_config_text(cfg.init_from),
-                         cfg.init_from + "/config.json");
+  take_model_from_config(cfg, hf::read_config_text(cfg.init_from), cfg.init_from + "/config.json");
   cfg.validate();
   hf::check_llama_weights(cfg.init_from, llama_config_of(cfg));
 }

@@ -115,7 +115,8 @@ void take_model_from_config(TrainConfig& cfg, const std::string& config_text,
                             const std::string& source) {
   const auto m = models::LlamaConfig::from_hf_json(config_text, source);
   FSDP_CHECK(!(cfg.was_set("model") && cfg.model != "llama"), "--model ", cfg.model,
-             " with --init-from ", cfg.init_from, ", a Hugging Face Llama directory; drop --model "
+             " with --init-from ", cfg.init_from,
+             ", a Hugging Face Llama directory; drop --model "
              "(a model directory is always --model llama)");
   cfg.model = "llama";
   take(cfg, "layers", cfg.layers, m.num_hidden_layers, "num_hidden_layers", source);

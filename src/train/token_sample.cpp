@@ -72,7 +72,8 @@ std::string metaspace(const std::string& token) {
 bool uses_metaspace(const nlohmann::json& j) {
   const std::string text = j.contains("decoder") ? j["decoder"].dump() : "";
   return text.find("ByteFallback") != std::string::npos ||
-         text.find("Metaspace") != std::string::npos || text.find("\xE2\x96\x81") != std::string::npos;
+         text.find("Metaspace") != std::string::npos ||
+         text.find("\xE2\x96\x81") != std::string::npos;
 }
 
 }  // namespace
@@ -85,9 +86,11 @@ std::vector<int64_t> sample_prompt_tokens(const TrainConfig& cfg, const Corpus& 
     std::replace(text.begin(), text.end(), ',', ' ');
     std::istringstream in(text);
     for (std::string word; in >> word;) {
-      const bool digits = std::all_of(word.begin(), word.end(), [](unsigned char c) { return std::isdigit(c); });
-      FSDP_CHECK(digits && word.size() < 12 && std::stoll(word) < cfg.vocab, "--prompt '", cfg.prompt,
-                 "': the data are tokens, so the prompt is token ids below --vocab ", cfg.vocab,
+      const bool digits =
+          std::all_of(word.begin(), word.end(), [](unsigned char c) { return std::isdigit(c); });
+      FSDP_CHECK(digits && word.size() < 12 && std::stoll(word) < cfg.vocab, "--prompt '",
+                 cfg.prompt, "': the data are tokens, so the prompt is token ids below --vocab ",
+                 cfg.vocab,
                  " (e.g. --prompt \"464,3290\"; scripts/tokenize.py --ids TEXT prints them)");
       ids.push_back(std::stoll(word));
     }
@@ -95,13 +98,15 @@ std::vector<int64_t> sample_prompt_tokens(const TrainConfig& cfg, const Corpus& 
     return ids;
   }
   const Corpus& from = held_out.size() > 0 ? held_out : train;
-  for (int64_t i = 0; i < std::min<int64_t>({8, cfg.seq, from.size()}); ++i) ids.push_back(from.token(i));
+  for (int64_t i = 0; i < std::min<int64_t>({8, cfg.seq, from.size()}); ++i)
+    ids.push_back(from.token(i));
   return ids;
 }
 
 TokenizerVocab TokenizerVocab::load(const std::string& path) {
   std::error_code ec;
-  const std::string file = std::filesystem::is_directory(path, ec) ? path + "/tokenizer.json" : path;
+  const std::string file =
+      std::filesystem::is_directory(path, ec) ? path + "/tokenizer.json" : path;
   std::ifstream in(file);
   FSDP_CHECK(in.good(), "--tokenizer '", file,
              "' cannot be opened; pass the tokenizer.json of the data's tokenizer (or its model "
@@ -164,13 +169,20 @@ std::string utf8_lossy(const std::string& bytes) {
     // The length of the sequence c starts and the range of its second byte (Unicode 3.9, D92).
     int len = 0;
     unsigned char lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) len = 2;
-    else if (c == 0xE0) len = 3, lo = 0xA0;
-    else if (c == 0xED) len = 3, hi = 0x9F;
-    else if (c >= 0xE1 && c <= 0xEF) len = 3;
-    else if (c == 0xF0) len = 4, lo = 0x90;
-    else if (c == 0xF4) len = 4, hi = 0x8F;
-    else if (c >= 0xF1 && c <= 0xF3) len = 4;
+    if (c >= 0xC2 && c <= 0xDF)
+      len = 2;
+    else if (c == 0xE0)
+      len = 3, lo = 0xA0;
+    else if (c == 0xED)
+      len = 3, hi = 0x9F;
+    else if (c >= 0xE1 && c <= 0xEF)
+      len = 3;
+    else if (c == 0xF0)
+      len = 4, lo = 0x90;
+    else if (c == 0xF4)
+      len = 4, hi = 0x8F;
+    else if (c >= 0xF1 && c <= 0xF3)
+      len = 4;
     size_t k = 1;  // bytes of a valid prefix
     for (; len > 0 && static_cast<int>(k) < len && i + k < n; ++k) {
       const unsigned char b = at(i + k);
@@ -191,10 +203,14 @@ std::string one_line(const std::string& text) {
   std::string out;
   for (char c : text) {
     const auto b = static_cast<unsigned char>(c);
-    if (c == '\n') out += "\\n";
-    else if (c == '\t') out += "\\t";
-    else if (b < 0x20 || b == 0x7f) out += '?';
-    else out += c;
+    if (c == '\n')
+      out += "\\n";
+    else if (c == '\t')
+      out += "\\t";
+    else if (b < 0x20 || b == 0x7f)
+      out += '?';
+    else
+      out += c;
   }
   return out;
 }

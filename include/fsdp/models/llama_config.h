@@ -16,19 +16,19 @@ namespace fsdp::models {
 struct RopeScaling {
   std::string type = "default";
   double factor = 1.0;
-  double low_freq_factor = 1.0;                      // llama3
-  double high_freq_factor = 4.0;                     // llama3
+  double low_freq_factor = 1.0;                     // llama3
+  double high_freq_factor = 4.0;                    // llama3
   int64_t original_max_position_embeddings = 8192;  // llama3
 };
 
 struct LlamaConfig {
   int64_t vocab_size = 256;
-  int64_t hidden_size = 128;         // C
-  int64_t intermediate_size = 0;     // the SwiGLU width; 0: ffn_default(hidden_size)
-  int64_t num_hidden_layers = 4;     // L
-  int64_t num_attention_heads = 4;   // H
-  int64_t num_key_value_heads = 0;   // Hkv, dividing H (grouped-query attention); 0: H
-  int64_t head_dim = 0;              // D; 0: C / H
+  int64_t hidden_size = 128;               // C
+  int64_t intermediate_size = 0;           // the SwiGLU width; 0: ffn_default(hidden_size)
+  int64_t num_hidden_layers = 4;           // L
+  int64_t num_attention_heads = 4;         // H
+  int64_t num_key_value_heads = 0;         // Hkv, dividing H (grouped-query attention); 0: H
+  int64_t head_dim = 0;                    // D; 0: C / H
   int64_t max_position_embeddings = 2048;  // recorded for transformers; RoPE has no table
   double rms_norm_eps = 1e-5;
   double rope_theta = 10000.0;
@@ -38,9 +38,15 @@ struct LlamaConfig {
   // transformers. None: every row trains.
   std::optional<int64_t> pad_token_id;
 
-  int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
-  int64_t dim_per_head() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
-  int64_t ffn() const { return intermediate_size > 0 ? intermediate_size : ffn_default(hidden_size); }
+  int64_t kv_heads() const {
+    return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads;
+  }
+  int64_t dim_per_head() const {
+    return head_dim > 0 ? head_dim : hidden_size / num_attention_heads;
+  }
+  int64_t ffn() const {
+    return intermediate_size > 0 ? intermediate_size : ffn_default(hidden_size);
+  }
   // Llama's rule for the SwiGLU width: 8C/3, rounded up to a multiple of 64.
   static int64_t ffn_default(int64_t hidden);
   // Parameters of the whole model (the tied head counted once).
