@@ -418,6 +418,54 @@ TEST(HfParity, FsdpTrainRefusesOtherArchitecturesAndMissingTensorsByName) {
   }
 }
 
+// A run from a model directory resumes without it: the checkpoint carries the config.json
+// (extra.hf_config), and the losses equal the uninterrupted run's.
+TEST(HfParity, ResumedRunNeedsNotTheModelDirectory) {
+  REQUIRE_INPUTS();
+  const std::string copy = scratch() + "/llama_copy", a = scratch() + "/resume_a",
+                    b = scratch() + "/resume_b";
+  fs::remove_all(copy);
+  fs::copy(inputs().sharded_model, copy);
+  auto train = [&](const std::string& dir, const std::vector<std::string>& more) {
+    std::vector<std::string> argv = {fsdp::testing::bin_dir() + "/fsdp-train",
+                                     "--data",
+                                     inputs().tokens,
+                                     "--seq",
+                                     "32",
+                                     "--batch",
+                                     "8",
+                                     "--nproc",
+                                     "2",
+                                     "--eval-every",
+                                     "0",
+                                     "--sample-tokens",
+                                     "0",
+                                     "--peak-tflops",
+                                     "1",
+                                     "--quiet",
+                                     "--run-dir",
+                                     dir};
+    argv.insert(argv.end(), more.begin(), more.end());
+    const auto r = run(argv, 120);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.output;
+  };
+  train(a, {"--init-from", copy, "--steps", "4", "--save-every", "2"});
+  train(b, {"--init-from", copy, "--steps", "6"});
+  fs::remove_all(copy);
+  std::vector<std::string> resume = {
+      fsdp::testing::bin_dir() + "/fsdp-train", "--resume", a, "--steps", "6", "--quiet"};
+  const auto r = run(resume, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resuming from " + a + "/step_00000004 at step 4"), std::string::npos)
+      << r.output;
+  std::vector<double> resumed, straight;
+  for (const auto& row : train::read_metrics(a + "/metrics.csv")) resumed.push_back(row.loss);
+  for (const auto& row : train::read_metrics(b + "/metrics.csv")) straight.push_back(row.loss);
+  EXPECT_EQ(resumed, straight);
+  EXPECT_EQ(resumed.size(), 6u);
+}
+
 // --model llama from scratch on the token file: the closing sample's ids, shown as text with
 // --tokenizer exactly as the tokenizers package decodes them.
 TEST(HfParity, TokenSampleIsDecodedAsTokenizersDecodes) {
