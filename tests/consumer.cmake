@@ -7,8 +7,10 @@
 if(FSDP_TORCH_PREFIX)
   set(FSDP_OTHER_TORCH_DIR /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}/cmake/Torch)
 else()
+  get_filename_component(FSDP_PEER_VENV ${FSDP_PEER_PYTHON} DIRECTORY)  # <venv>/bin
+  get_filename_component(FSDP_PEER_VENV ${FSDP_PEER_VENV} DIRECTORY)
   file(GLOB FSDP_OTHER_TORCH_DIR
-       ${FSDP_PEER_PYTHON}/../../lib/python3*/site-packages/torch/share/cmake/Torch)
+       ${FSDP_PEER_VENV}/lib/python3*/site-packages/torch/share/cmake/Torch)
 endif()
 foreach(mode install subdirectory)
   add_test(NAME consumer_${mode}
