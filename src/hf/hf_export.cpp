@@ -151,7 +151,9 @@ void export_llama(const std::string& ckpt_dir, const std::string& out_dir,
     write_all_files(rd, tmp, cfg, options);
     write_text_atomic(tmp + "/config.json", cfg.to_hf_json(base_config));
     if (fs::exists(out_dir, ec)) fs::remove(out_dir, ec);  // the empty directory it replaces
-    fs::rename(tmp, out_dir);
+    fs::rename(tmp, out_dir, ec);
+    FSDP_CHECK(!ec, "export: cannot rename '", tmp, "' to '", out_dir, "' (", ec.message(),
+               "); nothing was written to '", out_dir, "'");
     fsync_dir(parent);
   } catch (...) {
     fs::remove_all(tmp, ec);
