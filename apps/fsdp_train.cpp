@@ -17,6 +17,7 @@
 
 #include "train/config.h"
 #include "train/data.h"
+#include "train/hf_init.h"
 #include "train/launch.h"
 #include "train/malloc.h"
 #include "train/model_size.h"
@@ -35,6 +36,7 @@ int run(int argc, char** argv) {
   }
   RunPlan plan = plan_run(*parsed.config);  // with --resume: the checkpoint's settings
   TrainConfig& cfg = plan.cfg;
+  resolve_model_source(cfg);  // --init-from a Hugging Face directory: its config.json's Llama
   // Before the big allocations; the ranks started below inherit it and apply it again. "auto" is
   // steady, but the default malloc in a sanitizer build (an explicit steady is refused there).
   if (resolve_malloc_policy(cfg.malloc_policy) == "steady") use_steady_malloc();

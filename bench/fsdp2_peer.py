@@ -393,11 +393,14 @@ def mix64(x):
 
 
 def load_corpus(path, val_fraction):
-    """(train, validation) token tensors (int64): bytes, or uint16 little-endian for .bin."""
+    """(train, validation) token tensors (int64): bytes, or little-endian uint16 for .bin and
+    .u16, uint32 for .u32 (src/train/data.cpp)."""
     with open(path, "rb") as f:
         raw = bytearray(f.read())
-    if path.lower().endswith(".bin"):
+    if path.lower().endswith((".bin", ".u16")):
         tokens = torch.frombuffer(raw, dtype=torch.int16).to(torch.int64) & 0xFFFF
+    elif path.lower().endswith(".u32"):
+        tokens = torch.frombuffer(raw, dtype=torch.int32).to(torch.int64) & 0xFFFFFFFF
     else:
         tokens = torch.frombuffer(raw, dtype=torch.uint8).to(torch.int64)
     nv = math.floor(len(tokens) * val_fraction)

@@ -16,15 +16,17 @@ add_library(fsdp_train_base STATIC
   src/train/launch.cpp
   src/train/malloc.cpp
   src/train/metrics.cpp
+  src/train/model_select.cpp
   src/train/model_size.cpp
   src/train/plot.cpp
   src/train/progress.cpp
   src/train/schedule.cpp
   src/train/summary.cpp
+  src/train/token_sample.cpp
 )
 target_include_directories(fsdp_train_base PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
 target_link_libraries(fsdp_train_base
-  PUBLIC fsdp_io fsdp_util nlohmann_json::nlohmann_json
+  PUBLIC fsdp_io fsdp_util fsdp_llama_config nlohmann_json::nlohmann_json
   PRIVATE CLI11::CLI11 PkgConfig::TOMLPP)
 target_compile_definitions(fsdp_train_base PRIVATE FSDP_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 
@@ -35,11 +37,11 @@ add_library(fsdp_train_model STATIC src/train/model_setup.cpp src/train/rounding
 target_link_libraries(fsdp_train_model PUBLIC fsdp_train_base fsdp_models fsdp_optim)
 target_precompile_headers(fsdp_train_model REUSE_FROM fsdp_models)
 
-add_library(fsdp_train STATIC src/train/trainer.cpp)
+add_library(fsdp_train STATIC src/train/trainer.cpp src/train/hf_init.cpp)
 target_link_libraries(fsdp_train PUBLIC fsdp_train_resume fsdp_train_model)
 target_precompile_headers(fsdp_train REUSE_FROM fsdp_models)
 if(TARGET fsdp_checkpoint)
-  target_link_libraries(fsdp_train PUBLIC fsdp_checkpoint)
+  target_link_libraries(fsdp_train PUBLIC fsdp_checkpoint fsdp_hf)
   target_compile_definitions(fsdp_train PRIVATE FSDP_TRAIN_HAVE_CHECKPOINT=1)
 endif()
 

@@ -6,7 +6,9 @@
 #   debian: Debian's LibTorch 1.13 (libtorch-dev, with the OpenBLAS it runs best on).
 # --test: what only the test suite uses instead: iproute2 (the two-namespace test); slurmctld,
 #   slurmd, slurm-client, munge (the one-node Slurm cluster that tests/slurm_cluster_test.cpp
-#   starts with its own configuration), clang (make thread-safety); for Debian's LibTorch, python3-torch (torchrun and the
+#   starts with its own configuration), clang (make thread-safety); for the wheel, Debian's
+#   libtorch-dev beside it (the package tests check that an installed fsdp-cpp finds the LibTorch
+#   it was built with, not Debian's 1.13); for Debian's LibTorch, python3-torch (torchrun and the
 #   Python DDP peer of the same torch).
 set -euo pipefail
 test=0
@@ -21,7 +23,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 case "$libtorch" in
-  pip) torch_pkgs=(python3-venv) test_torch_pkgs=() ;;
+  pip) torch_pkgs=(python3-venv) test_torch_pkgs=(libtorch-dev) ;;
   debian) torch_pkgs=(libtorch-dev libopenblas0-openmp) test_torch_pkgs=(python3-torch) ;;
   *) echo "setup.sh: --libtorch '$libtorch'; expected pip or debian" >&2; exit 2 ;;
 esac

@@ -5,7 +5,7 @@
 # Torch_DIR alone) matters where Debian's libtorch-dev is installed too: with Torch_DIR alone,
 # Torch's config finds Debian's Caffe2 config first and mixes 1.13 libraries into the link.
 # Also installs `safetensors` when missing: the PyTorch peer (bench/fsdp2_peer.py) and its tests
-# read fsdp-cpp's checkpoints with it.
+# read fsdp-cpp's checkpoints with it; and transformers 5.x with tokenizers (bench/hf_peer.py).
 #   scripts/torch_pip.sh [version] [venv]
 set -euo pipefail
 version=${1:-2.15.0}
@@ -22,5 +22,12 @@ fi
 if ! "$py" -c "import safetensors" 2>/dev/null; then
   echo "torch_pip: installing safetensors into $venv" >&2
   "$venv/bin/pip" install --quiet safetensors >&2
+fi
+# transformers 5.x (with tokenizers): the oracle of the Llama and its Hugging Face directories
+# (bench/hf_peer.py, tests/hf_parity_test.cpp) and scripts/tokenize.py's tokenizer.
+if ! "$py" -c "import sys, transformers, tokenizers; sys.exit(transformers.__version__.split('.')[0] != '5')" \
+    2>/dev/null; then
+  echo "torch_pip: installing transformers 5.x into $venv" >&2
+  "$venv/bin/pip" install --quiet "transformers>=5,<6" >&2
 fi
 "$py" -c "import os, torch; print(os.path.dirname(torch.__file__))" 2>/dev/null

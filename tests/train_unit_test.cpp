@@ -26,6 +26,7 @@
 #include "train/plot.h"
 #include "train/resume.h"
 #include "train/schedule.h"
+#include "train/token_sample.h"
 
 namespace fsdp::train {
 namespace {
@@ -313,6 +314,100 @@ TEST(Data, BinTokensDirectoriesSpecialFilesAndVocab) {
   EXPECT_NE(msg.find("' is a FIFO; --data takes a regular file"), std::string::npos) << msg;
   msg = error_of([] { Corpus::load("/dev/null", 8); });
   EXPECT_NE(msg.find("is a character device"), std::string::npos) << msg;
+}
+
+// .u32: little-endian uint32 tokens (vocabularies above 65,536); .u16 as .bin.
+TEST(Data, Uint32AndUint16TokenFiles) {
+  std::vector<uint32_t> tokens;
+  for (int i = 0; i < 30; ++i) tokens.push_back(70000u + 4099u * static_cast<uint32_t>(i));
+  const auto u32 = temp_path("tokens.u32");
+  {
+    std::ofstream out(u32, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(tokens.data()), 4 * tokens.size());
+  }
+  const auto c = Corpus::load(u32, 8, 200000);
+  EXPECT_EQ(c.format(), TokenFormat::kUint32);
+  ASSERT_EQ(c.size(), 30);
+  for (int i = 0; i < 30; ++i) EXPECT_EQ(c.token(i), tokens[i]) << i;
+  EXPECT_EQ(c.slice(3, 20).token(0), tokens[3]);
+  auto msg = error_of([&] { Corpus::load(u32, 8, 128256); });
+  EXPECT_NE(msg.find("holds token 188871, outside --vocab 128256"), std::string::npos) << msg;
+  const auto odd = write_file("odd.u32", "abcdef");
+  msg = error_of([&] { Corpus::load(odd, 1, 256); });
+  EXPECT_NE(msg.find("not a whole number of uint32 tokens"), std::string::npos) << msg;
+  const auto u16 = write_file("t.u16", std::string("\x01\x00\x02\x01\x03\x00", 6));
+  const auto d = Corpus::load(u16, 1, 300);
+  EXPECT_EQ(d.format(), TokenFormat::kUint16);
+  EXPECT_EQ(d.token(1), 258);
+}
+
+// The closing sample of token data: its prompt, and the text of ids.
+TEST(TokenSample, PromptIdsAndTheirText) {
+  auto cfg = parse_args({"fsdp-train", "--vocab", "600", "--prompt", "5, 17 3"}).config.value();
+  const auto held = Corpus::from_tokens({9, 8, 7, 6, 5, 4, 3, 2, 1, 0}, 4);
+  EXPECT_EQ(sample_prompt_tokens(cfg, held, held), (std::vector<int64_t>{5, 17, 3}));
+  cfg = parse_args({"fsdp-train", "--vocab", "600", "--seq", "4"}).config.value();
+  EXPECT_EQ(sample_prompt_tokens(cfg, held, held), (std::vector<int64_t>{9, 8, 7, 6}));
+  cfg = parse_args({"fsdp-train", "--vocab", "600", "--prompt", "And God"}).config.value();
+  auto msg = error_of([&] { sample_prompt_tokens(cfg, held, held); });
+  EXPECT_NE(msg.find("the prompt is token ids below --vocab 600"), std::string::npos) << msg;
+  // A byte-level BPE vocabulary (GPT-2's alphabet: U+0120 is the space byte, U+010A newline).
+  const auto bpe = write_file("tokenizer.json", R"({"model": {"type": "BPE", "vocab":
+      {"a": 0, "\u0120b": 1, "\u010a": 2, "\u00e2\u0122": 3, "\u00a8": 4}},
+      "added_tokens": [{"id": 5, "content": "<|eos|>", "special": true}],
+      "decoder": {"type": "ByteLevel"}})");
+  const auto v = TokenizerVocab::load(bpe);
+  EXPECT_EQ(v.decode({0, 1, 2, 5}), "a b\n<|eos|>");
+  EXPECT_EQ(v.decode({3, 4}), "\xE2\x80\xA8") << "bytes across tokens make one character";
+  EXPECT_EQ(v.decode({3}), "\xEF\xBF\xBD") << "an incomplete character is U+FFFD";
+  EXPECT_EQ(v.decode({77}), "<77>");
+  // SentencePiece with byte fallback (Llama 2's).
+  const auto sp = write_file("sp.json", R"({"model": {"type": "BPE", "vocab":
+      {"\u2581the": 0, "<0x0A>": 1, "cat": 2}}, "decoder": {"type": "Sequence", "decoders":
+      [{"type": "Replace"}, {"type": "ByteFallback"}, {"type": "Fuse"}]}})");
+  EXPECT_EQ(TokenizerVocab::load(sp).decode({0, 2, 1}), " thecat\n");
+  EXPECT_EQ(utf8_lossy("a\xC3(b\xF0\x9F\x98"), "a\xEF\xBF\xBD(b\xEF\xBF\xBD");
+  EXPECT_EQ(one_line("a\nb\tc\x01"), "a\\nb\\tc?");
+}
+
+// --init-from a model directory: its config.json's sizes; a flag given with another value is an
+// error naming both; the Llama's own flags are checked.
+TEST(TrainConfig, LlamaSettingsFromFlagsAndFromConfigJson) {
+  const std::string hf = R"({"architectures": ["LlamaForCausalLM"], "vocab_size": 300,
+      "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+      "num_attention_heads": 8, "num_key_value_heads": 2, "rope_theta": 500000.0,
+      "tie_word_embeddings": true})";
+  auto cfg = parse_args({"fsdp-train", "--init-from", "m", "--steps", "5"}).config.value();
+  take_model_from_config(cfg, hf, "m/config.json");
+  EXPECT_EQ(cfg.model, "llama");
+  EXPECT_EQ(cfg.layers, 3);
+  EXPECT_EQ(cfg.width, 64);
+  EXPECT_EQ(cfg.vocab, 300);
+  EXPECT_EQ(cfg.llama.kv_heads, 2);
+  EXPECT_EQ(cfg.llama.ffn, 96);
+  EXPECT_TRUE(cfg.llama.tie_embeddings);
+  const auto m = llama_config_of(cfg);
+  EXPECT_EQ(m.rope_theta, 500000.0);
+  EXPECT_EQ(nlohmann::json::parse(cfg.to_json())["model"], "llama");
+  cfg = parse_args({"fsdp-train", "--init-from", "m", "--layers", "2"}).config.value();
+  auto msg = error_of([&] { take_model_from_config(cfg, hf, "m/config.json"); });
+  EXPECT_NE(msg.find("--layers 2 differs from m/config.json's num_hidden_layers 3"),
+            std::string::npos)
+      << msg;
+  cfg = parse_args({"fsdp-train", "--init-from", "m", "--model", "gpt"}).config.value();
+  msg = error_of([&] { take_model_from_config(cfg, hf, "m/config.json"); });
+  EXPECT_NE(msg.find("--model gpt with --init-from m"), std::string::npos) << msg;
+  msg = error_of([&] {
+    parse_args({"fsdp-train", "--model", "llama", "--heads", "4", "--kv-heads", "3"});
+  });
+  EXPECT_NE(msg.find("--heads 4 is not a multiple of --kv-heads 3"), std::string::npos) << msg;
+  // From the flags: the GPT's sizes and the Llama's own.
+  cfg = parse_args({"fsdp-train", "--model", "llama", "--kv-heads", "2", "--tie-embeddings"})
+            .config.value();
+  const auto f = llama_config_of(cfg);
+  EXPECT_EQ(f.kv_heads(), 2);
+  EXPECT_EQ(f.ffn(), 384);  // 8 x 128 / 3 = 341.3, rounded up to 64
+  EXPECT_EQ(parameter_count(cfg), static_cast<double>(f.parameter_count()));
 }
 
 TEST(Data, ValidationSplitIsTheEnd) {

@@ -69,7 +69,8 @@ void add_training_options(CLI::App& app, TrainConfig& c) {
       ->group("Optimisation");
 
   app.add_option("--data", c.data,
-                 "text (one byte per token) or .bin of uint16 tokens (empty: the shipped corpus)")
+                 "text (one byte per token), or tokens: .bin/.u16 of uint16, .u32 of uint32 (empty: "
+                 "the shipped corpus)")
       ->group("Data");
   app.add_option("--val-fraction", c.val_fraction,
                  "last fraction of the data held out for the validation loss (0: none)")
@@ -113,7 +114,8 @@ void add_output_options(CLI::App& app, TrainConfig& c) {
                  "from that one; auto: --run-dir's latest if it has one, else start")
       ->group("Checkpoints");
   app.add_option("--init-from", c.init_from,
-                 "full safetensors file (e.g. a consolidated checkpoint) to initialise from")
+                 "full safetensors file (e.g. a consolidated checkpoint) to initialise from, or a "
+                 "Hugging Face Llama directory (config.json, model*.safetensors: --model llama)")
       ->group("Checkpoints");
 }
 
@@ -211,6 +213,7 @@ void add_options(App& a, TrainConfig& c) {
   app.add_option("--vocab", c.vocab,
                  "vocabulary size (256 for text; a .bin file needs its tokenizer's, e.g. 50257)")
       ->group("Model");
+  add_model_options(app, c);
   add_training_options(app, c);
   add_output_options(app, c);
 }
@@ -266,6 +269,7 @@ std::string TrainConfig::to_json() const {
   j["width"] = width;
   j["seq"] = seq;
   j["vocab"] = vocab;
+  add_model_settings(j, *this);
   j["steps"] = steps;
   j["batch"] = batch;
   j["lr"] = lr;
@@ -364,6 +368,7 @@ const std::vector<std::string>& resumable_keys() {
                                                 "keep-last",
                                                 "resume",
                                                 "init-from",
+                                                "tokenizer",
                                                 "data"};
   return keys;
 }

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "train/model_select.h"
+
 namespace fsdp::train {
 
 struct TrainConfig {
@@ -51,6 +53,8 @@ struct TrainConfig {
   int64_t width = 128;  // n_embd
   int64_t seq = 64;     // context length T
   int64_t vocab = 256;  // tokens; a text corpus is bytes (256), a .bin file needs its tokenizer's
+  std::string model = "gpt";  // "gpt" or "llama" (train/model_select.h)
+  LlamaFlags llama;           // --kv-heads, --ffn, --rope-theta, --norm-eps, --tie-embeddings
   // ---- optimisation ----
   int64_t steps = 300;
   int64_t batch = 16;         // global batch in sequences, split evenly over ranks
@@ -83,6 +87,7 @@ struct TrainConfig {
   std::string prompt = "And God said";
   double temperature = 0.8;
   double peak_tflops = 0;  // peak FLOP/s per rank for MFU (TFLOP/s); 0 = measured at start
+  std::string tokenizer;   // tokenizer.json: the closing sample of token data shown as text
   // ---- checkpoints (issue 6) ----
   int64_t save_every = 0;  // 0 = never
   int64_t keep_last = 0;   // keep the newest k checkpoints, remove older ones; 0 = keep all
@@ -92,6 +97,9 @@ struct TrainConfig {
   // ---- bookkeeping ----
   std::string config_file;                 // --config, for the record
   std::vector<std::string> explicit_keys;  // keys given by flag or file (not defaults)
+  // A Llama's transformers config.json (text): from --init-from's model directory, or the
+  // checkpoint a run resumes from; empty: the Llama comes from the flags.
+  std::string hf_config;
 
   bool was_set(const std::string& key) const;
   // Throws fsdp::Error naming the first invalid setting (value, expectation, fix). Does not touch

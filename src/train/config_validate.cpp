@@ -152,6 +152,7 @@ void TrainConfig::validate() const {
   check_policies(*this);
   check_optimisation(*this);
   check_checkpoints(*this);
+  check_model(*this);
 }
 
 void TrainConfig::validate_world(int world_size) const {

@@ -38,12 +38,13 @@ const char* file_kind(mode_t mode) {
   return "not a regular file";
 }
 
-bool ends_with_bin(const std::string& path) {
-  if (path.size() < 4) return false;
-  std::string ext = path.substr(path.size() - 4);
+std::string lower_extension(const std::string& path) {
+  const auto dot = path.find_last_of("./");
+  if (dot == std::string::npos || path[dot] != '.') return "";
+  std::string ext = path.substr(dot);
   std::transform(ext.begin(), ext.end(), ext.begin(),
                  [](unsigned char c) { return std::tolower(c); });
-  return ext == ".bin";
+  return ext;
 }
 
 void check_length(int64_t tokens, int64_t seq_len, const std::string& name, const char* unit) {
@@ -73,20 +74,22 @@ Corpus Corpus::load(const std::string& path, int64_t seq_len, int64_t vocab) {
              std::strerror(errno),
              "); pass an existing file with --data FILE, or omit --data for the shipped corpus");
   FSDP_CHECK(!S_ISDIR(st.st_mode), "data file '", path,
-             "' is a directory; --data takes one file: a text file (one byte per token) or a "
-             ".bin file of uint16 tokens");
+             "' is a directory; --data takes one file: a text file (one byte per token), or "
+             "tokens (.bin/.u16: uint16, .u32: uint32)");
   FSDP_CHECK(S_ISREG(st.st_mode), "data file '", path, "' is ", file_kind(st.st_mode),
              "; --data takes a regular file (it is memory-mapped): copy the stream to a file "
              "first");
   Corpus c;
   c.path_ = path;
   const auto bytes = static_cast<uint64_t>(st.st_size);
-  if (ends_with_bin(path)) {
-    FSDP_CHECK(bytes % 2 == 0, "data file '", path, "' has ", bytes,
-               " bytes, not a whole number of uint16 tokens; a .bin file holds little-endian "
-               "uint16 tokens (nanoGPT's format)");
-    c.format_ = TokenFormat::kUint16;
-    c.size_ = static_cast<int64_t>(bytes / 2);
+  c.format_ = format_of(path);
+  if (c.format_ != TokenFormat::kBytes) {
+    const auto width = static_cast<uint64_t>(token_bytes(c.format_));
+    FSDP_CHECK(bytes % width == 0, "data file '", path, "' has ", bytes,
+               " bytes, not a whole number of uint", 8 * width, " tokens; a ",
+               lower_extension(path), " file holds little-endian uint", 8 * width,
+               " tokens (.bin and .u16: uint16, nanoGPT's format; .u32: uint32)");
+    c.size_ = static_cast<int64_t>(bytes / width);
     check_length(c.size_, seq_len, path, "tokens");
   } else {
     c.size_ = static_cast<int64_t>(bytes);
@@ -96,8 +99,9 @@ Corpus Corpus::load(const std::string& path, int64_t seq_len, int64_t vocab) {
   c.data_ = static_cast<const uint8_t*>(c.storage_.get());
   const int64_t top = c.max_token();
   FSDP_CHECK(top < vocab, "data file '", path, "' holds token ", top, ", outside --vocab ", vocab,
-             c.format_ == TokenFormat::kUint16
-                 ? "; pass the tokenizer's vocabulary size, e.g. --vocab 50257 for GPT-2's"
+             c.format_ != TokenFormat::kBytes
+                 ? "; pass the tokenizer's vocabulary size, e.g. --vocab 50257 for GPT-2's (a "
+                   "--init-from model directory sets it from its config.json)"
                  : "; a text file needs --vocab 256 (one byte per token)");
   return c;
 }
@@ -129,11 +133,18 @@ Corpus Corpus::from_tokens(const std::vector<uint16_t>& tokens, int64_t seq_len,
   return c;
 }
 
+TokenFormat Corpus::format_of(const std::string& path) {
+  const std::string ext = lower_extension(path);
+  if (ext == ".bin" || ext == ".u16") return TokenFormat::kUint16;
+  if (ext == ".u32") return TokenFormat::kUint32;
+  return TokenFormat::kBytes;
+}
+
 Corpus Corpus::slice(int64_t begin, int64_t end) const {
   FSDP_CHECK(0 <= begin && begin <= end && end <= size_, "Corpus::slice [", begin, ", ", end,
              ") of ", size_, " tokens");
   Corpus c = *this;
-  c.data_ = data_ + begin * (format_ == TokenFormat::kBytes ? 1 : 2);
+  c.data_ = data_ + begin * token_bytes(format_);
   c.size_ = end - begin;
   return c;
 }

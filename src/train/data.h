@@ -2,8 +2,10 @@
 // sequence of every step, a pure function of (seed, step, row) so that any rank, any world size
 // and an external reference replay the same stream (docs/trainer.md, "Data").
 //
-// Two formats, chosen by the file's extension: text (any other extension; every byte is one
-// token, vocabulary 256) and `.bin` (nanoGPT's format: little-endian uint16 tokens, no header).
+// Three formats, chosen by the file's extension: text (any other extension; every byte is one
+// token, vocabulary 256), `.bin` or `.u16` (nanoGPT's format: little-endian uint16 tokens, no
+// header) and `.u32` (little-endian uint32 tokens, for vocabularies above 65,536 such as Llama
+// 3's; scripts/tokenize.py writes all three).
 // The last `val_fraction` of the tokens are held out for evaluation (split_validation).
 // Free of torch headers. Thread-safety: a loaded Corpus is immutable; copies share the mapping.
 #pragma once
@@ -25,13 +27,15 @@ DataOrder parse_data_order(const std::string& name);  // "random" | "sequential"
 
 enum class TokenFormat {
   kBytes,   // text: one byte per token
-  kUint16,  // .bin: little-endian uint16 per token
+  kUint16,  // .bin, .u16: little-endian uint16 per token
+  kUint32,  // .u32: little-endian uint32 per token
 };
 
 class Corpus {
  public:
-  // Memory-maps the file (text, or .bin of uint16 tokens by extension) and checks it: a missing
-  // file, a directory, a special file (FIFO, device, socket), a .bin of odd length, fewer than
+  // Memory-maps the file (text, or tokens by extension) and checks it: a missing file, a
+  // directory, a special file (FIFO, device, socket), a token file whose length is not a whole
+  // number of tokens, fewer than
   // seq_len + 1 tokens, or a token >= vocab are errors naming the file and the fix.
   static Corpus load(const std::string& path, int64_t seq_len, int64_t vocab = 256);
   // For tests: a corpus from memory (same length check).
@@ -42,10 +46,25 @@ class Corpus {
 
   int64_t size() const { return size_; }  // tokens
   int64_t token(int64_t i) const {
-    return format_ == TokenFormat::kBytes
-               ? data_[i]
-               : static_cast<int64_t>(data_[2 * i] | data_[2 * i + 1] << 8);
+    switch (format_) {
+      case TokenFormat::kBytes:
+        return data_[i];
+      case TokenFormat::kUint16:
+        return static_cast<int64_t>(data_[2 * i] | data_[2 * i + 1] << 8);
+      default: {
+        const uint8_t* b = data_ + 4 * i;
+        return static_cast<int64_t>(static_cast<uint32_t>(b[0]) | static_cast<uint32_t>(b[1]) << 8 |
+                                    static_cast<uint32_t>(b[2]) << 16 |
+                                    static_cast<uint32_t>(b[3]) << 24);
+      }
+    }
   }
+  // Bytes per token of a format: 1, 2 or 4.
+  static int64_t token_bytes(TokenFormat f) {
+    return f == TokenFormat::kBytes ? 1 : f == TokenFormat::kUint16 ? 2 : 4;
+  }
+  // The format of a file name: .bin and .u16 uint16, .u32 uint32, anything else text.
+  static TokenFormat format_of(const std::string& path);
   TokenFormat format() const { return format_; }
   const std::string& path() const { return path_; }
   // Tokens [begin, end) of this corpus, sharing its storage.

@@ -9,11 +9,10 @@
 
 namespace fsdp::train {
 
-std::string generate_text(const std::string& prompt, const SampleOptions& o,
-                          const NextLogits& next_logits) {
-  std::vector<int64_t> tokens;
-  for (unsigned char c : prompt.empty() ? std::string("\n") : prompt) tokens.push_back(c);
-  std::string out;
+std::vector<int64_t> generate_tokens(const std::vector<int64_t>& prompt, const SampleOptions& o,
+                                     const NextLogits& next_logits) {
+  FSDP_CHECK(!prompt.empty(), "generate_tokens: the prompt is empty");
+  std::vector<int64_t> tokens = prompt;
   std::vector<double> p;
   for (int64_t i = 0; i < o.tokens; ++i) {
     const size_t n = std::min<size_t>(tokens.size(), static_cast<size_t>(o.context));
@@ -42,8 +41,17 @@ std::string generate_text(const std::string& prompt, const SampleOptions& o,
       }
     }
     tokens.push_back(static_cast<int64_t>(pick));
-    out.push_back(static_cast<char>(pick));
   }
+  return std::vector<int64_t>(tokens.begin() + static_cast<std::ptrdiff_t>(prompt.size()),
+                              tokens.end());
+}
+
+std::string generate_text(const std::string& prompt, const SampleOptions& o,
+                          const NextLogits& next_logits) {
+  std::vector<int64_t> tokens;
+  for (unsigned char c : prompt.empty() ? std::string("\n") : prompt) tokens.push_back(c);
+  std::string out;
+  for (int64_t t : generate_tokens(tokens, o, next_logits)) out.push_back(static_cast<char>(t));
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/mesh.h>
 #include <fsdp/models/gpt.h>
+#include <fsdp/models/llama.h>
 #include <torch/optim/adamw.h>
 
 #include <memory>
@@ -19,7 +20,8 @@
 namespace fsdp::train {
 
 struct TrainModel {
-  fsdp::Sharded<models::GPT> gpt{nullptr};
+  fsdp::Sharded<models::GPT> gpt{nullptr};      // --model gpt
+  fsdp::Sharded<models::Llama> llama{nullptr};  // --model llama (gpt is null then)
   FSDPModule root;                   // undefined when built without a communicator
   DeviceMesh mesh;                   // --hsdp's layout; mesh.shard = the world for plain FSDP
   std::vector<at::Tensor> decay;     // 2-D weights (local shards when sharded): weight decay
@@ -27,12 +29,16 @@ struct TrainModel {
   int64_t parameter_count = 0;       // of the full model
   int64_t regathered_count = 0;      // sharded: parameters gathered again in backward
   bool sharded() const { return root.defined(); }
+  // (B, T) token ids -> (B, T, vocab) logits, of whichever model this is.
+  at::Tensor logits(const at::Tensor& idx);
+  torch::nn::Module& module();
   // The ranks that hold one copy of the shards: what checkpoint save/load take (under HSDP the
   // replica, since replicas hold equal shards; metrics reduce over the world instead).
   Communicator& shard_group() const { return *mesh.shard; }
 };
 
-// Seeds torch with cfg.seed, builds the GPT (layers, heads, width, seq, vocab) and, when `comm` is
+// Seeds torch with cfg.seed, builds the model of cfg.model (the GPT of layers, heads, width, seq,
+// vocab, or the Llama of llama_config_of(cfg)) and, when `comm` is
 // non-null, shards it over init_mesh(comm, cfg.hsdp) (blocks with cfg.reshard_after_forward, but
 // the last, which backward needs first, never reshards after forward; blocks with
 // cfg.activation_checkpointing; every group with cfg.mixed_precision's policy, the root casting

@@ -14,11 +14,22 @@ constexpr double kFloat = 4;  // fp32 bytes
 
 double block_parameters(const TrainConfig& c) {
   const double C = static_cast<double>(c.width);
+  if (c.model == "llama") {  // the decoder layers' share of LlamaConfig::parameter_count
+    auto m = llama_config_of(c);
+    const double all = static_cast<double>(m.parameter_count());
+    m.num_hidden_layers = 0;
+    return (all - static_cast<double>(m.parameter_count())) / static_cast<double>(c.layers);
+  }
   return 12 * C * C + 13 * C;
 }
 
 double root_parameters(const TrainConfig& c) {
   const double C = static_cast<double>(c.width);
+  if (c.model == "llama") {  // embedding, final norm, head: no position table
+    auto m = llama_config_of(c);
+    m.num_hidden_layers = 0;
+    return static_cast<double>(m.parameter_count());
+  }
   return (static_cast<double>(c.vocab) + static_cast<double>(c.seq)) * C + 2 * C;
 }
 
@@ -30,7 +41,8 @@ double parameter_count(const TrainConfig& c) {
 
 double flops_per_token(const TrainConfig& c) {
   const double C = static_cast<double>(c.width), T = static_cast<double>(c.seq);
-  const double n = parameter_count(c) - T * C;  // the position embedding is a lookup
+  // The GPT's position embedding is a lookup (the Llama has none).
+  const double n = parameter_count(c) - (c.model == "llama" ? 0 : T * C);
   return 6 * n + 12 * static_cast<double>(c.layers) * C * T;
 }
 

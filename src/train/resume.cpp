@@ -58,6 +58,7 @@ ResumePoint point_from(const std::string& step_dir, const checkpoint::Index& idx
   if (extra.is_object() && extra.contains("settings")) {
     p.settings = extra["settings"];
     if (extra.contains("schedule")) p.schedule = extra["schedule"];
+    if (extra.contains("hf_config")) p.hf_config = extra["hf_config"].dump(2);
   } else {
     p.settings = extra;
   }
@@ -206,6 +207,9 @@ nlohmann::json checkpoint_extra(const TrainConfig& cfg, const LrSchedule& schedu
   if (schedule.restart_step >= 0)
     extra["schedule"] = {{"restart-step", schedule.restart_step},
                          {"restart-lr", schedule.restart_lr}};
+  // A Llama's transformers config.json: what a resumed run builds and what an export writes.
+  if (cfg.model == "llama")
+    extra["hf_config"] = nlohmann::json::parse(llama_config_of(cfg).to_hf_json(cfg.hf_config));
   return extra;
 }
 
@@ -234,6 +238,7 @@ RunPlan plan_run(const TrainConfig& given) {
     if (given.was_set(key)) overrides.push_back(key);
   plan.cfg = merge_settings(p.settings.dump(), given, overrides);
   plan.cfg.resume = given.resume;
+  plan.cfg.hf_config = p.hf_config;
   plan.cfg.run_dir = resume_run_dir(given.resume, given.run_dir);
   plan.cfg.validate();
   FSDP_CHECK(p.step <= plan.cfg.steps, "--resume '", p.checkpoint, "' is at step ", p.step,

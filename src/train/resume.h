@@ -29,6 +29,7 @@ struct ResumePoint {
   std::vector<std::string> skipped;  // "DIR/step_K is damaged (reason)", newest first
   nlohmann::json settings;           // the run's settings (TrainConfig::to_json keys)
   nlohmann::json schedule;           // the schedule state (lr-restart-*), or null
+  std::string hf_config;             // a Llama's transformers config.json, or empty
 };
 
 // Throws fsdp::Error naming the directory and what is wrong with it.

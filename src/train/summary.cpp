@@ -11,11 +11,16 @@ namespace fsdp::train {
 std::string model_description(const TrainConfig& cfg, int64_t params) {
   char buf[200];
   std::snprintf(buf, sizeof buf,
-                "GPT %lld layers x %lld wide, %lld heads, seq %lld, vocab %lld, %.2fM params",
-                static_cast<long long>(cfg.layers), static_cast<long long>(cfg.width),
-                static_cast<long long>(cfg.heads), static_cast<long long>(cfg.seq),
-                static_cast<long long>(cfg.vocab), static_cast<double>(params) / 1e6);
+                "%s %lld layers x %lld wide, %lld heads, seq %lld, vocab %lld, %.2fM params",
+                cfg.model == "llama" ? "Llama" : "GPT", static_cast<long long>(cfg.layers),
+                static_cast<long long>(cfg.width), static_cast<long long>(cfg.heads),
+                static_cast<long long>(cfg.seq), static_cast<long long>(cfg.vocab),
+                static_cast<double>(params) / 1e6);
   std::string d = buf;
+  if (cfg.model == "llama") {
+    const auto m = llama_config_of(cfg);
+    d += ", " + std::to_string(m.kv_heads()) + " kv heads, SwiGLU " + std::to_string(m.ffn());
+  }
   if (cfg.mixed_precision != "none") d += ", " + cfg.mixed_precision + " compute";
   if (cfg.mixed_precision_reduce == "fp32") d += ", fp32 reductions";
   if (cfg.hsdp > 1) d += ", HSDP " + std::to_string(cfg.hsdp) + " replicas";
@@ -61,13 +66,15 @@ std::string format_summary(const TrainConfig& cfg, const Summary& s, int world, 
     os << buf;
   }
   os << " (peak resident set)\n";
-  if (!s.sample.empty()) {
+  if (!s.sample.empty() && !s.sample_prompt.empty()) {
+    os << "  sample        " << s.sample_prompt << ", temperature " << cfg.temperature << ":\n";
+    std::istringstream lines(s.sample);  // ids, and one_line() text (UTF-8 kept)
+    for (std::string line; std::getline(lines, line);) os << "    | " << line << "\n";
+  } else if (!s.sample.empty()) {
     os << "  sample        prompt \"" << printable(cfg.prompt) << "\", temperature "
        << cfg.temperature << ":\n";
     std::istringstream lines(printable(cfg.prompt + s.sample));
     for (std::string line; std::getline(lines, line);) os << "    | " << line << "\n";
-  } else if (!s.no_sample_reason.empty()) {
-    os << "  sample        none: " << s.no_sample_reason << "\n";
   }
   os << "  outputs       " << cfg.run_dir
      << "/ (metrics.csv, metrics.jsonl, loss.svg, config.json)\n";

@@ -27,10 +27,11 @@ struct Summary {
   double wall_s = 0;
   std::vector<double> peak_rss_mb;  // per rank
   std::string sample;
-  std::string no_sample_reason;  // set when there is no sample although sample_tokens > 0
+  std::string sample_prompt;  // how the prompt is shown; empty: cfg.prompt, text before the sample
 };
 
-// "GPT 4 layers x 128 wide, 4 heads, seq 64, vocab 256, 0.83M params".
+// "GPT 4 layers x 128 wide, 4 heads, seq 64, vocab 256, 0.83M params" (a Llama also names its
+// key/value heads and SwiGLU width).
 std::string model_description(const TrainConfig& cfg, int64_t params);
 
 // The summary text (ends with a newline).

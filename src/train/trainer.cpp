@@ -15,6 +15,7 @@
 #include "checkpoint/atomic_file.h"
 #include "comm/rank_agreement.h"
 #include "train/generate.h"
+#include "train/hf_init.h"
 #include "train/launch.h"
 #include "train/malloc.h"
 #include "train/metrics.h"
@@ -23,6 +24,7 @@
 #include "train/plot.h"
 #include "train/progress.h"
 #include "train/summary.h"
+#include "train/token_sample.h"
 
 #if FSDP_TRAIN_HAVE_CHECKPOINT
 #include <fsdp/checkpoint.h>
@@ -175,7 +177,7 @@ class Trainer {
       start_step_ =
           checkpoint::load(p.checkpoint, model_->root, opt_.get(), model_->shard_group()).step;
     } else if (!cfg_.init_from.empty()) {
-      checkpoint::init_from(cfg_.init_from, model_->root);
+      init_model_from(cfg_, *model_);
     }
 #endif
   }
@@ -267,14 +269,14 @@ class Trainer {
   // root casts the logits to fp32 (output_dtype), so the loss is computed in fp32, not bf16.
   // In fp32 the same operations as GPT::forward(idx, targets).
   at::Tensor loss_of(const at::Tensor& x, const at::Tensor& y) {
-    auto logits = model_->gpt(x);
+    auto logits = model_->logits(x);
     return torch::nn::functional::cross_entropy(logits.view({-1, cfg_.vocab}), y.reshape({-1}));
   }
 
   // --clip: the global gradient 2-norm before clipping (every rank gets the same value).
   double clip_gradients() {
     if (model_->sharded()) return fsdp::clip_grad_norm_(model_->root, cfg_.clip);
-    return torch::nn::utils::clip_grad_norm_(model_->gpt->parameters(), cfg_.clip);
+    return torch::nn::utils::clip_grad_norm_(model_->module().parameters(), cfg_.clip);
   }
 
   // Per step: [sum of rank losses, ranks asking to stop, peak RSS of rank r at 2 + r].
@@ -374,33 +376,43 @@ class Trainer {
     return stopped_ ? 128 + (stop_signal() != 0 ? stop_signal() : SIGTERM) : 0;
   }
 
-  // The closing sample: every rank runs the same forwards (the model is sharded).
+  // The closing sample: every rank runs the same forwards (the model is sharded). Text data:
+  // bytes from --prompt; token data: ids (token_sample.h), shown as text with --tokenizer.
   void sample() {
     if (cfg_.sample_tokens == 0) return;
-    if (splits_.first.format() != TokenFormat::kBytes || cfg_.vocab != 256) {
-      summary_.no_sample_reason =
-          "the data are tokens, and fsdp-train has no tokenizer to show them";
-      return;
-    }
+    const bool bytes = splits_.first.format() == TokenFormat::kBytes && cfg_.vocab == 256;
     torch::NoGradGuard no_grad;
     SampleOptions so;
     so.tokens = cfg_.sample_tokens;
     so.temperature = cfg_.temperature;
     so.seed = cfg_.seed;
     so.context = cfg_.seq;
+    const NextLogits next = [&](const std::vector<int64_t>& ctx) {
+      const auto idx = torch::tensor(ctx, torch::kInt64).view({1, -1});
+      const auto logits =
+          model_->logits(idx).select(0, 0).select(0, -1).to(torch::kFloat).contiguous();
+      const float* p = logits.data_ptr<float>();
+      return std::vector<float>(p, p + logits.numel());
+    };
     // One row of up to --seq tokens: its attention scores (--heads x seq x seq) dominate.
     naming_allocation_failure(
         "the closing sample",
         detail::cat("1 row x --seq ", cfg_.seq, " (the context) x --heads ", cfg_.heads,
                     " x --width ", cfg_.width, " x --layers ", cfg_.layers),
         [&] {
-          summary_.sample = generate_text(cfg_.prompt, so, [&](const std::vector<int64_t>& ctx) {
-            const auto idx = torch::tensor(ctx, torch::kInt64).view({1, -1});
-            const auto logits =
-                model_->gpt(idx).select(0, 0).select(0, -1).to(torch::kFloat).contiguous();
-            const float* p = logits.data_ptr<float>();
-            return std::vector<float>(p, p + logits.numel());
-          });
+          if (bytes) {
+            summary_.sample = generate_text(cfg_.prompt, so, next);
+            return;
+          }
+          const auto prompt = sample_prompt_tokens(cfg_, splits_.second, splits_.first);
+          const auto ids = generate_tokens(prompt, so, next);
+          summary_.sample_prompt = "prompt tokens [" + format_ids(prompt) + "]";
+          summary_.sample = "token ids: " + format_ids(ids) + "\n";
+          if (!cfg_.tokenizer.empty()) {
+            const auto vocab = TokenizerVocab::load(cfg_.tokenizer);
+            summary_.sample +=
+                "text: " + one_line(vocab.decode(prompt) + "[" + vocab.decode(ids) + "]") + "\n";
+          }
         },
         "generate no sample (--sample-tokens 0)");
   }
