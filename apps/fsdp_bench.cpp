@@ -9,6 +9,8 @@
 //                                            rounds, then the median ratios (bench/sweeps.h)
 //   fsdp-bench --memory-scaling              peak RSS of fsdp and ddp at N = 1, 2, 4 (--preset mem)
 //   fsdp-bench --max-model --nproc N --memory-mb M   deepest GPT that fits, ddp vs fsdp
+//   fsdp-bench --async-save [--preset mem] --nproc N   asynchronous against synchronous checkpoints
+//                                            (bench/async_save_bench.h)
 //
 // With --nproc N (and not already a launched rank), fsdp-bench re-executes itself under fsdp-run
 // from its own directory with N ranks and passes rank 0's stdout through without the "[rank 0] "
@@ -32,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "async_save_bench.h"
 #include "checkpointing_bench.h"
 #include "comm_bench.h"
 #include "moe_bench.h"
@@ -196,8 +199,9 @@ struct TrainCli {
                 "(default --preset mem)");
     g->add_option("--memory-mb", memory_mb, "--max-model: per-rank budget in MB");
     preset_option = g->add_option("--preset", o.preset,
-                                  "default, or mem (parameters and optimizer state dominate)")
-                        ->check(CLI::IsMember({"default", "mem"}))
+                                  "default, mem (parameters and optimizer state dominate), or train (fsdp-train's "
+                                  "default job: 4 layers, width 128, seq 64, 8 rows per rank)")
+                        ->check(CLI::IsMember({"default", "mem", "train"}))
                         ->capture_default_str();
     for (auto [name, field, help] : {std::tuple{"layers", &o.layers, "transformer blocks"},
                                      std::tuple{"width", &o.width, "embedding width"},
@@ -318,7 +322,8 @@ fsdp::bench::ArgsFor args_for(const TrainCli& cli) {
 
 // What the parsed command line asks for: one benchmark, here or through fsdp-run.
 struct Request {
-  bool comm = false, checkpointing = false, moe = false;
+  bool comm = false, checkpointing = false, moe = false, async_save = false;
+  std::string save_dir, writer_priority = "low";
   fsdp::bench::MoEBenchOptions moe_options;
   int nproc = 0;
   std::string malloc_policy = "default";
@@ -337,11 +342,11 @@ int run_request(Request& q, int argc, char** argv) {
   // code rather than on glibc's allocation history (docs/performance.md, Memory).
   if (malloc_policy == "steady") fsdp::train::use_steady_malloc();
   const bool sweep = train.compare || train.memory_scaling || train.max_model;
-  if (comm + checkpointing + q.moe + !train.mode.empty() + train.compare + train.memory_scaling +
-          train.max_model !=
+  if (comm + checkpointing + q.moe + q.async_save + !train.mode.empty() + train.compare +
+          train.memory_scaling + train.max_model !=
       1) {
     std::cerr << "fsdp-bench: choose exactly one of --comm, --activation-checkpointing, --moe, "
-                 "--mode M, --compare, --memory-scaling, --max-model (see --help)\n";
+                 "--async-save, --mode M, --compare, --memory-scaling, --max-model (see --help)\n";
     return 2;
   }
   if (train.options.mixed_precision != "none" && train.mode.empty() && !train.compare) {
@@ -351,6 +356,8 @@ int run_request(Request& q, int argc, char** argv) {
     return 2;
   }
   train.options.warmup = comm_options.warmup;  // one --warmup option serves both
+  // --async-save times fsdp-train's default job unless a preset is given.
+  if (q.async_save && train.preset_option->count() == 0) train.options.preset = "train";
   train.resolve();
   const bool child = std::getenv(kChildMarker) != nullptr;
   if (sweep && !child && (nproc > 0 || !train.compare)) {
@@ -371,6 +378,14 @@ int run_request(Request& q, int argc, char** argv) {
   if (nproc > 0 && !child) return relaunch(nproc, args_without_nproc(argc, argv));
   if (comm) return fsdp::bench::run_comm_bench(comm_options);
   if (checkpointing) return fsdp::bench::run_checkpointing_bench(train.options);
+  if (q.async_save) {
+    fsdp::bench::AsyncSaveBenchOptions a;
+    a.train = train.options;
+    a.rounds = train.rounds;
+    a.save_dir = q.save_dir;
+    a.low_priority = q.writer_priority == "low";
+    return fsdp::bench::run_async_save_bench(a);
+  }
   if (q.moe) {
     q.moe_options.steps = train.options.steps;
     q.moe_options.warmup = train.options.warmup;
@@ -399,6 +414,8 @@ int main(int argc, char** argv) {
       "              activation memory held after forward, peak RSS, step time, loss equality.\n"
       "  --moe       a mixture-of-experts GPT, one group per expert: ranks calling only their\n"
       "              routed experts against every expert on every rank (--rounds rounds).\n"
+      "  --async-save   asynchronous against synchronous checkpoints of fsdp-train's job (or\n"
+      "              --preset mem): the time a save holds the step, the overlapped steps' slowdown.\n"
       "Examples:\n"
       "  fsdp-bench --comm --nproc 4\n"
       "  fsdp-bench --compare --nproc 2\n"
@@ -416,6 +433,20 @@ int main(int argc, char** argv) {
   app.add_option("--nproc", q.nproc,
                  "start this many local ranks through fsdp-run (omit under a launcher)")
       ->check(CLI::Range(1, 64));
+  auto* async = app.add_option_group("async-save", "Options of --async-save");
+  async->add_flag("--async-save", q.async_save,
+                  "asynchronous checkpoints (checkpoint::AsyncSaver) against synchronous saves in "
+                  "one run: blocking time, slowdown of the overlapped steps (--preset train: "
+                  "fsdp-train's default job, the default here; mem; --rounds, --steps baseline "
+                  "steps per round)");
+  async->add_option("--save-dir", q.save_dir,
+                    "--async-save: where the checkpoints go (default: a temporary directory, "
+                    "removed after)");
+  async->add_option("--writer-priority", q.writer_priority,
+                    "--async-save: low (the library's default: nice 19 for the writer thread) or "
+                    "normal")
+      ->check(CLI::IsMember({"low", "normal"}))
+      ->capture_default_str();
   auto* moe = app.add_option_group("moe", "Options of --moe");
   moe->add_flag("--moe", q.moe, "the mixture-of-experts benchmark");
   moe->add_option("--experts", q.moe_options.experts, "--moe: experts per layer")

@@ -33,7 +33,7 @@ namespace fsdp::bench {
 
 struct TrainBenchOptions {
   std::string mode = "fsdp";       // local, ddp, fsdp, fsdp-noreshard
-  std::string preset = "default";  // "default" or "mem"; explicit size options override it
+  std::string preset = "default";  // "default", "mem" or "train"; explicit sizes override it
   int64_t layers = 8;
   int64_t width = 512;
   int64_t heads = 8;
