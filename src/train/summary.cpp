@@ -61,6 +61,7 @@ std::string format_summary(const TrainConfig& cfg, const Summary& s, int world, 
     os << buf;
   }
   os << " (peak resident set)\n";
+  os << s.checkpoints;
   if (!s.sample.empty()) {
     os << "  sample        prompt \"" << printable(cfg.prompt) << "\", temperature "
        << cfg.temperature << ":\n";

@@ -28,6 +28,7 @@ struct Summary {
   std::vector<double> peak_rss_mb;  // per rank
   std::string sample;
   std::string no_sample_reason;  // set when there is no sample although sample_tokens > 0
+  std::string checkpoints;       // the checkpoints' line ("  checkpoints   ...\n"), or empty
 };
 
 // "GPT 4 layers x 128 wide, 4 heads, seq 64, vocab 256, 0.83M params".
