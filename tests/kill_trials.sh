@@ -16,22 +16,23 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 async_trials() {
-  local trials="${1:-20}" steps=40 bad=0
+  local trials="${1:-20}" steps=60 bad=0
   local dir
   dir=$(mktemp -d /tmp/fsdp-kill-async-XXXXXX)
-  local args=(--threads 1 --layers 2 --heads 2 --width 64 --seq 16 --batch 6 --steps $steps
-              --warmup 2 --lr 1e-2 --sample-tokens 0 --eval-every 0 --quiet --nproc 2)
+  # fsdp-train's default model (a save takes about a step): the kill lands in steps and saves alike.
+  local args=(--threads 1 --steps $steps --warmup 5 --sample-tokens 0 --eval-every 0 --quiet
+              --nproc 2)
   build/bin/fsdp-train "${args[@]}" --run-dir "$dir/ref" >/dev/null 2>&1 || { echo "reference run failed"; exit 1; }
   local want
   want=$(cut -d, -f2 "$dir/ref/metrics.csv" | tail -n +2 | md5sum)
   for t in $(seq 1 "$trials"); do
-    local run="$dir/t$t" after=$((3 + RANDOM % 25))
+    local run="$dir/t$t" after=$((3 + RANDOM % 40))
     build/bin/fsdp-train "${args[@]}" --save-every 1 --async-save --resume auto --run-dir "$run" \
       >"$run.log" 2>&1 &
     local pid=$!
-    for _ in $(seq 1 3000); do
-      [ "$(($(wc -l <"$run/metrics.csv" 2>/dev/null || echo 0) - 1))" -ge "$after" ] && break
-      sleep 0.005
+    for _ in $(seq 1 6000); do
+      [ -f "$run/metrics.csv" ] && [ "$(($(wc -l <"$run/metrics.csv") - 1))" -ge "$after" ] && break
+      sleep 0.01
     done
     sleep "0.0$((RANDOM % 10))"
     local victim=fsdp-run
@@ -45,7 +46,8 @@ async_trials() {
     fi
     wait "$pid" 2>/dev/null
     sleep 0.3
-    local steps_done=$(($(wc -l <"$run/metrics.csv") - 1))
+    local steps_done=0
+    [ -f "$run/metrics.csv" ] && steps_done=$(($(wc -l <"$run/metrics.csv") - 1))
     local out
     out=$(build/bin/fsdp-train "${args[@]}" --save-every 1 --async-save --resume auto \
       --run-dir "$run" 2>&1)
