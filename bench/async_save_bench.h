@@ -2,13 +2,14 @@
 // training step, against a synchronous checkpoint::save of the same state, side by side in one
 // run. fsdp-train's GPT and AdamW (train/model_setup.h; --preset train, the default here, is
 // fsdp-train's default job; --preset mem the wide model whose checkpoint is large) train on
-// synthetic batches; each round takes baseline steps, a synchronous save (timed), then an
-// asynchronous save (the time it holds the step) followed by the steps its background write
-// overlaps (timed, and marked whether the write was still running), then two asynchronous saves
-// back to back (the second waits for the first: that wait). Rank 0 prints one JSON line per round
-// and a summary line with the medians, the ratios and issue 49's targets (blocking <= one step
-// and <= 10% of a synchronous save; the steps that overlap the write <= 5% slower: the median over
-// rounds of each round's overlapped steps against its own baseline steps, with the range).
+// synthetic batches; each round takes baseline steps, a synchronous save (timed) and K steps after
+// it, then an asynchronous save (the time it holds the step) and K steps after it (timed, and
+// marked whether its background write was still running: the overlapped steps), then two
+// asynchronous saves back to back (the second waits for the first: that wait). Rank 0 prints one
+// JSON line per round and a summary line with the medians, the ratios and issue 49's targets
+// (blocking <= one step and <= 10% of a synchronous save; the steps that overlap the write <= 5%
+// slower than the same steps after the synchronous save: the median over rounds of each round's
+// ratio, with the range; overlap_over_baseline: against the steps far from any save).
 // Free of torch headers. Thread-safety: run from the main thread.
 #pragma once
 
