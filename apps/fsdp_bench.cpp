@@ -12,6 +12,8 @@
 //   fsdp-bench --optimizer-step [--nproc N]  the optimizer step alone on the GPT's shards: fused
 //                                            fsdp::optim against torch::optim
 //                                            (bench/optimizer_bench.h)
+//   fsdp-bench --async-save [--preset mem] --nproc N   asynchronous against synchronous checkpoints
+//                                            (bench/async_save_bench.h)
 //
 // With --nproc N (and not already a launched rank), fsdp-bench re-executes itself under fsdp-run
 // from its own directory with N ranks and passes rank 0's stdout through without the "[rank 0] "
@@ -35,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "async_save_bench.h"
 #include "checkpointing_bench.h"
 #include "comm_bench.h"
 #include "moe_bench.h"
@@ -200,11 +203,13 @@ struct TrainCli {
                 "(default --preset mem)");
     g->add_option("--memory-mb", memory_mb, "--max-model: per-rank budget in MB");
     preset_option = g->add_option("--preset", o.preset,
-                                  "default, mem (parameters and optimizer state dominate) or "
+                                  "default, mem (parameters and optimizer state dominate), "
                                   "overhead (48 x 64, seq 16, batch 1: compute near zero; "
                                   "--compare then also reports microseconds per group and step "
-                                  "above the floor, and runs PyTorch's model without wrapper)")
-                        ->check(CLI::IsMember({"default", "mem", "overhead"}))
+                                  "above the floor, and runs PyTorch's model without wrapper) or "
+                                  "train (fsdp-train's default job: 4 layers, width 128, seq 64, "
+                                  "8 rows per rank)")
+                        ->check(CLI::IsMember({"default", "mem", "overhead", "train"}))
                         ->capture_default_str();
     for (auto [name, field, help] : {std::tuple{"layers", &o.layers, "transformer blocks"},
                                      std::tuple{"width", &o.width, "embedding width"},
@@ -333,7 +338,9 @@ fsdp::bench::ArgsFor args_for(const TrainCli& cli) {
 
 // What the parsed command line asks for: one benchmark, here or through fsdp-run.
 struct Request {
-  bool comm = false, checkpointing = false, moe = false, optimizer_step = false;
+  bool comm = false, checkpointing = false, moe = false, optimizer_step = false,
+       async_save = false;
+  std::string save_dir, writer_priority = "low";
   fsdp::bench::MoEBenchOptions moe_options;
   int nproc = 0;
   std::string malloc_policy = "default";
@@ -352,12 +359,12 @@ int run_request(Request& q, int argc, char** argv) {
   // code rather than on glibc's allocation history (docs/performance.md, Memory).
   if (malloc_policy == "steady") fsdp::train::use_steady_malloc();
   const bool sweep = train.compare || train.memory_scaling || train.max_model;
-  if (comm + checkpointing + q.moe + q.optimizer_step + !train.mode.empty() + train.compare +
-          train.memory_scaling + train.max_model !=
+  if (comm + checkpointing + q.moe + q.optimizer_step + q.async_save + !train.mode.empty() +
+          train.compare + train.memory_scaling + train.max_model !=
       1) {
     std::cerr << "fsdp-bench: choose exactly one of --comm, --activation-checkpointing, --moe, "
-                 "--optimizer-step, --mode M, --compare, --memory-scaling, --max-model (see "
-                 "--help)\n";
+                 "--optimizer-step, --async-save, --mode M, --compare, --memory-scaling, "
+                 "--max-model (see --help)\n";
     return 2;
   }
   if (train.options.mixed_precision != "none" && train.mode.empty() && !train.compare) {
@@ -367,6 +374,8 @@ int run_request(Request& q, int argc, char** argv) {
     return 2;
   }
   train.options.warmup = comm_options.warmup;  // one --warmup option serves both
+  // --async-save times fsdp-train's default job unless a preset is given.
+  if (q.async_save && train.preset_option->count() == 0) train.options.preset = "train";
   train.resolve();
   const bool child = std::getenv(kChildMarker) != nullptr;
   if (sweep && !child && (nproc > 0 || !train.compare)) {
@@ -389,6 +398,14 @@ int run_request(Request& q, int argc, char** argv) {
   if (comm) return fsdp::bench::run_comm_bench(comm_options);
   if (checkpointing) return fsdp::bench::run_checkpointing_bench(train.options);
   if (q.optimizer_step) return fsdp::bench::run_optimizer_bench(train.options, train.rounds);
+  if (q.async_save) {
+    fsdp::bench::AsyncSaveBenchOptions a;
+    a.train = train.options;
+    a.rounds = train.rounds;
+    a.save_dir = q.save_dir;
+    a.low_priority = q.writer_priority == "low";
+    return fsdp::bench::run_async_save_bench(a);
+  }
   if (q.moe) {
     q.moe_options.steps = train.options.steps;
     q.moe_options.warmup = train.options.warmup;
@@ -419,6 +436,8 @@ int main(int argc, char** argv) {
       "              routed experts against every expert on every rank (--rounds rounds).\n"
       "  --optimizer-step   the optimizer step alone on the GPT's shards: fsdp::optim's fused\n"
       "              AdamW and SGD against torch::optim's (--rounds rounds, the size options).\n"
+      "  --async-save   asynchronous against synchronous checkpoints of fsdp-train's job (or\n"
+      "              --preset mem): the time a save holds the step, the overlapped steps' slowdown.\n"
       "Examples:\n"
       "  fsdp-bench --comm --nproc 4\n"
       "  fsdp-bench --compare --nproc 2\n"
@@ -438,6 +457,20 @@ int main(int argc, char** argv) {
   app.add_option("--nproc", q.nproc,
                  "start this many local ranks through fsdp-run (omit under a launcher)")
       ->check(CLI::Range(1, 64));
+  auto* async = app.add_option_group("async-save", "Options of --async-save");
+  async->add_flag("--async-save", q.async_save,
+                  "asynchronous checkpoints (checkpoint::AsyncSaver) against synchronous saves in "
+                  "one run: blocking time, slowdown of the overlapped steps (--preset train: "
+                  "fsdp-train's default job, the default here; mem; --rounds, --steps baseline "
+                  "steps per round)");
+  async->add_option("--save-dir", q.save_dir,
+                    "--async-save: where the checkpoints go (default: a temporary directory, "
+                    "removed after)");
+  async->add_option("--writer-priority", q.writer_priority,
+                    "--async-save: low (the library's default: nice 19 for the writer thread) or "
+                    "normal")
+      ->check(CLI::IsMember({"low", "normal"}))
+      ->capture_default_str();
   auto* moe = app.add_option_group("moe", "Options of --moe");
   moe->add_flag("--moe", q.moe, "the mixture-of-experts benchmark");
   moe->add_option("--experts", q.moe_options.experts, "--moe: experts per layer")

@@ -417,9 +417,16 @@ void apply_preset(TrainBenchOptions& o, const std::vector<std::string>& explicit
     set("heads", o.heads, 2);
     set("seq", o.seq, 16);
     set("batch", o.batch, 1);
+  } else if (o.preset == "train") {
+    // fsdp-train's default job (src/train/config.h) at 2 ranks: a global batch of 16.
+    set("layers", o.layers, 4);
+    set("width", o.width, 128);
+    set("heads", o.heads, 4);
+    set("seq", o.seq, 64);
+    set("batch", o.batch, 8);
   } else {
     FSDP_CHECK(o.preset == "default", "--preset '", o.preset,
-               "' is unknown; use default, mem or overhead");
+               "' is unknown; use default, mem, overhead or train");
   }
 }
 

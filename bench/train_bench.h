@@ -33,8 +33,9 @@ namespace fsdp::bench {
 
 struct TrainBenchOptions {
   std::string mode = "fsdp";  // local, ddp, fsdp, fsdp-noreshard
-  // "default", "mem" (parameters and optimizer state dominate) or "overhead" (48 blocks of width
-  // 64, seq 16, batch 1: compute near zero); explicit size options override it
+  // "default", "mem" (parameters and optimizer state dominate), "overhead" (48 blocks of width
+  // 64, seq 16, batch 1: compute near zero) or "train" (fsdp-train's default job); explicit size
+  // options override it
   std::string preset = "default";
   int64_t layers = 8;
   int64_t width = 512;

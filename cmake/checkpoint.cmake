@@ -26,6 +26,7 @@ target_link_libraries(fsdp_safetensors PUBLIC fsdp_comm fsdp_io nlohmann_json::n
 
 # Sharded checkpoints: the only library with torch::optim headers.
 add_library(fsdp_checkpoint STATIC
+  ${PROJECT_SOURCE_DIR}/src/checkpoint/async_save.cpp
   ${PROJECT_SOURCE_DIR}/src/checkpoint/checkpoint_common.cpp
   ${PROJECT_SOURCE_DIR}/src/checkpoint/checkpoint_load.cpp
   ${PROJECT_SOURCE_DIR}/src/checkpoint/checkpoint_save.cpp

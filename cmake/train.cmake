@@ -8,6 +8,7 @@
 #   fsdp_train:        the training run (torch::nn, optimizers), sharing the models' precompiled
 #                      <torch/torch.h>.
 add_library(fsdp_train_base STATIC
+  src/train/cli_integers.cpp
   src/train/config.cpp
   src/train/config_file.cpp
   src/train/config_validate.cpp
@@ -41,6 +42,7 @@ add_library(fsdp_train STATIC src/train/trainer.cpp src/train/hf_init.cpp)
 target_link_libraries(fsdp_train PUBLIC fsdp_train_resume fsdp_train_model)
 target_precompile_headers(fsdp_train REUSE_FROM fsdp_models)
 if(TARGET fsdp_checkpoint)
+  target_sources(fsdp_train PRIVATE src/train/run_checkpoints.cpp)
   target_link_libraries(fsdp_train PUBLIC fsdp_checkpoint fsdp_hf)
   target_compile_definitions(fsdp_train PRIVATE FSDP_TRAIN_HAVE_CHECKPOINT=1)
 endif()

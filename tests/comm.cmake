@@ -8,6 +8,8 @@ fsdp_add_test(comm_test LABEL comm PCH core
 # comm_failure_test, shm_exchange_test, rank_order_sum_test and slurm_test reach internal headers
 # (src/comm/*.h).
 target_include_directories(comm_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
+# CommFailureTest.ASecondJobOnTheSamePortIsToldSo starts fsdp-example as another job's rank.
+add_dependencies(comm_test fsdp-example)
 fsdp_add_test(launcher_test LABEL comm PCH core
   SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/launcher_test.cpp)
 add_dependencies(launcher_test fsdp-run)

@@ -133,6 +133,37 @@ TEST(CommFailureText, RealTimeoutSaysSoAndWhatToCheck) {
   EXPECT_TRUE(contains(m, "FSDP_TIMEOUT_S")) << m;
 }
 
+// A timeout's census names the ranks that did not arrive, as a dead rank is named; a peer of this
+// host in an abnormal state is named by that state even when the store did not answer.
+TEST(CommFailureText, TimeoutNamesTheRanksThatDidNotArrive) {
+  auto none = [](int64_t) { return std::string(); };
+  auto alive = [](int64_t) { return true; };
+  detail::Census c{true, {2}};
+  auto m = detail::describe_failure("all_reduce of 16 bytes", "Operation timed out!", 20.1, 20s,
+                                    three_peers("h"), 0, alive, &c, none);
+  EXPECT_TRUE(contains(m, "did not complete within 20 s: no peer connection failed, and rank 2 "
+                          "(pid 102 on h) did not arrive (every other rank reported waiting"))
+      << m;
+  EXPECT_FALSE(contains(m, "a peer rank is hung")) << m;
+  c = {true, {}};
+  m = detail::describe_failure("x", "timed out", 20.1, 20s, three_peers("h"), 0, alive, &c, none);
+  EXPECT_TRUE(contains(m, "every rank reached a collective of this communicator, so they issued "
+                          "different collectives"))
+      << m;
+  c = {false, {}};
+  m = detail::describe_failure("x", "timed out", 20.1, 20s, three_peers("h"), 2, alive, &c,
+                               [](int64_t pid) {
+                                 return pid == 100 ? std::string("its process is stopped (T)")
+                                                   : std::string();
+                               });
+  EXPECT_TRUE(contains(m, "rank 0 (pid 100 on " + detail::this_host() +
+                              ") did not arrive: its process is stopped (T)"))
+      << m;
+  m = detail::describe_failure("x", "timed out", 20.1, 20s, three_peers("h"), 2, alive, &c, none);
+  EXPECT_TRUE(contains(m, "the store did not answer either, so rank 0 (pid 100 on ")) << m;
+  EXPECT_EQ(detail::process_state(::getpid()), "");
+}
+
 TEST(CommFailureText, UnconnectedRanksAreNamedWithTheirProcess) {
   RendezvousInfo info;
   info.rank = 0;
@@ -313,6 +344,107 @@ TEST(CommFailureTest, ALaneThatFailsToConnectLeavesItsCommunicatorWhole) {
         EXPECT_EQ(t[0].item<float>(), 2.0f);
       },
       opt);
+}
+
+// A rank stopped by SIGSTOP keeps its connections open: the others' all-reduce times out, and
+// every waiting rank names it, its pid and its state (before: "a peer rank is hung ...", no
+// rank). Rank 0 serves the store: when it is the stopped one the store cannot answer the census,
+// and its state alone names it.
+class HungPeer : public ::testing::TestWithParam<int> {};
+
+TEST_P(HungPeer, IsNamedWhenTheOthersTimeOut) {
+  const int hung = GetParam();
+  RunOptions opt;
+  opt.collective_timeout_s = 3;
+  opt.expect_failure = true;
+  auto res = run_ranks(
+      4,
+      [hung](Rank& r) {
+        auto c = r.world();
+        c->barrier().wait();
+        if (c->rank() == hung) {
+          ::raise(SIGSTOP);  // until another rank kills it
+          return;
+        }
+        const auto start = Clock::now();
+        std::string m;
+        try {
+          auto t = at::ones({4});
+          c->all_reduce(t, ReduceOp::kSum).wait();
+          ADD_FAILURE() << "the all-reduce completed without rank " << hung;
+        } catch (const CommError& e) {
+          m = e.what();
+        }
+        const auto& p = c->peers()[hung];
+        EXPECT_TRUE(contains(m, "did not complete within 3 s")) << m;
+        EXPECT_TRUE(contains(m, detail::cat("rank ", hung, " (pid ", p.pid, " on ", p.host,
+                                            ") did not arrive: its process is stopped (SIGSTOP")))
+            << m;
+        for (int other = 0; other < 4; ++other) {
+          if (other != hung) {
+            EXPECT_FALSE(contains(m, detail::cat("rank ", other, " (pid"))) << m;
+          }
+        }
+        EXPECT_LT(seconds_since(start), 3 + 5 + 2) << m;  // the limit, the census, slack
+        std::printf("rank %d saw: %s\n", c->rank(), m.c_str());
+        // One rank ends the stopped one, once every waiting rank has written its message (they
+        // time out within milliseconds of each other; a rank still describing its failure would
+        // see a dead process instead).
+        if (c->rank() == (hung + 1) % 4) {
+          std::this_thread::sleep_for(3s);
+          ::kill(static_cast<pid_t>(p.pid), SIGKILL);
+        }
+      },
+      opt);
+  if (in_rank_process()) return;
+  EXPECT_FALSE(res.timed_out);
+  EXPECT_EQ(res.exit_codes[hung], 128 + SIGKILL);
+  for (int r = 0; r < 4; ++r) {
+    if (r != hung) {
+      EXPECT_EQ(res.exit_codes[r], 0) << res.output[r];
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, HungPeer, ::testing::Values(2, 0));
+
+// Two hand-launched jobs given the same MASTER_PORT: a second job's rank 1 reaches the first
+// job's store and stops at once, naming the address, the rank already held and the process holding
+// it (before: it joined, then failed 30 s later naming neither); a rank of another world size is
+// told the store's job size; the second job's rank 0 is told the port is in use. The first job
+// goes on unharmed.
+TEST(CommFailureTest, ASecondJobOnTheSamePortIsToldSo) {
+  run_ranks(2, [](Rank& r) {
+    auto c = r.world();
+    if (r.rank == 0) {
+      const std::string where =
+          detail::cat(std::getenv("MASTER_ADDR"), ":", std::getenv("MASTER_PORT"));
+      auto second = [&](const char* rank, const char* size) {
+        return run_process({bin_dir() + "/fsdp-example"}, 60s,
+                           {{"RANK", rank}, {"WORLD_SIZE", size}, {"FSDP_TIMEOUT_S", "20"}});
+      };
+      auto p = second("1", "2");
+      EXPECT_NE(p.exit_code, 0) << p.output;
+      EXPECT_TRUE(contains(p.output, detail::cat("rendezvous failed for rank 1 of 2 at ", where,
+                                                 ": rank 1 has already joined this store as pid ",
+                                                 c->peers()[1].pid)))
+          << p.output;
+      EXPECT_TRUE(contains(p.output, "belongs to another job")) << p.output;
+      EXPECT_TRUE(contains(p.output, "give each job its own MASTER_PORT")) << p.output;
+      EXPECT_LT(p.seconds, 10) << p.output;
+      p = second("2", "3");
+      EXPECT_TRUE(contains(p.output, "this store serves a job of 2 ranks")) << p.output;
+      EXPECT_TRUE(contains(p.output, "not 3")) << p.output;
+      p = second("0", "2");
+      EXPECT_TRUE(contains(p.output, detail::cat("port ", std::getenv("MASTER_PORT"),
+                                                 " is already in use on this host")))
+          << p.output;
+    }
+    c->barrier().wait();
+    auto t = at::ones({2});
+    c->all_reduce(t, ReduceOp::kSum).wait();
+    EXPECT_EQ(t[0].item<float>(), 2.0f);
+  });
 }
 
 std::atomic<int> g_flag_signal{0};

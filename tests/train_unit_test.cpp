@@ -261,6 +261,39 @@ TEST(TrainConfig, ValidationNamesTheSetting) {
   EXPECT_NO_THROW(k.validate_world(4));  // shard groups of 2
 }
 
+// CLI11 2.1 clamps what does not fit (strtoll): --steps 99999999999999999999 became 2^63-1 and the
+// run started. Integer flags and config keys are refused by name instead; what fits still parses
+// (CLI11's own bases included).
+TEST(TrainConfig, IntegersThatDoNotFitAreRefused) {
+  auto r = parse_args({"fsdp-train", "--steps", "99999999999999999999"});
+  EXPECT_FALSE(r.config.has_value());
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.message.find("--steps: 99999999999999999999 is out of range: the value must be at "
+                           "most 9223372036854775807"),
+            std::string::npos)
+      << r.message;
+  r = parse_args({"fsdp-train", "--warmup", "-99999999999999999999"});
+  EXPECT_NE(r.message.find("--warmup: -99999999999999999999 is out of range"), std::string::npos)
+      << r.message;
+  r = parse_args({"fsdp-train", "--seed", "-1"});
+  EXPECT_NE(r.message.find("--seed: -1 is negative"), std::string::npos) << r.message;
+  r = parse_args({"fsdp-train", "--seed", "18446744073709551616"});
+  EXPECT_NE(r.message.find("--seed: 18446744073709551616 is out of range"), std::string::npos)
+      << r.message;
+  r = parse_args({"fsdp-train", "--nproc", "99999999999999999999"});
+  EXPECT_FALSE(r.config.has_value()) << "an int flag";
+  const auto file = write_file("huge.toml", "steps = \"99999999999999999999\"\n");
+  const auto msg = error_of([&] { parse_args({"fsdp-train", "--config", file}); });
+  EXPECT_NE(msg.find("key 'steps' = '99999999999999999999' is invalid"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("is out of range"), std::string::npos) << msg;
+  r = parse_args({"fsdp-train", "--steps", "9223372036854775807", "--seed",
+                  "18446744073709551615", "--warmup", "0x10"});
+  ASSERT_TRUE(r.config.has_value()) << r.message;
+  EXPECT_EQ(r.config->steps, INT64_MAX);
+  EXPECT_EQ(r.config->seed, UINT64_MAX);
+  EXPECT_EQ(r.config->warmup, 16);
+}
+
 TEST(TrainConfig, JsonRoundTrip) {
   auto r = parse_args({"fsdp-train", "--steps", "9", "--prompt", "Hi \"there\""});
   ASSERT_TRUE(r.config.has_value());
@@ -642,13 +675,12 @@ void fake_checkpoint(const std::string& run_dir, int64_t step, const TrainConfig
   std::snprintf(name, sizeof name, "/step_%08lld", static_cast<long long>(step));
   const std::string d = run_dir + name;
   std::filesystem::create_directories(d);
-  std::ofstream(d + "/rank0.safetensors") << "12345678";
+  // A real (empty) safetensors file with its checksums: --resume auto reads it against them.
   checkpoint::Index idx;
   idx.world_size = 1;
   checkpoint::FileEntry f;
   f.name = "rank0.safetensors";
-  f.sums.file_bytes = 8;
-  f.sums.blocks = {0};
+  f.sums = safetensors::write(d + "/rank0.safetensors", {}, {{"format", "pt"}});
   idx.files.push_back(f);
   idx.state.step = step;
   idx.state.data_position = step;
@@ -726,7 +758,7 @@ TEST(Resume, DamagedLatestIsReportedThenFallsBackButANamedOneNever) {
   EXPECT_NE(plan.from->skipped[1].find("step_00000006 is damaged: checkpoint index"),
             std::string::npos)
       << plan.from->skipped[1];
-  EXPECT_NE(plan.from->skipped[2].find("rank0.safetensors has 3 bytes, the index says 8"),
+  EXPECT_NE(plan.from->skipped[2].find("rank0.safetensors has 3 bytes, the index says "),
             std::string::npos)
       << plan.from->skipped[2];
   // Named explicitly: an error, no fallback.
@@ -758,6 +790,32 @@ TEST(Resume, AutoStartsWhenEmptyAndResumesOtherwise) {
               parsed({"--resume", "auto"});
             }).find("give --run-dir DIR"),
             std::string::npos);
+  // A newer checkpoint damaged inside (same size, one byte changed): auto reads the checksums and
+  // passes over it, naming it; RUN_DIR takes it (the load would then stop, saying so).
+  fake_checkpoint(run, 6, parsed({"--run-dir", run, "--steps", "9"}), {});
+  {
+    std::fstream f(run + "/step_00000006/rank0.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(9);
+    f.put('X');
+  }
+  plan = plan_run(parsed({"--resume", "auto", "--run-dir", run}));
+  ASSERT_TRUE(plan.from.has_value());
+  EXPECT_EQ(plan.from->step, 4);
+  ASSERT_EQ(plan.from->skipped.size(), 1u);
+  EXPECT_NE(plan.from->skipped[0].find("step_00000006 is damaged: "), std::string::npos)
+      << plan.from->skipped[0];
+  EXPECT_EQ(plan_run(parsed({"--resume", run})).from->step, 6);
+  // An index that names another step than its directory: refused by name, passed over.
+  fake_checkpoint(run, 8, parsed({"--run-dir", run, "--steps", "9"}), {});
+  std::filesystem::rename(run + "/step_00000008", run + "/step_00000007");
+  const RunPlan renamed = plan_run(parsed({"--resume", run}));
+  EXPECT_EQ(renamed.from->step, 6);
+  ASSERT_FALSE(renamed.from->skipped.empty());
+  EXPECT_NE(renamed.from->skipped[0].find("index.json says step 8, but the directory is named "
+                                          "for step 7"),
+            std::string::npos)
+      << renamed.from->skipped[0];
 }
 
 TEST(Resume, KeepLastRemovesOlderCheckpoints) {

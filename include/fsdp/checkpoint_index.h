@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -74,5 +75,13 @@ std::string index_to_json(const Index& index);
 
 // The file name of rank k's shards.
 std::string rank_file_name(int rank);
+
+// The step a step directory's name stands for ("RUN/step_00000300" -> 300; a trailing '/' is
+// ignored), or nullopt for any other name.
+std::optional<int64_t> step_of_dir(const std::string& ckpt_dir);
+// Throws fsdp::Error when `ckpt_dir` is named for another step than its index holds (an edited
+// index or a renamed directory: which step the weights belong to is unknown, and a resumed run
+// would continue them as the wrong step, then overwrite the real one).
+void check_index_step(const Index& index, const std::string& ckpt_dir);
 
 }  // namespace fsdp::checkpoint

@@ -29,6 +29,8 @@ struct RendezvousInfo {
   // prefix "/worker/attempt_<restart_count>" like PyTorch's env:// rendezvous.
   bool agent_store = false;
   int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: the attempt of a --max_restarts job
+  // TORCHELASTIC_RUN_ID is set: torchrun's elastic agent started this process (it is our parent)
+  bool elastic_agent = false;
 };
 
 // Reads the rendezvous from an environment lookup (getenv by default). Throws fsdp::Error naming
@@ -47,6 +49,10 @@ struct InitOptions {
   // 128 + signal, 130 for Ctrl-C) whatever handler the program installed; the program's handlers
   // are restored afterwards. false leaves the signals alone.
   bool exit_on_signal_during_rendezvous = true;
+  // Under torchrun: when its elastic agent (this process's parent, which serves the store) exits,
+  // say so on stderr and stop this rank as a SIGTERM would, instead of training on as an orphan
+  // (exit after 30 s if it is still alive). false leaves the rank alone.
+  bool stop_when_launcher_exits = true;
 };
 
 // Connects this process to its peers: a TCPStore at MASTER_ADDR:MASTER_PORT (served by rank 0, or

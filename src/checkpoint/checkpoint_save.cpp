@@ -11,6 +11,8 @@
 #include <fsdp/state_dict.h>
 
 #include <algorithm>
+#include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -20,6 +22,7 @@
 #include "checkpoint/checkpoint_common.h"
 #include "checkpoint/hex.h"
 #include "checkpoint/optim_state.h"
+#include "checkpoint/save_phases.h"
 #include "checkpoint/test_hooks.h"
 #include "core/explicit_collective.h"
 
@@ -34,10 +37,16 @@ using namespace internal;
 namespace test_hooks {
 namespace {
 std::optional<int> g_fail_after_files;
+std::optional<SavePoint> g_kill_at;
+std::chrono::milliseconds g_delay{0};
 }  // namespace
 void fail_next_save_after_files(int n) { g_fail_after_files = n; }
-std::optional<int> take_fail_after_files() {
-  return std::exchange(g_fail_after_files, std::nullopt);
+void kill_next_save_at(SavePoint point) { g_kill_at = point; }
+void delay_next_async_write(std::chrono::milliseconds delay) { g_delay = delay; }
+Taken take() {
+  Taken t{std::exchange(g_fail_after_files, std::nullopt), std::exchange(g_kill_at, std::nullopt),
+          std::exchange(g_delay, std::chrono::milliseconds(0))};
+  return t;
 }
 }  // namespace test_hooks
 
@@ -122,55 +131,8 @@ Index build_index(const std::vector<std::string>& manifests, const std::string& 
   return idx;
 }
 
-// What one rank writes: its shards' rows (and their optimizer state), and on rank 0 the buffers.
-struct RankFile {
-  std::vector<at::Tensor> keep;  // the host copies the views point into
-  std::vector<st::TensorView> views;
-  std::vector<std::pair<int64_t, int64_t>> rows;
-  std::vector<int64_t> dims;
-  std::vector<std::vector<int64_t>> shapes;
-  std::vector<bool> replicated;
-
-  void add(const std::string& name, at::Tensor host, std::pair<int64_t, int64_t> r, int64_t dim,
-           std::vector<int64_t> shape, bool repl) {
-    keep.push_back(std::move(host));
-    views.push_back(st::view_of(name, keep.back()));
-    rows.push_back(r);
-    dims.push_back(dim);
-    shapes.push_back(std::move(shape));
-    replicated.push_back(repl);
-  }
-
-  // A shard's rows (of dim info.dim) under `name`; an empty shard contributes no piece. A 0-d
-  // tensor is one row, written as shape [1] like a sharded 0-d parameter's shard: an ignored
-  // parameter (and its optimizer state) is the whole 0-d tensor, which the pieces' shapes in the
-  // index and every reader take as one row.
-  void add_rows(const std::string& name, const at::Tensor& t, const ShardInfo& info) {
-    at::Tensor c = t.detach().contiguous().cpu();
-    if (c.dim() == 0) c = c.reshape({1});
-    const int64_t n = c.size(info.dim);
-    if (n == 0) return;
-    add(name, c, {info.row_offset, info.row_offset + n}, info.dim, info.global_shape, false);
-  }
-};
-
-RankFile collect(const FSDPModule& root, torch::optim::Optimizer* opt, OptKind kind, int rank) {
-  RankFile out;
-  for (const auto& info : root.shards()) {
-    if (info.ignored && rank != 0) continue;  // whole on every rank: rank 0's rows are the entry
-    std::vector<std::pair<std::string, at::Tensor>> state_rows;
-    std::optional<int64_t> step;
-    state_of(opt, kind, info.shard, &state_rows, &step);
-    out.add_rows(info.name, info.shard, info);
-    for (const auto& [suffix, t] : state_rows) out.add_rows(info.name + "::" + suffix, t, info);
-    if (step)
-      out.add(info.name + "::step", at::scalar_tensor(*step, at::kLong), {0, 1}, 0, {}, true);
-  }
-  if (rank == 0) {
-    for (const auto& [name, b] : named_buffers(root))
-      out.add(name, b.detach().contiguous().cpu(), {0, 1}, 0, b.sizes().vec(), true);
-  }
-  return out;
+void maybe_kill(const test_hooks::Taken& hooks, test_hooks::SavePoint here) {
+  if (hooks.kill_at == here) ::raise(SIGKILL);
 }
 
 std::string save_shards(const std::string& dir, const FSDPModule& root,
@@ -213,57 +175,150 @@ std::string save(const std::string& dir, const FSDPModule& root, torch::optim::O
 namespace {
 std::string save_shards(const std::string& dir, const FSDPModule& root,
                         torch::optim::Optimizer* opt, const TrainState& state, Communicator& comm) {
-  OptKind kind = kind_of(opt);
   FSDP_CHECK(state.step >= 0, "checkpoint save: step ", state.step, " is negative");
+  const auto hooks = test_hooks::take();
+  // Buffers are saved from rank 0: say so when the ranks' copies differ (collective).
+  check_buffers_agree(root, cat("checkpoint save '", dir, "/", step_dir_name(state.step),
+                                "' keeps rank 0's values"));
+  RankFile file;
+  const std::string error = detail::error_of([&] { file = collect(root, opt, comm.rank(), nullptr); });
+  return commit_files(dir, file, state, comm, error, hooks);
+}
+}  // namespace
+}  // namespace fsdp::checkpoint
+
+// ---- the phases (save_phases.h) ----
+namespace fsdp::checkpoint::internal {
+
+at::Tensor Staging::copy(size_t slot, const at::Tensor& src) {
+  at::Tensor t = src.detach();
+  if (t.dim() == 0) t = t.reshape({1});
+  if (slot >= buffers_.size()) buffers_.resize(slot + 1);
+  at::Tensor& buf = buffers_[slot];
+  if (!buf.defined() || buf.sizes() != t.sizes() || buf.scalar_type() != t.scalar_type()) {
+    // Pinned host memory lets a CUDA source copy at full bus speed; a CPU source needs none.
+    buf = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.is_cuda()));
+  }
+  buf.copy_(t);
+  return buf;
+}
+
+void Staging::trim(size_t used) {
+  if (buffers_.size() > used) buffers_.resize(used);
+}
+
+uint64_t Staging::bytes() const {
+  uint64_t n = 0;
+  for (const auto& b : buffers_)
+    if (b.defined()) n += static_cast<uint64_t>(b.numel()) * b.element_size();
+  return n;
+}
+
+void RankFile::add(const std::string& name, at::Tensor host, std::pair<int64_t, int64_t> r,
+                   int64_t dim, std::vector<int64_t> shape, bool repl) {
+  keep.push_back(std::move(host));
+  views.push_back(st::view_of(name, keep.back()));
+  rows.push_back(r);
+  dims.push_back(dim);
+  shapes.push_back(std::move(shape));
+  replicated.push_back(repl);
+}
+
+RankFile collect(const FSDPModule& root, torch::optim::Optimizer* opt, int rank,
+                 Staging* staging) {
+  RankFile out;
+  out.kind = kind_of(opt);
+  size_t slot = 0;
+  // A host copy of t: a staged copy, or t itself where it already is a contiguous CPU tensor.
+  auto host = [&](const at::Tensor& t) {
+    if (staging) return staging->copy(slot++, t);
+    at::Tensor c = t.detach().contiguous().cpu();
+    return c.dim() == 0 ? c.reshape({1}) : c;
+  };
+  // A shard's rows (of dim info.dim) under `name`; an empty shard contributes no piece. A 0-d
+  // tensor is one row, written as shape [1] like a sharded 0-d parameter's shard: an ignored
+  // parameter (and its optimizer state) is the whole 0-d tensor, which the pieces' shapes in the
+  // index and every reader take as one row.
+  auto add_rows = [&](const std::string& name, const at::Tensor& t, const ShardInfo& info) {
+    const int64_t n = t.dim() == 0 ? 1 : t.size(info.dim);
+    if (n == 0) return;
+    out.add(name, host(t), {info.row_offset, info.row_offset + n}, info.dim, info.global_shape,
+            false);
+  };
+  for (const auto& info : root.shards()) {
+    if (info.ignored && rank != 0) continue;  // whole on every rank: rank 0's rows are the entry
+    std::vector<std::pair<std::string, at::Tensor>> state_rows;
+    std::optional<int64_t> step;
+    state_of(opt, out.kind, info.shard, &state_rows, &step);
+    add_rows(info.name, info.shard, info);
+    for (const auto& [suffix, t] : state_rows) add_rows(info.name + "::" + suffix, t, info);
+    if (step)
+      out.add(info.name + "::step", at::scalar_tensor(*step, at::kLong), {0, 1}, 0, {}, true);
+  }
+  if (rank == 0) {
+    for (const auto& [name, b] : named_buffers(root)) {
+      at::Tensor h = staging ? staging->copy(slot++, b) : b.detach().contiguous().cpu();
+      if (b.dim() == 0) h = h.reshape({});  // a buffer keeps its own shape
+      out.add(name, h, {0, 1}, 0, b.sizes().vec(), true);
+    }
+  }
+  if (staging) staging->trim(slot);
+  return out;
+}
+
+std::string commit_files(const std::string& dir, const RankFile& file, const TrainState& state,
+                         Communicator& comm, const std::string& prior_error,
+                         const test_hooks::Taken& hooks) {
   const std::string ckpt = dir + "/" + step_dir_name(state.step);
   const int rank = comm.rank();
+  using test_hooks::SavePoint;
 
   // 1. Rank 0 prepares the directory and withdraws an older index of the same step, so that a
   //    half-rewritten step can never look complete.
   //    Temporaries of killed saves go too: no rank writes before this step's agreement.
-  agree(comm, rank != 0 ? std::string() : detail::error_of([&] {
-          fs::create_directories(ckpt);
-          fs::remove(fs::path(ckpt) / kIndexFile);
-          remove_stale_temporaries(dir);
-        }),
-        "save");
-
-  // Buffers are saved from rank 0: say so when the ranks' copies differ (collective).
-  check_buffers_agree(root, cat("checkpoint save '", ckpt, "' keeps rank 0's values"));
+  std::string error = prior_error;
+  if (rank == 0 && error.empty()) {
+    error = detail::error_of([&] {
+      fs::create_directories(ckpt);
+      fs::remove(fs::path(ckpt) / kIndexFile);
+      remove_stale_temporaries(dir);
+    });
+  }
+  agree(comm, error, "save");
+  maybe_kill(hooks, SavePoint::kBeforeFiles);
 
   // 2. Every rank writes its file.
-  RankFile file;
   st::Checksums sums;
-  const std::optional<int> fail_after = test_hooks::take_fail_after_files();
-  std::string error = detail::error_of([&] {
-    file = collect(root, opt, kind, rank);
-    if (!fail_after || rank < *fail_after) {
+  error = detail::error_of([&] {
+    if (!hooks.fail_after_files || rank < *hooks.fail_after_files) {
       sums = st::write(ckpt + "/" + rank_file_name(rank), file.views,
                        {{"format", "pt"},
                         {"fsdp_rank", std::to_string(rank)},
                         {"fsdp_world_size", std::to_string(comm.size())}});
     }
   });
+  maybe_kill(hooks, SavePoint::kFileInPlace);
   agree(comm, error, "save");
-  if (fail_after) {
+  if (hooks.fail_after_files) {
     throw Error(cat("checkpoint save '", ckpt,
-                    "' interrupted by the test hook fail_next_save_after_files(", *fail_after,
-                    ") after the rank files, before the index"));
+                    "' interrupted by the test hook fail_next_save_after_files(",
+                    *hooks.fail_after_files, ") after the rank files, before the index"));
   }
 
   // 3. Rank 0 writes the index last.
   auto manifests = detail::all_gather_strings(
       comm,
       local_manifest(file.views, file.rows, file.dims, file.shapes, file.replicated, sums).dump());
+  maybe_kill(hooks, SavePoint::kBeforeIndex);
   error = rank != 0 ? std::string() : detail::error_of([&] {
-    Index idx = build_index(manifests, kind_name(kind), state, ckpt);
+    Index idx = build_index(manifests, kind_name(file.kind), state, ckpt);
     std::string text = index_to_json(idx);
     parse_index(text, ckpt + "/" + kIndexFile);  // what we write must pass our own validation
     write_text_atomic(ckpt + "/" + kIndexFile, text);
   });
   agree(comm, error, "save");
+  maybe_kill(hooks, SavePoint::kAfterCommit);
   return ckpt;
 }
-}  // namespace
 
-}  // namespace fsdp::checkpoint
+}  // namespace fsdp::checkpoint::internal

@@ -294,4 +294,24 @@ std::string index_to_json(const Index& idx) {
   return j.dump(1) + "\n";
 }
 
+std::optional<int64_t> step_of_dir(const std::string& ckpt_dir) {
+  std::string d = ckpt_dir;
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  const std::string name = d.substr(d.find_last_of('/') + 1);
+  if (name.rfind("step_", 0) != 0 || name.size() <= 5 || name.size() > 5 + 18) return std::nullopt;
+  for (size_t i = 5; i < name.size(); ++i)
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+  return std::stoll(name.substr(5));
+}
+
+void check_index_step(const Index& index, const std::string& ckpt_dir) {
+  const auto named = step_of_dir(ckpt_dir);
+  FSDP_CHECK(!named || *named == index.state.step, "checkpoint '", ckpt_dir, "': ", kIndexFile,
+             " says step ", index.state.step, ", but the directory is named for step ", *named,
+             ": the index was edited or the directory renamed, so the step of these weights is "
+             "unknown (a resumed run would continue them as step ",
+             index.state.step, "). Restore the original index, or rename the directory to "
+             "match it if the index is right");
+}
+
 }  // namespace fsdp::checkpoint

@@ -22,6 +22,7 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
                     "incomplete ones)"));
   }
   index_ = parse_index(st::read_text(path, kMaxIndexBytes), path);
+  check_index_step(index_, dir_);
 }
 
 st::File& CheckpointReader::file(int rank) {

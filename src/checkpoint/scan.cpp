@@ -51,6 +51,7 @@ std::optional<std::string> defect(const std::string& ckpt_dir) {
   Index idx;
   try {
     idx = parse_index(st::read_text(index_path, kMaxIndexBytes), index_path);
+    check_index_step(idx, ckpt_dir);
   } catch (const Error& e) {
     return cat("damaged: ", without_prefix(e.what()));
   }

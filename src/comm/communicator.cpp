@@ -166,6 +166,8 @@ Work Communicator::Impl::make_work(std::vector<c10::intrusive_ptr<c10d::Work>> w
   w->peers = peers;
   w->rank = rank;
   w->group = store.get();
+  w->store = store;
+  w->size = size;
   w->what = detail::cat(op, " of ", bytes, " bytes on communicator '", name, "' (rank ", rank,
                         " of ranks 0..", size - 1, ")");
   stats->collectives++;

@@ -21,6 +21,44 @@ std::string seconds(double s) {
   return os.str();
 }
 
+// A timeout's suspects: the ranks that did not arrive (the census) and the peers of this host in
+// an abnormal state, as "rank 2 (pid 7 on h) did not arrive: its process is stopped (...)";
+// "" when the census is missing and no local peer is in such a state.
+std::string hung_ranks(const std::vector<PeerInfo>& peers, int self, const Census* census,
+                       const std::function<std::string(int64_t)>& state,
+                       std::chrono::milliseconds timeout) {
+  const auto state_of = state ? state : process_state;
+  const std::string host = this_host();
+  std::vector<std::string> named;
+  for (size_t i = 0; i < peers.size(); ++i) {
+    const PeerInfo& p = peers[i];
+    if (static_cast<int>(i) == self) continue;
+    const bool absent = census && census->complete &&
+                        std::find(census->absent.begin(), census->absent.end(),
+                                  static_cast<int>(i)) != census->absent.end();
+    const std::string st = p.host == host ? state_of(p.pid) : std::string();
+    if (!absent && st.empty()) continue;
+    named.push_back(cat("rank ", p.rank, " (pid ", p.pid, " on ", p.host, ") did not arrive",
+                        st.empty() ? std::string() : ": " + st));
+  }
+  std::string out;
+  for (size_t i = 0; i < named.size(); ++i) out += (i ? "; " : "") + named[i];
+  if (!out.empty()) {
+    if (census && census->complete)
+      out += cat(" (every other rank reported waiting within ",
+                 seconds(census_grace(timeout).count() / 1000.0), " s)");
+    return out;
+  }
+  if (census && census->complete && census->absent.empty())
+    return "every rank reached a collective of this communicator, so they issued different "
+           "collectives (or a collective's data did not get through)";
+  if (census && !census->complete && !peers.empty())
+    return cat("the store did not answer either, so rank ", peers[0].rank, " (pid ",
+               peers[0].pid, " on ", peers[0].host,
+               "), which serves it unless a launcher's agent does, is likely hung");
+  return {};
+}
+
 }  // namespace
 
 bool process_alive(int64_t pid) {
@@ -71,7 +109,9 @@ Suspects suspect_ranks(const std::string& cause, const std::vector<PeerInfo>& pe
 
 std::string describe_failure(const std::string& what, const std::string& cause, double elapsed_s,
                              std::chrono::milliseconds timeout, const std::vector<PeerInfo>& peers,
-                             int self, const std::function<bool(int64_t pid)>& alive) {
+                             int self, const std::function<bool(int64_t pid)>& alive,
+                             const Census* census,
+                             const std::function<std::string(int64_t pid)>& state) {
   const FailureKind kind = classify_failure(cause);
   const Suspects suspects = suspect_ranks(cause, peers, self, alive);
   const auto& ranks = suspects.ranks;
@@ -101,16 +141,21 @@ std::string describe_failure(const std::string& what, const std::string& cause, 
               " output for the error that stopped it; no message there means it was killed (the "
               "OOM killer: dmesg; a launcher or scheduler limit).");
       break;
-    case FailureKind::kTimeout:
+    case FailureKind::kTimeout: {
+      const std::string hung =
+          ranks.empty() && census ? hung_ranks(peers, self, census, state, timeout) : std::string();
       out = cat(what, " did not complete within ", limit, ": no peer connection failed, ",
-                ranks.empty() ? std::string("so a peer rank is hung, slower than the limit, "
-                                            "unreachable (the network between the hosts), or "
-                                            "issued a different collective")
-                              : cat(who, verb, " exited without closing its connections"),
+                !ranks.empty() ? cat(who, verb, " exited without closing its connections")
+                : !hung.empty()
+                    ? "and " + hung
+                    : std::string("so a peer rank is hung, slower than the limit, "
+                                  "unreachable (the network between the hosts), or "
+                                  "issued a different collective"),
                 ". Every rank must issue the same collectives in the same order; check the other "
                 "ranks' output, and raise the limit with FSDP_TIMEOUT_S if a step legitimately "
                 "takes longer.");
       break;
+    }
     case FailureKind::kOther:
       out = cat(what, " failed after ", seconds(elapsed_s), " s (limit ", limit, ")",
                 ranks.empty() ? std::string() : cat("; ", who, verb, " exited"),

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "timeout_census.h"
+
 namespace fsdp::detail {
 
 enum class FailureKind {
@@ -33,10 +35,14 @@ Suspects suspect_ranks(const std::string& cause, const std::vector<PeerInfo>& pe
                        const std::function<bool(int64_t pid)>& alive);
 
 // The whole message for a failed wait of `what` ("all_gather of 8192 bytes on communicator
-// 'world' (rank 0 of ranks 0..1)") after `elapsed_s`, with limit `timeout`.
+// 'world' (rank 0 of ranks 0..1)") after `elapsed_s`, with limit `timeout`. For a timeout,
+// `census` (when given) says which ranks did not arrive, and `state` (process_state by default)
+// what a peer process of this host is doing: they are named as a dead peer is.
 std::string describe_failure(const std::string& what, const std::string& cause, double elapsed_s,
                              std::chrono::milliseconds timeout, const std::vector<PeerInfo>& peers,
-                             int self, const std::function<bool(int64_t pid)>& alive = nullptr);
+                             int self, const std::function<bool(int64_t pid)>& alive = nullptr,
+                             const Census* census = nullptr,
+                             const std::function<std::string(int64_t pid)>& state = nullptr);
 
 // "rank 3" or "ranks 1, 2" for failure messages.
 std::string rank_list(const std::vector<int>& ranks);

@@ -13,6 +13,7 @@
 #include "address.h"
 #include "compat.h"
 #include "failure.h"
+#include "launcher_watch.h"
 #include "mesh_connect.h"
 #include "rendezvous_keys.h"
 #include "signals.h"
@@ -46,12 +47,52 @@ std::string rendezvous_error(const RendezvousInfo& info, std::chrono::millisecon
                      derived);
 }
 
+// "host\npid\nworld size": who claimed a rank, or the job's size (job_key).
+std::vector<uint8_t> claim_token(const RendezvousInfo& info) {
+  const std::string t = detail::cat(detail::this_host(), "\n", ::getpid(), "\n", info.world_size);
+  return std::vector<uint8_t>(t.begin(), t.end());
+}
+
+// [Note: a foreign job at the rendezvous] Two jobs given the same MASTER_ADDR:MASTER_PORT: the
+// second job's rank 0 cannot serve the port, but its other ranks reach the first job's store and
+// used to join it (then failed 30 s later in a shared-memory error naming neither). Each rank
+// therefore claims its number with compareSet, which exactly one process wins, and the first rank
+// to arrive records the job's world size, which every later one compares with its own: a rank
+// number already held by another process, or another world size, is another job's store.
+void claim_rank(c10d::Store& store, const RendezvousInfo& info) {
+  const auto mine = claim_token(info);
+  const auto held = store.compareSet(detail::arrived_key(info.rank), {}, mine);
+  const auto job = store.compareSet(detail::job_key(), {}, mine);
+  auto field = [](const std::vector<uint8_t>& token, int i) {
+    std::string s(token.begin(), token.end());
+    for (; i > 0; --i) s = s.substr(std::min(s.size(), s.find('\n') + 1));
+    return s.substr(0, s.find('\n'));
+  };
+  const std::string where = detail::cat(info.master_addr, ":", info.master_port);
+  const std::string fix = detail::cat(
+      "; the store at ", where,
+      " belongs to another job (or this rank was started twice): give each job its own "
+      "MASTER_PORT (", info.master_port_from, "), e.g. a free port");
+  if (held != mine) {
+    throw CommError(detail::cat("rendezvous failed for rank ", info.rank, " of ", info.world_size,
+                                " at ", where, ": rank ", info.rank,
+                                " has already joined this store as pid ", field(held, 1), " on ",
+                                field(held, 0), " (of a job of ", field(held, 2), " ranks)", fix));
+  }
+  if (field(job, 2) != std::to_string(info.world_size)) {
+    throw CommError(detail::cat("rendezvous failed for rank ", info.rank, " of ", info.world_size,
+                                " at ", where, ": this store serves a job of ", field(job, 2),
+                                " ranks (its first rank to arrive was pid ", field(job, 1), " on ",
+                                field(job, 0), "), not ", info.world_size, fix));
+  }
+}
+
 // Every rank checks in on the store and waits until all have, so a missing rank is reported as
 // such (by number) on every rank that did join, after `timeout`, before any process group is built.
 void wait_for_all(c10d::Store& store, const RendezvousInfo& info, std::chrono::milliseconds timeout,
                   std::chrono::steady_clock::time_point deadline) {
   try {
-    store.set(detail::arrived_key(info.rank), std::vector<uint8_t>{1});
+    claim_rank(store, info);
     int64_t joined = store.add(detail::joined_key(), 1);
     while (joined < info.world_size) {
       if (std::chrono::steady_clock::now() >= deadline) {
@@ -166,6 +207,7 @@ RendezvousInfo parse_rendezvous_env(const std::function<const char*(const char*)
   // the value with "True" exactly.
   if (const char* a = env("TORCHELASTIC_USE_AGENT_STORE"))
     info.agent_store = std::string(a) == "True";
+  info.elastic_agent = info.source == "torchrun" && env("TORCHELASTIC_RUN_ID") != nullptr;
   if (const char* c = env("TORCHELASTIC_RESTART_COUNT"))
     info.restart_count = detail::parse_env_int("TORCHELASTIC_RESTART_COUNT", c, 0, 1 << 20);
   return info;
@@ -187,6 +229,7 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   const std::string backend = compat::resolve_backend(options.backend);
   detail::ignore_sigpipe();
+  if (options.stop_when_launcher_exits) detail::watch_launcher(info);
   detail::ExitOnSignal interruptible(options.exit_on_signal_during_rendezvous &&
                                      info.world_size > 1);
   c10::intrusive_ptr<c10d::Store> store;
@@ -205,7 +248,13 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
     try {
       store = compat::make_tcp_store(info.master_addr, o);
     } catch (const std::exception& e) {
-      throw CommError(rendezvous_error(info, timeout, "connecting to the store", e.what()));
+      std::string what = e.what();
+      if (o.isServer && (what.find("ddress already in use") != std::string::npos ||
+                         what.find("EADDRINUSE") != std::string::npos))
+        what = detail::cat("port ", info.master_port, " is already in use on this host (another "
+                           "job, or a process that has not exited yet): give this job its own "
+                           "MASTER_PORT");
+      throw CommError(rendezvous_error(info, timeout, "connecting to the store", what));
     }
     if (info.agent_store) {
       // One key space per attempt: a restarted job must not see the previous attempt's keys.

@@ -2,6 +2,7 @@
 #include <fsdp/trace.h>
 
 #include <map>
+#include <optional>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
@@ -100,9 +101,16 @@ void Work::wait(std::chrono::milliseconds timeout) {
       cause = cause.substr(0, cause.find('\n'));
       // The collective is lost: waiting again must neither hang nor pass as a success.
       impl_->done = true;
-      impl_->error =
-          detail::describe_failure(impl_->what, cause, (trace::now_us() - impl_->issued_us) * 1e-6,
-                                   timeout, *impl_->peers, impl_->rank);
+      const double elapsed_s = (trace::now_us() - impl_->issued_us) * 1e-6;
+      // A timeout names nobody by itself: ask which ranks are waiting too (timeout_census.h).
+      // Only the first failure of a group does (later waits fail at once, above).
+      std::optional<detail::Census> census;
+      if (detail::classify_failure(cause) == detail::FailureKind::kTimeout)
+        census = detail::census_of(impl_->store, impl_->lane, impl_->rank, impl_->size,
+                                   detail::census_grace(timeout));
+      impl_->error = detail::describe_failure(impl_->what, cause, elapsed_s, timeout,
+                                              *impl_->peers, impl_->rank, nullptr,
+                                              census ? &*census : nullptr);
       mark_broken(impl_->group, impl_->error);
       throw CommError(impl_->error);
     }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <fsdp/communicator.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <functional>
 #include <string>
@@ -30,6 +31,10 @@ struct Work::Impl {
   std::shared_ptr<const std::vector<PeerInfo>> peers;
   int rank = 0;
   const c10d::Store* group = nullptr;  // the world's store: identifies the world and its lanes
+  // For a timeout's census (timeout_census.h): the world's store, and this communicator's name
+  // and size (its ranks report under the name).
+  c10::intrusive_ptr<c10d::Store> store;
+  int size = 1;
   detail::Mutex mu;
   bool done FSDP_GUARDED_BY(mu) = false;
   std::string error FSDP_GUARDED_BY(mu);  // set by a failed wait; every later wait rethrows it

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "train/cli_integers.h"
 #include "train/config_file.h"
 
 #ifndef FSDP_SOURCE_DIR
@@ -108,6 +109,10 @@ void add_output_options(CLI::App& app, TrainConfig& c) {
       ->group("Checkpoints");
   app.add_option("--keep-last", c.keep_last,
                  "keep the newest k checkpoints, remove older ones (0: keep all)")
+      ->group("Checkpoints");
+  app.add_flag("--async-save", c.async_save,
+               "write checkpoints in the background: a save holds the step only while the shards "
+               "and optimizer state are copied to host memory (docs/checkpoint.md)")
       ->group("Checkpoints");
   app.add_option("--resume", c.resume,
                  "RUN_DIR: continue from its latest checkpoint with its settings; RUN_DIR/step_K: "
@@ -216,6 +221,7 @@ void add_options(App& a, TrainConfig& c) {
   add_model_options(app, c);
   add_training_options(app, c);
   add_output_options(app, c);
+  check_integer_ranges(app);
 }
 
 // Sets one option from text as if it came from a config file.
@@ -297,6 +303,7 @@ std::string TrainConfig::to_json() const {
   j["peak-tflops"] = peak_tflops;
   j["save-every"] = save_every;
   j["keep-last"] = keep_last;
+  j["async-save"] = async_save;
   j["resume"] = resume;
   j["init-from"] = init_from;
   return j.dump(2) + "\n";
@@ -366,6 +373,7 @@ const std::vector<std::string>& resumable_keys() {
                                                 "peak-tflops",
                                                 "save-every",
                                                 "keep-last",
+                                                "async-save",
                                                 "resume",
                                                 "init-from",
                                                 "tokenizer",

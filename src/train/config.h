@@ -91,6 +91,7 @@ struct TrainConfig {
   // ---- checkpoints (issue 6) ----
   int64_t save_every = 0;  // 0 = never
   int64_t keep_last = 0;   // keep the newest k checkpoints, remove older ones; 0 = keep all
+  bool async_save = false;  // write checkpoints in the background (checkpoint::AsyncSaver)
   std::string resume;      // RUN_DIR (its latest checkpoint), RUN_DIR/step_K (that one), or
                            // "auto" (--run-dir's latest checkpoint if it has one, else start)
   std::string init_from;   // full safetensors file to initialise the model from

@@ -127,6 +127,10 @@ void check_checkpoints(const TrainConfig& c) {
   FSDP_CHECK(!c.no_shard || (c.save_every == 0 && c.resume.empty() && c.init_from.empty()),
              "--no-shard runs plain LibTorch without fsdp-cpp, so it has no sharded checkpoints; "
              "drop --save-every/--resume/--init-from, or use --nproc 1 for a one-rank sharded run");
+  // With --resume the checkpoint's settings may hold --save-every: checked after the merge.
+  FSDP_CHECK(!c.async_save || c.save_every > 0 || !c.resume.empty(),
+             "--async-save writes the checkpoints of --save-every in the background, but "
+             "--save-every is 0 (no checkpoints); give --save-every K, or drop --async-save");
   FSDP_CHECK(c.resume != "auto" || !c.run_dir.empty(),
              "--resume auto continues the run in --run-dir if it holds a checkpoint, else starts "
              "it there; give --run-dir DIR");

@@ -38,6 +38,7 @@ std::string read_index_text(const std::string& step_dir) {
 
 checkpoint::Index read_checked_index(const std::string& step_dir) {
   checkpoint::Index idx = checkpoint::parse_index(read_index_text(step_dir), step_dir);
+  checkpoint::check_index_step(idx, step_dir);
   for (const auto& f : idx.files) {
     const fs::path p = fs::path(step_dir) / f.name;
     std::error_code ec;
@@ -47,6 +48,13 @@ checkpoint::Index read_checked_index(const std::string& step_dir) {
                f.sums.file_bytes, " (truncated or replaced)");
   }
   return idx;
+}
+
+// --resume auto: the checksum of every file of the checkpoint, read whole, so that a damaged newest
+// checkpoint is skipped here (reported) instead of stopping the load.
+void verify_checksums(const std::string& step_dir, const checkpoint::Index& idx) {
+  for (const auto& f : idx.files)
+    safetensors::File::open_verified(step_dir + "/" + f.name, f.sums)->verify_all();
 }
 
 ResumePoint point_from(const std::string& step_dir, const checkpoint::Index& idx) {
@@ -135,7 +143,9 @@ std::optional<ResumePoint> find_resume_point(const std::string& resume,
   std::vector<std::string> skipped;
   for (const auto& d : dirs) {
     try {
-      ResumePoint p = point_from(d, read_checked_index(d));
+      const checkpoint::Index idx = read_checked_index(d);
+      if (resume == "auto") verify_checksums(d, idx);
+      ResumePoint p = point_from(d, idx);
       p.skipped = std::move(skipped);
       return p;
     } catch (const Error& e) {
@@ -150,6 +160,16 @@ std::optional<ResumePoint> find_resume_point(const std::string& resume,
   throw Error(detail::cat("--resume '", resume, "': '", dir, "' holds no complete checkpoint",
                           skipped.empty() ? " (no step_* directories)" : ":", why,
                           "\npass the run directory of a run that used --save-every"));
+}
+
+std::string with_fallback_hint(const std::string& what, const std::string& resume,
+                               const std::string& run_dir) {
+  std::string m = what.rfind("fsdp: ", 0) == 0 ? what.substr(6) : what;
+  if (resume == "auto") return m;
+  return detail::cat(m, "\n--resume ", resume,
+                     " stops here; --resume auto --run-dir ", resume_run_dir(resume, run_dir),
+                     " reads every checkpoint against its checksums first and falls back to the "
+                     "newest one that is whole, naming each one it skips");
 }
 
 std::vector<std::string> remove_old_checkpoints(const std::string& run_dir, int64_t keep) {

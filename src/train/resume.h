@@ -4,8 +4,10 @@
 //  - RUN_DIR/step_K: exactly that checkpoint; a damaged one is an error, never a fallback;
 //  - RUN_DIR: its newest complete checkpoint; every newer step directory that is incomplete or
 //    damaged is reported (name and reason) in `skipped` before the fallback is used;
-//  - "auto": like RUN_DIR = --run-dir when that holds step directories; nothing (start afresh)
-//    when it holds none.
+//  - "auto": like RUN_DIR = --run-dir when that holds step directories, and each candidate's
+//    files are also read whole against their checksums, so that a checkpoint damaged inside is
+//    skipped (reported in `skipped`) for the previous complete one; nothing (start afresh) when
+//    it holds no step directories.
 // A checkpoint is complete when its index.json parses and every rank file it lists exists with the
 // recorded size (checksums are verified by the load itself). Reads only; writes nothing.
 // remove_old_checkpoints() implements --keep-last. Torch-free.
@@ -41,6 +43,11 @@ std::vector<std::string> step_dirs(const std::string& run_dir);
 // nullopt: --resume auto and run_dir has no step directories (a fresh start). Throws fsdp::Error
 // naming the directory and every skipped checkpoint when there is nothing to resume from.
 std::optional<ResumePoint> find_resume_point(const std::string& resume, const std::string& run_dir);
+
+// A failed load's message (`what`, an fsdp::Error's) with, unless --resume is "auto", how to fall
+// back to the previous complete checkpoint instead.
+std::string with_fallback_hint(const std::string& what, const std::string& resume,
+                               const std::string& run_dir);
 
 // The run directory of a --resume value (RUN_DIR or RUN_DIR/step_K); run_dir for "auto".
 std::string resume_run_dir(const std::string& resume, const std::string& run_dir);

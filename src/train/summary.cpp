@@ -66,6 +66,7 @@ std::string format_summary(const TrainConfig& cfg, const Summary& s, int world, 
     os << buf;
   }
   os << " (peak resident set)\n";
+  os << s.checkpoints;
   if (!s.sample.empty() && !s.sample_prompt.empty()) {
     os << "  sample        " << s.sample_prompt << ", temperature " << cfg.temperature << ":\n";
     std::istringstream lines(s.sample);  // ids, and one_line() text (UTF-8 kept)

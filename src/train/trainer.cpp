@@ -28,6 +28,8 @@
 
 #if FSDP_TRAIN_HAVE_CHECKPOINT
 #include <fsdp/checkpoint.h>
+
+#include "train/run_checkpoints.h"
 #endif
 
 namespace fsdp::train {
@@ -174,8 +176,14 @@ class Trainer {
         std::fputs(text.c_str(), stdout);
         std::fflush(stdout);
       }
-      start_step_ =
-          checkpoint::load(p.checkpoint, model_->root, opt_.get(), model_->shard_group()).step;
+      try {
+        start_step_ =
+            checkpoint::load(p.checkpoint, model_->root, opt_.get(), model_->shard_group()).step;
+      } catch (const CommError&) {
+        throw;
+      } catch (const Error& e) {  // damaged inside: say how to fall back (resume.h)
+        throw Error(with_fallback_hint(e.what(), cfg_.resume, cfg_.run_dir));
+      }
     } else if (!cfg_.init_from.empty()) {
       init_model_from(cfg_, *model_);
     }
@@ -231,6 +239,9 @@ class Trainer {
         break;
       }
     }
+#if FSDP_TRAIN_HAVE_CHECKPOINT
+    if (checkpoints_) checkpoints_->finish();  // --async-save: the last save commits before the end
+#endif
     if (progress_) progress_->finish();
   }
 
@@ -336,16 +347,11 @@ class Trainer {
     progress_->update(row, per_step * static_cast<double>(cfg_.steps - s - 1));
   }
 
-  // Checkpoint after `steps_taken` steps; the data order is a function of the step, so the step
-  // is also the data position. Then --keep-last retention (rank 0, after the save completed).
+  // Checkpoint after `steps_taken` steps, then --keep-last retention (run_checkpoints.h).
   void save(int64_t steps_taken) {
 #if FSDP_TRAIN_HAVE_CHECKPOINT
-    checkpoint::TrainState state;
-    state.step = steps_taken;
-    state.data_position = steps_taken;
-    state.extra = checkpoint_extra(cfg_, schedule_);
-    checkpoint::save(cfg_.run_dir, model_->root, opt_.get(), state, model_->shard_group());
-    if (rank_ == 0) remove_old_checkpoints(cfg_.run_dir, cfg_.keep_last);
+    if (!checkpoints_) checkpoints_ = std::make_unique<RunCheckpoints>(cfg_, schedule_, rank_);
+    checkpoints_->save(steps_taken, model_->root, opt_.get(), model_->shard_group());
 #else
     (void)steps_taken;
 #endif
@@ -366,6 +372,9 @@ class Trainer {
     summary_.wall_s = seconds_since(t_start_);
     if (rank_ == 0) {
       write_plot();
+#if FSDP_TRAIN_HAVE_CHECKPOINT
+      if (checkpoints_) summary_.checkpoints = checkpoints_->summary_line();
+#endif
       const std::string text =
           format_summary(cfg_, summary_, world_, model_->parameter_count, stopped_);
       std::fputs(text.c_str(), stdout);
@@ -460,6 +469,9 @@ class Trainer {
   std::vector<double> last_losses_;
   bool stopped_ = false;
   Summary summary_;
+#if FSDP_TRAIN_HAVE_CHECKPOINT
+  std::unique_ptr<RunCheckpoints> checkpoints_;  // created by the first save
+#endif
 };
 
 }  // namespace
