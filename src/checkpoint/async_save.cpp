@@ -38,7 +38,7 @@
 #include "checkpoint/save_phases.h"
 #include "checkpoint/test_hooks.h"
 #include "comm/rank_agreement.h"
-#include "core/call_agreement.h"
+#include "core/explicit_collective.h"
 
 namespace fsdp::checkpoint {
 
@@ -168,7 +168,7 @@ std::string AsyncSaver::save_async(const std::string& dir, const FSDPModule& roo
                                    torch::optim::Optimizer* opt, const TrainState& state) {
   const auto t0 = Clock::now();
   fsdp::detail::agree_explicit_collective(root,
-                                          fsdp::detail::CallAgreement::Explicit::kCheckpointSave);
+                                          fsdp::detail::protocol::Explicit::kCheckpointSave);
   // At most one save in flight: the previous one's failure belongs to its own step and is raised
   // here, before anything of this step is started. No agreement is needed: commit_files raised it
   // on every rank already (only an on_commit failure is one rank's), and after a peer died the
