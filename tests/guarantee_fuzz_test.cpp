@@ -917,6 +917,9 @@ void on_each_rank_within_seconds(const Program& p,
 TEST(DifferentCalls, UndeclaredCallsThatDifferFailByNameOnEveryRank) {
   for (const std::string transport : {"", "tcp", "collective"})
     for (bool equal_sizes : {true, false}) {
+      // The collective transport moves sizes unchecked, as NCCL does (docs/design.md, calls that
+      // differ): other sizes abort inside Gloo there.
+      if (transport == "collective" && !equal_sizes) continue;
       SCOPED_TRACE("transport '" + transport + (equal_sizes ? "', equal sizes" : "', other sizes"));
       Program p = different_calls_program(2, 2, {per_rank_pass({{0}, {1}})});
       p.undeclared = true;
