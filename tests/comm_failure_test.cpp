@@ -124,6 +124,27 @@ TEST(CommFailureText, RemotePeerIsNamedByItsAddress) {
   EXPECT_FALSE(contains(m, "rank 1")) << m;
 }
 
+// In a subgroup the peers carry world ranks and `self` is this rank's index among them: an HSDP
+// shard group of world ranks {2, 3} seen from its rank 0 (world rank 2) blames world rank 3, never
+// itself (the index was compared with world ranks, so rank 2 could name itself and spare 3).
+TEST(CommFailureText, ASubgroupNamesItsPeerByWorldRank) {
+  auto world = three_peers("elsewhere");
+  world.push_back({3, detail::this_host(), "10.1.0.3", 103});
+  world[2].host = detail::this_host();
+  const std::vector<PeerInfo> group{world[2], world[3]};  // index 0 = world rank 2
+  auto dead3 = [](int64_t pid) { return pid != 103; };
+  auto m = detail::describe_failure("all_gather of 64 bytes", "Connection closed by peer", 0.1, 20s,
+                                    group, 0, dead3);
+  EXPECT_TRUE(contains(m, "rank 3 (pid 103 on " + detail::this_host() + ") has exited")) << m;
+  auto dead2 = [](int64_t pid) { return pid != 102; };  // this rank's own pid: never blamed
+  m = detail::describe_failure("all_gather of 64 bytes", "Connection closed by peer", 0.1, 20s,
+                               group, 0, dead2);
+  EXPECT_FALSE(contains(m, "rank 2 (pid 102")) << m;
+  m = detail::describe_failure("all_gather of 64 bytes", "Connection closed by peer [10.1.0.3]:7",
+                               0.1, 20s, group, 0, [](int64_t) { return true; });
+  EXPECT_TRUE(contains(m, "rank 3 (pid 103")) << m;
+}
+
 TEST(CommFailureText, RealTimeoutSaysSoAndWhatToCheck) {
   auto m = detail::describe_failure("all_reduce of 800 bytes", "Operation timed out!", 2.0, 2000ms,
                                     three_peers("h"), 0, [](int64_t) { return true; });

@@ -94,15 +94,21 @@ Suspects suspect_ranks(const std::string& cause, const std::vector<PeerInfo>& pe
                        const std::function<bool(int64_t pid)>& alive) {
   const auto is_alive = alive ? alive : process_alive;
   const std::string host = this_host();
+  // `self` is this rank's index among `peers` (its rank in the communicator); the peers carry
+  // world ranks, which differ from the index in a subgroup.
   std::vector<int> dead, by_address;
-  for (const auto& p : peers)
-    if (p.rank != self && p.host == host && p.pid > 0 && !is_alive(p.pid)) dead.push_back(p.rank);
+  for (size_t i = 0; i < peers.size(); ++i) {
+    const PeerInfo& p = peers[i];
+    if (static_cast<int>(i) != self && p.host == host && p.pid > 0 && !is_alive(p.pid))
+      dead.push_back(p.rank);
+  }
   if (!dead.empty()) return {dead, true};
   // Gloo names the remote end of the failed connection as "[address]:port".
   std::smatch m;
   if (std::regex_search(cause, m, std::regex("\\[([0-9A-Fa-f.:]+)\\]:[0-9]+"))) {
-    for (const auto& p : peers)
-      if (p.rank != self && p.address == m[1].str()) by_address.push_back(p.rank);
+    for (size_t i = 0; i < peers.size(); ++i)
+      if (static_cast<int>(i) != self && peers[i].address == m[1].str())
+        by_address.push_back(peers[i].rank);
   }
   return {by_address, false};
 }

@@ -26,7 +26,8 @@ FailureKind classify_failure(const std::string& cause);
 
 // The ranks a failure points at: the peers on this host whose process no longer exists (exited =
 // true); else the peers whose advertised address appears in `cause` ("[10.0.0.2]:4242"), one of
-// which closed the connection. Never `self`.
+// which closed the connection. Never `self` (this rank's index among `peers`); the ranks named are
+// the peers' own (world) ranks.
 struct Suspects {
   std::vector<int> ranks;
   bool exited = false;  // confirmed: their processes are gone
