@@ -214,16 +214,21 @@ TEST(ShmExchange, TheEnvironmentChoosesTheTransport) {
   run_ranks(2, [](Rank& r) {
     auto c = r.world();
     EXPECT_EQ(c->transport(), Transport::kShm);
-    EXPECT_EQ(r.lane_over("shm")->transport(), Transport::kShm);
-    auto tcp = r.lane_over("tcp");
+    // Every communicator is kept to the end: what this tests is the transport each one chose.
+    // (Creation ends with a barrier, so that dropping one at once cannot fail a peer that is still
+    // connecting: communicator.cpp, Impl::child.)
+    std::vector<std::shared_ptr<Communicator>> kept;
+    auto keep = [&](std::shared_ptr<Communicator> x) { return kept.emplace_back(std::move(x)); };
+    EXPECT_EQ(keep(r.lane_over("shm"))->transport(), Transport::kShm);
+    auto tcp = keep(r.lane_over("tcp"));
     EXPECT_EQ(tcp->transport(), Transport::kTcp);
-    EXPECT_EQ(r.lane_over("collective")->transport(), Transport::kCollective);
+    EXPECT_EQ(keep(r.lane_over("collective"))->transport(), Transport::kCollective);
     // A lane keeps its communicator's transport; split() and subgroup() read the environment.
     EXPECT_EQ(tcp->lane("fsdp.all_gather")->transport(), Transport::kTcp);
-    EXPECT_EQ(tcp->split("again")->transport(), Transport::kShm);
+    EXPECT_EQ(keep(tcp->split("again"))->transport(), Transport::kShm);
     {
       ScopedTransport scoped("collective");
-      EXPECT_EQ(tcp->subgroup("both", {0, 1})->transport(), Transport::kCollective);
+      EXPECT_EQ(keep(tcp->subgroup("both", {0, 1}))->transport(), Transport::kCollective);
       EXPECT_EQ(c->lane("kept")->transport(), Transport::kShm);
     }
     auto out = at::empty({2 * 70000});

@@ -218,6 +218,11 @@ std::shared_ptr<Communicator> Communicator::Impl::child(const std::string& label
   }
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
   c->pg = compat::make_process_group(prefixed, c->rank, c->size, timeout, backend, bind_host);
+  // Gloo's full-mesh connect can return on one rank while a peer is still reading its handshake: a
+  // communicator destroyed at once (a temporary split) then closed that socket under the peer,
+  // whose connect failed with "Connection closed by peer". A barrier ends the construction only
+  // once every rank is connected (NCCL connects lazily, at its first collective).
+  if (backend == "gloo" && c->size > 1) c->pg->barrier()->wait(timeout);
   c->store = store;
   c->backend = backend;
   c->timeout = timeout;
