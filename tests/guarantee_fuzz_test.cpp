@@ -893,6 +893,23 @@ TEST(DifferentCalls, StateDictAndCheckpointAfterDifferentCalls) {
   if (!in_rank_process()) std::filesystem::remove_all(dir);
 }
 
+// Runs `body` on every rank of p's world with a fresh sharded side, under a 30 s collective
+// timeout: an error expected at once that instead waits the timeout out fails with the timeout's
+// message, not the one expected.
+void on_each_rank_within_seconds(const Program& p,
+                                 const std::function<void(Rank&, ShardedSide&)>& body) {
+  RunOptions o;
+  o.collective_timeout_s = 30;
+  run_ranks(
+      p.world,
+      [&](Rank& r) {
+        torch::manual_seed(1);
+        ShardedSide s(p, r);
+        body(r, s);
+      },
+      o);
+}
+
 // [Note: calls that differ between ranks] Without the declaration the ranks' calls must match;
 // calls that differ are never a silent wrong result: every rank stops, on every transport, naming
 // set_calls_may_differ: groups of one size by the Agreed check at the end of the root's forward
@@ -919,23 +936,6 @@ TEST(DifferentCalls, UndeclaredCallsThatDifferFailByNameOnEveryRank) {
 
 // What must still match is each rank's sequence of top-level calls and backward calls: a rank
 // with an extra forward of the root before the backward stops every rank by name.
-// Runs `body` on every rank of p's world with a fresh sharded side, under a 30 s collective
-// timeout: an error expected at once that instead waits the timeout out fails with the timeout's
-// message, not the one expected.
-void on_each_rank_within_seconds(const Program& p,
-                                 const std::function<void(Rank&, ShardedSide&)>& body) {
-  RunOptions o;
-  o.collective_timeout_s = 30;
-  run_ranks(
-      p.world,
-      [&](Rank& r) {
-        torch::manual_seed(1);
-        ShardedSide s(p, r);
-        body(r, s);
-      },
-      o);
-}
-
 // With buffers broadcast before every forward of the root (ShardOptions::broadcast_buffers) too:
 // the call's opening round comes before that broadcast, so the ranks stop there by name instead of
 // meeting in the broadcast and waiting out the timeout.
