@@ -227,6 +227,49 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
 }
 
 // ---------------------------------------------------------------------------------------------
+// All-to-all: the reduce-scatter's block exchange, each block copied into its place
+// ---------------------------------------------------------------------------------------------
+Work Communicator::all_to_all(const at::Tensor& output, const at::Tensor& input) {
+  Impl& m = *impl_;
+  check_supported(output, "all_to_all", "output");
+  check_supported(input, "all_to_all", "input");
+  check_same_dtype(output, input, "all_to_all");
+  FSDP_CHECK(output.numel() == input.numel() && input.numel() % m.size == 0, "all_to_all: input ",
+             input.numel(), " and output ", output.numel(),
+             " elements; both must hold world size ", m.size, " equal blocks");
+  FSDP_CHECK(input.numel() == 0 || !output.storage().is_alias_of(input.storage()),
+             "all_to_all: the output shares storage with the input; pass a separate output");
+  const int64_t n = input.numel() / m.size;
+  const at::Tensor out = output.view({-1}), in = input.view({-1});
+  if (n == 0) return m.make_work({}, "all_to_all", 0, nullptr);
+  if (m.size == 1) {
+    out.copy_(in);
+    return m.make_work({}, "all_to_all", nbytes(input), nullptr);
+  }
+  m.stats->bytes_sent += nbytes(input) / m.size * (m.size - 1);
+  if (m.uses_exchange(input)) {
+    // rows[r]: rank r's chunk of this rank's block, `offset` elements in: copied to block r.
+    auto copy_chunk = [out, n](int64_t offset, const std::vector<at::Tensor>& rows) {
+      for (size_t r = 0; r < rows.size(); ++r)
+        out.narrow(0, static_cast<int64_t>(r) * n + offset, rows[r].numel()).copy_(rows[r]);
+    };
+    auto job = [in, n, copy_chunk, timeout = m.timeout](detail::Exchange& e) {
+      e.exchange_blocks(in, n, copy_chunk, timeout);
+    };
+    return m.make_work({m.reductions->run(c10d::OpType::ALLTOALL_BASE, std::move(job))},
+                       "all_to_all", nbytes(input), nullptr);
+  }
+  if (staged(m.backend, in)) {
+    const at::Tensor dev_out = empty_on_device(out);
+    auto work = compat::exchange_blocks(*m.pg, as_wire(dev_out, m.backend),
+                                        as_wire(on_device(in), m.backend));
+    return m.make_work({work}, "all_to_all", nbytes(input), [out, dev_out] { out.copy_(dev_out); });
+  }
+  auto work = compat::exchange_blocks(*m.pg, as_wire(out, m.backend), as_wire(in, m.backend));
+  return m.make_work({work}, "all_to_all", nbytes(input), nullptr);
+}
+
+// ---------------------------------------------------------------------------------------------
 // All-reduce, broadcast, barrier: the backend's own
 // ---------------------------------------------------------------------------------------------
 Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {

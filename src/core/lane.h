@@ -39,6 +39,12 @@ class LaneObserver {
                                       const std::vector<at::Tensor>& /*pieces*/, Work work) {
     return work;
   }
+  // Just before a reduce-scatter is issued, with its buffers, its op and the custom collective
+  // that issues it (null: the communicator's). Its input is read here, not once issued: an
+  // in-place reduction overwrites this rank's block of it while it runs.
+  virtual void issuing_reduce_scatter(const Collective&, const at::Tensor& /*out*/,
+                                      const at::Tensor& /*in*/, ReduceOp /*op*/,
+                                      const ReduceScatter* /*custom*/) {}
   virtual Work issued_reduce_scatter(const Collective&, const at::Tensor& /*out*/,
                                      const at::Tensor& /*in*/, Work work) {
     return work;
