@@ -240,7 +240,7 @@ TEST(Containers, MisuseIsNamed) {
     // An element's weight read outside the root's forward: the guard names the way out.
     auto w = model->ptr(0)->as<torch::nn::LinearImpl>()->weight;
     expect_error([&] { (void)w.sum(); },
-                 {"aten::sum", "'0.weight'", "gathered on first use inside a forward"});
+                 {"aten::sum", "'0.weight'", "gathered when a forward of the sharded root begins"});
   });
 }
 

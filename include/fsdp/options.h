@@ -136,6 +136,15 @@ struct DebugOptions {
 // fully_shard's options: FSDP2's arguments (mesh aside, which is fully_shard's second argument),
 // then fsdp-cpp's own settings.
 struct ShardOptions {
+  // Declared so that copying options does not touch the deprecated fields in the user's code
+  // (defined below, where the deprecation warning is silenced).
+  ShardOptions();
+  ShardOptions(const ShardOptions&);
+  ShardOptions(ShardOptions&&) noexcept;
+  ShardOptions& operator=(const ShardOptions&);
+  ShardOptions& operator=(ShardOptions&&) noexcept;
+  ~ShardOptions();
+
   // See ReshardAfterForward. Default: true for sharded submodules, false for the root (whose
   // parameters are needed first in backward).
   std::optional<ReshardAfterForward> reshard_after_forward;
@@ -177,5 +186,15 @@ struct ShardOptions {
       max_unsharded_groups;
   [[deprecated("use ShardOptions::debug.audit")]] bool audit = false;
 };
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+inline ShardOptions::ShardOptions() = default;
+inline ShardOptions::ShardOptions(const ShardOptions&) = default;
+inline ShardOptions::ShardOptions(ShardOptions&&) noexcept = default;
+inline ShardOptions& ShardOptions::operator=(const ShardOptions&) = default;
+inline ShardOptions& ShardOptions::operator=(ShardOptions&&) noexcept = default;
+inline ShardOptions::~ShardOptions() = default;
+#pragma GCC diagnostic pop
 
 }  // namespace fsdp

@@ -61,6 +61,30 @@ bool staged(const std::string& backend, const at::Tensor& t) {
   return backend == "nccl" && t.defined() && t.is_cpu();
 }
 at::Tensor on_device(const at::Tensor& t) { return t.to(at::Device(at::kCUDA), false, true); }
+
+// Under the collective transport on Gloo (CPU tensors), ranks whose all-gathers or reduce-scatters
+// differ in size would abort inside Gloo's TCP pair: each such collective is preceded by a 16-byte
+// all-gather of its kind and bytes, and a mismatch throws fsdp::CommError naming both ranks' calls
+// on every rank. A host round per collective: this transport is chosen only by FSDP_TRANSPORT=
+// collective on CPU (shm and tcp check inside their own exchanges). Under NCCL the sizes travel
+// unchecked: a round per collective would stall the stream.
+void agree_on_size(Communicator::Impl& m, const char* op, int64_t bytes) {
+  if (m.backend != "gloo") return;
+  const at::Tensor mine = at::empty({2}, at::kLong);
+  mine[0] = static_cast<int64_t>(op[0]);  // 'a'll_gather, 'r'educe_scatter
+  mine[1] = bytes;
+  const at::Tensor all = at::empty({m.size * 2}, at::kLong);
+  compat::all_gather_flat(*m.pg, all, mine)->wait(m.timeout);
+  const auto* a = all.data_ptr<int64_t>();
+  for (int j = 0; j < m.size; ++j)
+    if (a[2 * j] != a[2 * m.rank] || a[2 * j + 1] != a[2 * m.rank + 1])
+      throw CommError(detail::cat(
+          "collective transport: rank ", j, " issued ", a[2 * j] == 'a' ? "an all_gather" :
+          "a reduce_scatter", " of ", a[2 * j + 1], " bytes where rank ", m.rank, " issued ",
+          op[0] == 'a' ? "an all_gather" : "a reduce_scatter", " of ", bytes,
+          ": the ranks issued different collectives or sizes (every rank must issue the same "
+          "collectives in the same order)"));
+}
 at::Tensor empty_on_device(const at::Tensor& t) {
   return at::empty_like(t, t.options().device(at::Device(at::kCUDA)));
 }
@@ -93,6 +117,7 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
     for (int r = 0; r < m.size; ++r) places[r].push_back(out.narrow(0, r * n, n));
     return detail::all_gather_into(*this, std::move(places), {in});
   }
+  agree_on_size(m, "all_gather", nbytes(input));
   m.stats->bytes_sent += nbytes(input) * (m.size - 1);
   if (staged(m.backend, out)) {
     const at::Tensor dev_out = empty_on_device(out);
@@ -210,6 +235,7 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
     return m.make_work({m.reductions->run(c10d::OpType::REDUCE_SCATTER, std::move(job))},
                        "reduce_scatter", nbytes(input), nullptr);
   }
+  agree_on_size(m, "reduce_scatter", nbytes(input));
   const at::Tensor received = at::empty_like(in);
   if (staged(m.backend, in)) {
     const at::Tensor dev_received = empty_on_device(received);

@@ -2,9 +2,13 @@
 
 #include <ATen/ATen.h>
 
+#include <fsdp/error.h>
+
 #include <algorithm>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "../util/checksum.h"
 
 namespace fsdp::detail {
 
@@ -16,10 +20,53 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 int64_t chunk_numel(int64_t n, int64_t element_size) {
   const int64_t bytes = n * element_size;
   const int64_t wanted = (bytes + GlooExchange::kMaxChunkBytes - 1) / GlooExchange::kMaxChunkBytes;
-  const int64_t count = std::clamp<int64_t>(wanted, 1, GlooExchange::kTagsPerJob);
+  const int64_t count = std::clamp<int64_t>(wanted, 1, GlooExchange::kMaxPieces);
   return std::max<int64_t>(1, (n + count - 1) / count);
 }
+enum JobKind : int64_t { kAllGather = 1, kBlockExchange = 2 };
+const char* kind_name(int64_t k) {
+  return k == kAllGather ? "an all-gather" : k == kBlockExchange ? "a reduce-scatter" : "?";
+}
+
+// A job's header: its kind, the bytes and pieces this rank sends, and a digest of the sizes the
+// job has on every rank (`sizes`: the same list on ranks that agree). Ranks agree when all but the
+// bytes match (uneven shards send different bytes).
+at::Tensor header(JobKind kind, int64_t bytes, int64_t pieces, const std::vector<int64_t>& sizes) {
+  at::Tensor h = at::empty({4}, at::kLong);
+  auto* p = h.data_ptr<int64_t>();
+  p[0] = kind;
+  p[1] = bytes;
+  p[2] = pieces;
+  p[3] = static_cast<int64_t>(checksum_bytes(sizes.data(), sizes.size() * sizeof(int64_t)) >> 1);
+  return h;
+}
 }  // namespace
+
+void GlooExchange::agree_on_header(const at::Tensor& mine, int tag_base,
+                                   std::chrono::milliseconds timeout) {
+  const at::Tensor theirs = at::empty({world_, kHeaderWords}, at::kLong);
+  std::vector<WorkPtr> works;
+  for (int d = 1; d < world_; ++d) {
+    const int from = (rank_ - d + world_) % world_, to = (rank_ + d) % world_;
+    std::vector<at::Tensor> in{theirs[from]}, out{mine};
+    works.push_back(pg_->recv(in, from, tag_base));
+    works.push_back(pg_->send(out, to, tag_base));
+  }
+  for (auto& w : works) w->wait(timeout);
+  const auto* m = mine.data_ptr<int64_t>();
+  for (int j = 0; j < world_; ++j) {
+    if (j == rank_) continue;
+    const auto* t = theirs[j].data_ptr<int64_t>();
+    if (t[0] == m[0] && t[2] == m[2] && t[3] == m[3]) continue;  // the bytes may differ
+    throw CommError(detail::cat(
+        "TCP exchange: rank ", j, "'s collective #", jobs_, " on this lane is ", kind_name(t[0]),
+        " sending ", t[1], " bytes in ", t[2], " pieces, where rank ", rank_, "'s is ",
+        kind_name(m[0]), " sending ", m[1], " bytes in ", m[2],
+        " pieces", t[0] == m[0] && t[1] == m[1] ? " of other sizes" : "",
+        ": the ranks issued different collectives or sizes (every rank must issue the same "
+        "collectives in the same order)"));
+  }
+}
 
 GlooExchange::GlooExchange(c10::intrusive_ptr<c10d::ProcessGroup> pg, int tag_offset)
     : pg_(std::move(pg)), rank_(pg_->getRank()), world_(pg_->getSize()), tag_offset_(tag_offset) {}
@@ -33,11 +80,19 @@ void GlooExchange::all_gather(const std::vector<std::vector<at::Tensor>>& into,
                               const std::vector<at::Tensor>& pieces,
                               std::chrono::milliseconds timeout) {
   const int tag_base = next_tag_base();
+  std::vector<int64_t> sizes;  // every rank's pieces, this rank's own from `pieces`
+  int64_t bytes = 0;
+  for (int j = 0; j < world_; ++j)
+    for (size_t i = 0; i < pieces.size(); ++i)
+      sizes.push_back(j == rank_ ? pieces[i].numel() : into[j][i].numel());
+  for (const auto& p : pieces) bytes += static_cast<int64_t>(p.nbytes());
+  agree_on_header(header(kAllGather, bytes, static_cast<int64_t>(pieces.size()), sizes),
+                  tag_base, timeout);
   std::vector<WorkPtr> works;
   for (int d = 1; d < world_; ++d) {  // from r-1, r-2, ... and to r+1, r+2, ...: no common first
     const int from = (rank_ - d + world_) % world_, to = (rank_ + d) % world_;
     for (size_t i = 0; i < pieces.size(); ++i) {
-      const int tag = tag_base + static_cast<int>(i);
+      const int tag = tag_base + 1 + static_cast<int>(i);
       if (into[from][i].numel() > 0) {
         std::vector<at::Tensor> t{into[from][i]};
         works.push_back(pg_->recv(t, from, tag));
@@ -54,6 +109,9 @@ void GlooExchange::all_gather(const std::vector<std::vector<at::Tensor>>& into,
 void GlooExchange::exchange_blocks(const at::Tensor& input, int64_t n, const ChunkConsumer& consume,
                                    std::chrono::milliseconds timeout) {
   const int tag_base = next_tag_base();
+  agree_on_header(header(kBlockExchange, static_cast<int64_t>(input.nbytes()), world_,
+                         {n, static_cast<int64_t>(input.scalar_type())}),
+                  tag_base, timeout);
   if (n == 0) return;
   const int ws = world_, r = rank_;
   const int64_t chunk = chunk_numel(n, input.element_size());
@@ -79,7 +137,7 @@ void GlooExchange::exchange_blocks(const at::Tensor& input, int64_t n, const Chu
     for (int j = 0; j < ws; ++j) {
       if (j == r) continue;
       std::vector<at::Tensor> t{landing(k, j)};
-      recvs[k * ws + j] = pg_->recv(t, j, tag_base + static_cast<int>(k));
+      recvs[k * ws + j] = pg_->recv(t, j, tag_base + 1 + static_cast<int>(k));
     }
   };
   for (int64_t k = 0; k < window; ++k) post_recvs(k);
@@ -87,7 +145,7 @@ void GlooExchange::exchange_blocks(const at::Tensor& input, int64_t n, const Chu
     for (int i = 1; i < ws; ++i) {
       const int j = (r + i) % ws;
       std::vector<at::Tensor> t{mine_for(j, k)};
-      sends.push_back(pg_->send(t, j, tag_base + static_cast<int>(k)));
+      sends.push_back(pg_->send(t, j, tag_base + 1 + static_cast<int>(k)));
     }
   std::vector<at::Tensor> rows(ws);
   for (int64_t k = 0; k < chunks; ++k) {

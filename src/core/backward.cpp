@@ -411,7 +411,8 @@ void Backward::finalize() {
       if (!error) error = std::current_exception();
     }
   }
-  log(nullptr, "backward complete");
+  // The root group registers last: the completion is the root's.
+  log(groups_.empty() ? nullptr : groups_.back(), "backward complete");
   if (error) std::rethrow_exception(error);
 }
 

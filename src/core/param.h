@@ -164,7 +164,7 @@ class ParamState {
   bool shard_grad_created_ = false;  // the last reduction created shard().grad() from none
   bool grad_dtype_widened_ = false;  // begin_unsynced_backward set it
   bool accumulates_wider(at::ScalarType reduce_dtype) const {
-    return c10::elementSize(reduce_dtype) > param_.element_size();
+    return static_cast<int64_t>(c10::elementSize(reduce_dtype)) > param_.element_size();
   }
   // The unsharded gradient to reduce: the accumulated one plus this backward's (either may be
   // missing; undefined when both are), both dropped from this parameter (the marker left).

@@ -235,8 +235,8 @@ struct HandleAccess {
   static const std::shared_ptr<Binding>& binding(const H& h) {
     return h.binding_;
   }
-  template <class H>
-  static void attach(H& holder, const FSDPModule& handle) {
+  template <class H, class M>  // M: FSDPModule (incomplete here)
+  static void attach(H& holder, const M& handle) {
     holder.binding_ = handle.binding_;
   }
   // A ShardedRef's module, whether its holder is sharded already, and its attachment.
