@@ -183,9 +183,10 @@ TEST(VerifiedCollectives, AFlipIsCaughtOnEveryRankInItsStep) {
   const std::vector<FlipCase> cases = {
       {Where::kGatheredBlock, "all-gather #", "the bytes rank 1 sent arrived different on rank 0"},
       {Where::kSentBlock, "reduce-scatter #", "the reduced gradient shard on rank 0 differs"},
+      {Where::kReceivedBlock, "reduce-scatter #", "the bytes rank 1 sent to rank 0 arrived different"},
       {Where::kReducedValue, "reduce-scatter #", "the reduced gradient shard on rank 1 differs"}};
   run_ranks(2, [&](Rank& r) {
-    for (const std::string transport : {"shm", "tcp"})
+    for (const std::string transport : {"shm", "tcp", "collective"})
       for (bool bf16 : {false, true})
         for (const auto& c : cases)
           for (int at_step : {0, 1}) {
@@ -194,9 +195,11 @@ TEST(VerifiedCollectives, AFlipIsCaughtOnEveryRankInItsStep) {
             auto m = build(r, Config{transport, bf16});
             // Step 1 has 3 gathers in forward (the root, both blocks), 2 in backward, and 3
             // reductions: the second of its kind, or the same one in step 2.
+            // A bit of the exponent; on the wire (digested exactly) the lowest mantissa bit.
             const bool gather = c.where == Where::kGatheredBlock;
+            const int bit = c.where == Where::kReceivedBlock ? 0 : exponent_bit(bf16);
             detail::content_faults::inject(
-                Fault{c.where, 1, (gather ? 5 : 3) * at_step + 1, 7, exponent_bit(bf16)});
+                Fault{c.where, 1, (gather ? 5 : 3) * at_step + 1, 7, bit});
             std::string e;
             for (int k = 0; k <= at_step && e.empty(); ++k)
               try {

@@ -18,6 +18,9 @@ enum class Where {
   kNone,
   kGatheredBlock,  // an all-gather: the bytes from `rank` as they arrive on every other rank
   kSentBlock,      // a reduce-scatter: the block `rank` sends to rank (rank + 1) % N, once sketched
+                   // and before the transport reads it (the sender's memory)
+  kReceivedBlock,  // a reduce-scatter: that block as it arrives on rank (rank + 1) % N, before it
+                   // is summed (the wire)
   kReducedValue,   // a reduce-scatter: `rank`'s reduced shard as the sum left it (a faulty sum)
 };
 

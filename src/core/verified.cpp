@@ -205,6 +205,7 @@ void VerifiedCollectives::issuing_reduce_scatter(const Collective& c, const at::
   is.custom = custom != nullptr;
   const int64_t n = out.numel();
   if (n == 0 || in.numel() != n_ * n) return;
+  is.numel = n;
   is.record = st.window.reduces.size();
   if (is.record < static_cast<size_t>(AgreedLog::kMaxRecorded))
     st.window.reduces.push_back(ReduceRecord{c.group, n, custom ? 1 : 0, std::vector<double>(n_),
@@ -284,6 +285,25 @@ void State::fold_output(const Issuing& is, const at::Tensor& out) {
   }
 }
 
+bool VerifiedCollectives::digests_reduce_scatter(const Collective&, ReceivedChunkHook* hook) {
+  MutexLock lock(state_->mu);
+  const State::Issuing& is = state_->issuing;
+  if (!state_->active || !is.sketched) return false;
+  // The test fault: a bit of the block from its rank, as it arrives on the next rank.
+  const auto& f = content_faults::active();
+  if (f.where == content_faults::Where::kReceivedBlock && f.collective == is.total &&
+      me_ == (f.rank + 1) % n_) {
+    const int64_t element = ((f.element % is.numel) + is.numel) % is.numel;
+    *hook = [f, element](int from, int64_t offset, const at::Tensor& chunk) {
+      if (from != f.rank || element < offset || element >= offset + chunk.numel()) return;
+      content_faults::Fault at = f;
+      at.element = element - offset;
+      content_faults::flip(at, {chunk});
+    };
+  }
+  return true;
+}
+
 Work VerifiedCollectives::issued_reduce_scatter(const Collective&, const at::Tensor& out,
                                                const at::Tensor&, Work work) {
   const auto& st = state_;
@@ -294,7 +314,11 @@ Work VerifiedCollectives::issued_reduce_scatter(const Collective&, const at::Ten
   // A custom collective: checked by the digests of its wire it attached to its Work, if any.
   if (is.custom) return watched(st, work, [s, work, is] { s->fold_wire(is, work.digests().get()); });
   if (!is.sketched) return work;
-  return watched(st, work, [s, out, is] { s->fold_output(is, out); });
+  // The communicator's: its wire's digests (exact) and the sketch of its sum.
+  return watched(st, work, [s, out, is, work] {
+    s->fold_wire(is, work.digests().get());
+    s->fold_output(is, out);
+  });
 }
 
 }  // namespace fsdp::detail

@@ -6,10 +6,12 @@
 // All-gathers (the gather lane, hpZ's post-forward lanes, gathers into places, custom all-gathers,
 // GatherTransforms' wire): each rank digests (XXH3) its own block of the result and the block
 // from each peer; every check compares, for every pair of ranks, what one sent with what the
-// other received, exactly. Reduce-scatters (the communicator's): a linear sketch (a pseudo-random
-// +-1 projection in fp64) of each block a rank sends and of the reduced shard it receives; the
-// senders' sketches must sum to the receiver's within a rounding bound derived in the note. A
-// custom reduce-scatter is checked by the digests of its wire it attaches to its Work
+// other received, exactly. Reduce-scatters (the communicator's): the XXH3 of every block as it
+// was sent and as it arrived, before the sum (detail::reduce_scatter_digested: exact, every
+// byte), and a linear sketch (a pseudo-random +-1 projection in fp64) of each block a rank sends
+// and of the reduced shard it receives, whose senders' sketches must sum to the receiver's within
+// a rounding bound derived in the note (the sum itself, and the sender's buffer before the wire).
+// A custom reduce-scatter is checked by the digests of its wire it attaches to its Work
 // (Work::with_digests, as fsdp/quantized.h's do), or counted as unchecked.
 //
 // A window is the collectives since the previous check; its row has a fixed size (7N + 10 words
@@ -59,6 +61,7 @@ class VerifiedCollectives final : public LaneObserver, public AgreedRider {
                               const std::vector<at::Tensor>& pieces, Work work) override;
   void issuing_reduce_scatter(const Collective& c, const at::Tensor& out, const at::Tensor& in,
                               ReduceOp op, const ReduceScatter* custom) override;
+  bool digests_reduce_scatter(const Collective& c, ReceivedChunkHook* hook) override;
   Work issued_reduce_scatter(const Collective& c, const at::Tensor& out, const at::Tensor& in,
                              Work work) override;
 

@@ -283,22 +283,23 @@ void VerifiedCollectives::report(const std::vector<const int64_t*>& rows) {
   for (int64_t t = 0; t < reduces; ++t) {
     auto word = [&](int r, size_t k) { return all[r][base + t * reduce_words(n) + k]; };
     const int64_t group = word(0, 0), numel = word(0, 1);
-    if (word(0, 2) != 0) {
-      for (int s = 0; s < n; ++s)
-        for (int x = 0; x < n; ++x) {
-          const auto sent = static_cast<uint64_t>(word(s, 6 + 3 * n + x)),
-                     got = static_cast<uint64_t>(word(x, 6 + 4 * n + s));
-          if (x == s || sent == got) continue;
-          throw Error(cat("Verified collectives: reduce-scatter #", t + 1, " of ", when,
-                          ", of module ", module(group), " (", numel,
-                          " elements per rank, a custom collective): the bytes rank ", s,
-                          " sent to rank ", x, " arrived different (XXH3 ", hex(sent), " sent, ",
-                          hex(got), " received). They were corrupted between the ranks "
-                          "(transport, memory or device); every rank stops here. ",
-                          kHowToTurnOff));
-        }
-      continue;
-    }
+    const bool custom = word(0, 2) != 0;
+    // The wire (a custom collective's digests, or the communicator's): exact.
+    for (int s = 0; s < n; ++s)
+      for (int x = 0; x < n; ++x) {
+        const auto sent = static_cast<uint64_t>(word(s, 6 + 3 * n + x)),
+                   got = static_cast<uint64_t>(word(x, 6 + 4 * n + s));
+        if (x == s || sent == got || (!custom && (sent == 0 || got == 0))) continue;
+        throw Error(cat("Verified collectives: reduce-scatter #", t + 1, " of ", when,
+                        ", of module ", module(group), " (", numel, " elements per rank",
+                        custom ? ", a custom collective" : "", "): the bytes rank ", s,
+                        " sent to rank ", x, " arrived different (XXH3 ", hex(sent), " sent, ",
+                        hex(got), " received, before the sum). They were corrupted between the "
+                        "ranks (transport, memory or device), so the optimizer would step on a "
+                        "wrong gradient; every rank stops here. ",
+                        kHowToTurnOff));
+      }
+    if (custom) continue;
     for (int j = 0; j < n; ++j) {
       std::vector<double> s, v, a;
       for (int r = 0; r < n; ++r) {
@@ -324,12 +325,19 @@ void VerifiedCollectives::report(const std::vector<const int64_t*>& rows) {
   // Only the window's totals differ (collectives past the recorded ones, or errors within each
   // collective's bound that add up): named by the ranks alone.
   for (int x = 0; x < n; ++x)
-    for (int r = 0; r < n; ++r)
+    for (int r = 0; r < n; ++r) {
       if (r != x && rows[x][at.received() + r] != rows[r][at.sent() + x])
         throw Error(cat("Verified collectives: in the all-gathers of ", when,
                         ", the bytes rank ", r, " sent arrived different on rank ", x,
                         ". They were corrupted between the ranks; every rank stops here. ",
                         kHowToTurnOff));
+      if (r != x && rows[x][at.wire_received() + r] != rows[r][at.wire_sent() + x])
+        throw Error(cat("Verified collectives: in the reduce-scatters of ", when,
+                        ", the bytes rank ", r, " sent to rank ", x,
+                        " arrived different. They were corrupted between the ranks; every rank "
+                        "stops here. ",
+                        kHowToTurnOff));
+    }
   throw Error(cat("Verified collectives: in the reduce-scatters of ", when,
                   ", a reduced gradient shard differs from the sum of the blocks the ranks sent "
                   "beyond the rounding of the sums; every rank stops here. ",

@@ -30,6 +30,7 @@ struct VerifiedCollectives::State {
     double out_absolute = 0;   // e: its absolute rounding (subnormals)
     uint64_t seed = 0;
     int64_t lo = 0, hi = 0;  // the elements sketched
+    int64_t numel = 0;       // elements per rank (the output's)
   };
 
   void fold_gather(int64_t position, int64_t group, int first,
