@@ -53,7 +53,9 @@ TEST(QuantizedWire, Int8HasOneScalePerBlock) {
       const double scale = xs.abs().max().item<double>() / 127;
       // Each value within half a step of its block's scale; the block's largest exactly +-127.
       EXPECT_LE((xs - ys).abs().max().item<double>(), scale * 0.5 * (1 + 1e-5) + 1e-30);
-      if (scale == 0) EXPECT_TRUE(torch::equal(ys, torch::zeros_like(ys)));
+      if (scale == 0) {
+        EXPECT_TRUE(torch::equal(ys, torch::zeros_like(ys)));
+      }
     }
   }
   EXPECT_HAS(error_of([] { QuantizedGather(Quantization::kInt8, torch::kFloat, 32); }),
