@@ -26,6 +26,7 @@
 
 #include "ddp_reducer.h"
 #include "stats.h"
+#include "comm/communicator_impl.h"
 #include "core/verified.h"
 #include "train/model_setup.h"
 
@@ -206,7 +207,7 @@ StepRecord run_steps(const TrainBenchOptions& o, Trainer& t, Communicator& comm)
       comm.barrier().wait();
       comm.reset_stats();
       faults_at_warmup_end = minor_page_faults();
-      r.verify_s = -detail::VerifiedCollectives::seconds_spent();
+      r.verify_s = -detail::VerifiedCollectives::seconds_spent() - detail::wire_digest_seconds();
       if (!o.trace_dir.empty()) trace::enable(true);
     }
     auto [x, y] = make_batch(o, s, rank);
@@ -239,7 +240,7 @@ StepRecord run_steps(const TrainBenchOptions& o, Trainer& t, Communicator& comm)
     if (s >= o.warmup) r.step_s.push_back(dt);
   }
   trace::enable(false);
-  r.verify_s += detail::VerifiedCollectives::seconds_spent();
+  r.verify_s += detail::VerifiedCollectives::seconds_spent() + detail::wire_digest_seconds();
   r.phase_peaks = rss.stop();
   r.faults_per_step = static_cast<double>(minor_page_faults() - faults_at_warmup_end) / o.steps;
   return r;

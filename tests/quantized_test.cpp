@@ -136,6 +136,61 @@ TEST(QuantizedReduceScatter, MatchesTheSameDecodingSummedInRankOrder) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The quantized gather against a reference that quantizes the same way
+// ---------------------------------------------------------------------------------------------
+// `p`'s values as the quantized gather delivers them at world size n: each rank's part (a dim-0
+// chunk of ceil(d / n) rows, zero-padded to that size, as fully_shard lays out a shard) encoded
+// and decoded on its own.
+torch::Tensor quantized_per_rank_part(const torch::Tensor& p, int n, Quantization q) {
+  if (p.dim() == 0) return quantize_round_trip(p, q).view({});
+  const int64_t d = p.size(0), row = p.numel() / std::max<int64_t>(d, 1), c = (d + n - 1) / n;
+  std::vector<torch::Tensor> parts;
+  for (int k = 0; k < n; ++k) {
+    const int64_t lo = std::min(d, k * c), hi = std::min(d, lo + c);
+    if (hi == lo) continue;
+    auto padded = torch::zeros({c * row});
+    padded.narrow(0, 0, (hi - lo) * row).copy_(p.narrow(0, lo, hi - lo).reshape({-1}));
+    parts.push_back(quantize_round_trip(padded, q).narrow(0, 0, (hi - lo) * row));
+  }
+  return torch::cat(parts).view(p.sizes());
+}
+
+// The sharded tiny GPT's loss with weights gathered on a quantized wire equals an unsharded
+// copy's on weights quantized per rank part (the same values: the same loss, to fp32 rounding),
+// and differs from the exact model's.
+TEST(QuantizedGather, EqualsTheUnshardedModelOnWeightsQuantizedPerRankPart) {
+  for (int world : {2, 3})
+    run_ranks(world, [](Rank& r) {
+      const int n = r.world()->size();
+      torch::manual_seed(900 + r.rank);
+      auto tokens = torch::randint(0, tiny_gpt().vocab_size, {2, tiny_gpt().seq_len + 1});
+      const auto x = tokens.narrow(1, 0, tiny_gpt().seq_len), y = tokens.narrow(1, 1, tiny_gpt().seq_len);
+      torch::manual_seed(0);
+      GPT exact(tiny_gpt());
+      const double exact_loss = exact->forward(x, y).item<double>();
+      for (auto q : {Quantization::kBf16, Quantization::kInt8}) {
+        SCOPED_TRACE(std::string(to_string(q)) + " at N = " + std::to_string(n));
+        torch::manual_seed(0);
+        GPT reference(tiny_gpt());
+        {
+          torch::NoGradGuard no_grad;
+          for (auto& item : reference->named_parameters())
+            item.value().copy_(quantized_per_rank_part(item.value().detach(), n, q));
+        }
+        torch::manual_seed(0);
+        fsdp::Sharded<GPT> gpt{GPT(tiny_gpt())};
+        ShardOptions o;
+        o.gather_transform_fn = quantized_gather(q);
+        for (auto& b : gpt->blocks) fully_shard(b, r.world(), o);
+        fully_shard(gpt, r.world(), o);
+        const double loss = gpt(x, y).item<double>(), want = reference->forward(x, y).item<double>();
+        EXPECT_NEAR(loss, want, 1e-6 * std::abs(want));
+        EXPECT_GT(std::abs(loss - exact_loss), 1e-6 * std::abs(exact_loss)) << "not quantized";
+      }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Training
 // ---------------------------------------------------------------------------------------------
 constexpr int kSteps = 40;

@@ -9,6 +9,9 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
+#include <chrono>
+
 #include "communicator_impl.h"
 #include "compat.h"
 #include "rank_order_sum.h"
@@ -207,6 +210,17 @@ void check_reduce_scatter(const at::Tensor& output, const at::Tensor& input, int
 }  // namespace
 
 namespace {
+std::atomic<int64_t> g_wire_digest_ns{0};
+// Counts its lifetime into wire_digest_seconds().
+struct WireTimer {
+  const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  ~WireTimer() {
+    g_wire_digest_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now() - start)
+                                   .count());
+  }
+};
+
 // The digests of one reduce-scatter's wire (detail::reduce_scatter_digested): the blocks this
 // rank sends, digested when issued; each peer's block fed chunk by chunk, in order, as it arrives
 // (the exchange's thread, or the waiting thread on the collective transport).
@@ -218,6 +232,7 @@ struct WireTap {
     for (int r = 0; r < ws; ++r) streams.push_back(std::make_unique<detail::StreamingChecksum>());
   }
   void send(const at::Tensor& in, int64_t n) {
+    WireTimer timer;
     for (int j = 0; j < static_cast<int>(digests->sent.size()); ++j)
       if (j != me) digests->sent[j] = detail::checksum_bytes(in.narrow(0, j * n, n).data_ptr(),
                                                              static_cast<size_t>(n * in.element_size()));
@@ -225,6 +240,7 @@ struct WireTap {
   // rows[r]: rank r's chunk, `offset` elements into its block; returns the rows to sum (copies
   // where the test seam may change them).
   std::vector<at::Tensor> receive(int64_t offset, const std::vector<at::Tensor>& rows) {
+    WireTimer timer;
     std::vector<at::Tensor> out = rows;
     for (int r = 0; r < static_cast<int>(rows.size()); ++r) {
       if (r == me || rows[r].numel() == 0) continue;
@@ -308,6 +324,10 @@ Work issue_reduce_scatter(Communicator::Impl& m, const at::Tensor& output, const
 
 Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
   return issue_reduce_scatter(*impl_, output, input, op, nullptr);
+}
+
+double detail::wire_digest_seconds() {
+  return static_cast<double>(g_wire_digest_ns.load()) * 1e-9;
 }
 
 Work detail::reduce_scatter_digested(Communicator& c, const at::Tensor& output,

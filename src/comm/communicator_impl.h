@@ -88,6 +88,9 @@ using ReceivedChunkHook =
     std::function<void(int from, int64_t offset, const at::Tensor& chunk)>;
 Work reduce_scatter_digested(Communicator& c, const at::Tensor& output, const at::Tensor& input,
                              ReduceOp op, ReceivedChunkHook on_received = nullptr);
+// Seconds this process spent digesting reduce-scatters' wires (any thread; fsdp-bench adds it to
+// verified collectives' own time).
+double wire_digest_seconds();
 
 }  // namespace detail
 }  // namespace fsdp
