@@ -45,6 +45,7 @@
 #include "sweeps.h"
 #include "train/malloc.h"
 #include "train_bench.h"
+#include "verify_bench.h"
 
 namespace {
 
@@ -174,10 +175,11 @@ struct TrainCli {
   void add(CLI::App& app) {
     auto& o = options;
     auto* g = app.add_option_group("train", "Options of --mode and --compare (GPT training)");
-    g->add_option("--mode", mode, "train one mode: local, ddp, fsdp, fsdp-noreshard")
+    g->add_option("--mode", mode,
+                  "train one mode: local, ddp, fsdp, fsdp-noreshard, fsdp-unverified")
         ->check(CLI::IsMember(fsdp::bench::compare_modes()));
     g->add_flag("--compare", compare,
-                "run all four modes and PyTorch's DDP and FSDP2 (Python, torch 2.15), over "
+                "run all five modes and PyTorch's DDP and FSDP2 (Python, torch 2.15), over "
                 "--rounds rounds, then a summary");
     g->add_option("--rounds", rounds, "--compare: rounds, the mode order rotated in each")
         ->check(CLI::Range(1, 100))
@@ -246,6 +248,22 @@ struct TrainCli {
                   "gathers them within K consecutive ranks in backward (reshard_after_forward=K, "
                   "hpZ); 0: off")
         ->capture_default_str();
+    g->add_option("--verify-collectives", o.verify_collectives,
+                  "the fsdp modes' verified collectives: on (a rotating 1/8 of each collective "
+                  "per step), full (every byte) or off; fsdp-unverified is off, so --compare's "
+                  "verify_over_unverified is the check's cost")
+        ->check(CLI::IsMember({"on", "full", "off"}))
+        ->capture_default_str();
+    g->add_option("--quantize-gather", o.quantize_gather,
+                  "the fsdp modes all-gather the weights on a quantized wire: none, bf16 or int8 "
+                  "(fsdp/quantized.h)")
+        ->check(CLI::IsMember({"none", "bf16", "int8"}))
+        ->capture_default_str();
+    g->add_option("--quantize-reduce", o.quantize_reduce,
+                  "the fsdp modes reduce-scatter the gradients on a quantized wire summed in "
+                  "fp32: none, bf16 or int8")
+        ->check(CLI::IsMember({"none", "bf16", "int8"}))
+        ->capture_default_str();
     g->add_option("--trace", o.trace_dir,
                   "write a Chrome trace per rank to DIR/rank<k>.json (--compare: DIR/<mode>/)");
   }
@@ -290,8 +308,11 @@ struct TrainCli {
     const bool sharded = fsdp::bench::is_sharded(m) || m == "fsdp2";
     if (sharded && o.mixed_precision != "none")
       a.insert(a.end(), {"--mixed-precision", o.mixed_precision});
-    if (m == "fsdp" && o.reshard_after_forward_world > 0)
+    if ((m == "fsdp" || m == "fsdp-unverified") && o.reshard_after_forward_world > 0)
       a.insert(a.end(), {"--reshard-after-forward-world", num(o.reshard_after_forward_world)});
+    if (fsdp::bench::is_sharded(m))
+      a.insert(a.end(), {"--verify-collectives", o.verify_collectives, "--quantize-gather",
+                         o.quantize_gather, "--quantize-reduce", o.quantize_reduce});
     if (m == "torch-ddp" || m == "fsdp2" || m == "torch-local") {
       // bench/torch_ddp.py --mode; sizes are explicit
       a[1] = m == "fsdp2" ? "fsdp2" : m == "torch-local" ? "local" : "ddp";
@@ -339,8 +360,9 @@ fsdp::bench::ArgsFor args_for(const TrainCli& cli) {
 // What the parsed command line asks for: one benchmark, here or through fsdp-run.
 struct Request {
   bool comm = false, checkpointing = false, moe = false, optimizer_step = false,
-       async_save = false;
+       async_save = false, verify_detection = false;
   std::string save_dir, writer_priority = "low";
+  fsdp::bench::VerifyDetectionOptions verify_options;
   fsdp::bench::MoEBenchOptions moe_options;
   int nproc = 0;
   std::string malloc_policy = "default";
@@ -359,12 +381,12 @@ int run_request(Request& q, int argc, char** argv) {
   // code rather than on glibc's allocation history (docs/performance.md, Memory).
   if (malloc_policy == "steady") fsdp::train::use_steady_malloc();
   const bool sweep = train.compare || train.memory_scaling || train.max_model;
-  if (comm + checkpointing + q.moe + q.optimizer_step + q.async_save + !train.mode.empty() +
-          train.compare + train.memory_scaling + train.max_model !=
+  if (comm + checkpointing + q.moe + q.optimizer_step + q.async_save + q.verify_detection +
+          !train.mode.empty() + train.compare + train.memory_scaling + train.max_model !=
       1) {
     std::cerr << "fsdp-bench: choose exactly one of --comm, --activation-checkpointing, --moe, "
-                 "--optimizer-step, --async-save, --mode M, --compare, --memory-scaling, "
-                 "--max-model (see --help)\n";
+                 "--optimizer-step, --async-save, --verify-detection, --mode M, --compare, "
+                 "--memory-scaling, --max-model (see --help)\n";
     return 2;
   }
   if (train.options.mixed_precision != "none" && train.mode.empty() && !train.compare) {
@@ -412,6 +434,7 @@ int run_request(Request& q, int argc, char** argv) {
     q.moe_options.rounds = train.rounds;
     return fsdp::bench::run_moe_bench(q.moe_options);
   }
+  if (q.verify_detection) return fsdp::bench::run_verify_detection(q.verify_options);
   if (train.compare) return fsdp::bench::run_train_compare(train.options);
   return fsdp::bench::run_train_bench(train.options);
 }
@@ -424,8 +447,9 @@ int main(int argc, char** argv) {
       "  --comm      bus bandwidth of all_gather, reduce_scatter and all_reduce (fp32, 64 KiB..64 "
       "MiB),\n"
       "              one JSON object per line and size on stdout (nccl-tests conventions).\n"
-      "  --mode M    GPT training with AdamW: local, ddp, fsdp or fsdp-noreshard; one JSON line.\n"
-      "  --compare   all four modes and PyTorch's DDP and FSDP2 (torch 2.15), one JSON line each,\n"
+      "  --mode M    GPT training with AdamW: local, ddp, fsdp, fsdp-noreshard or fsdp-unverified\n"
+      "              (fsdp with verified collectives off); one JSON line.\n"
+      "  --compare   all five modes and PyTorch's DDP and FSDP2 (torch 2.15), one JSON line each,\n"
       "              over --rounds rounds; then a summary line with the median ratios and their\n"
       "              ranges (--mixed-precision bf16: fsdp, fsdp-noreshard and FSDP2 in bf16).\n"
       "  --memory-scaling   fsdp and ddp peak RSS at N=1,2,4 beside 16P/N (--preset mem).\n"
@@ -438,6 +462,8 @@ int main(int argc, char** argv) {
       "              AdamW and SGD against torch::optim's (--rounds rounds, the size options).\n"
       "  --async-save   asynchronous against synchronous checkpoints of fsdp-train's job (or\n"
       "              --preset mem): the time a save holds the step, the overlapped steps' slowdown.\n"
+      "  --verify-detection   verified collectives against --injections random bit flips per\n"
+      "              case (all-gather, reduce-scatter; shm, tcp; fp32, bf16): caught / missed.\n"
       "Examples:\n"
       "  fsdp-bench --comm --nproc 4\n"
       "  fsdp-bench --compare --nproc 2\n"
@@ -488,6 +514,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   moe->add_option("--moe-width", q.moe_options.width, "--moe: model width")
       ->check(CLI::Range(2, 1 << 16))
+      ->capture_default_str();
+  auto* verify = app.add_option_group("verify", "Options of --verify-detection");
+  verify->add_flag("--verify-detection", q.verify_detection,
+                   "verified collectives against injected bit flips: caught and missed per case "
+                   "(docs/verified_collectives.md)");
+  verify->add_option("--injections", q.verify_options.injections,
+                     "--verify-detection: injections per case")
+      ->check(CLI::Range(1, 100000))
       ->capture_default_str();
   add_comm_options(app, q.comm_options);
   q.train.add(app);

@@ -104,7 +104,8 @@ std::string summarize_rounds(const std::vector<std::vector<std::string>>& rounds
   };
   bool ok = true;
   ordered_json first;
-  std::string mixed_precision = "none";
+  std::string mixed_precision = "none", verify = "on", quantize_gather = "none",
+              quantize_reduce = "none";
   for (const auto& lines : rounds) {
     std::vector<std::string> ours;
     std::map<std::string, json> modes = by_mode(lines);
@@ -115,7 +116,13 @@ std::string summarize_rounds(const std::vector<std::vector<std::string>>& rounds
     ok = ok && s["checks_passed"].get<bool>();
     for (const auto& [key, value] : s.items())
       if (key.find("_over_") != std::string::npos) add(key, value.get<double>());
+    // Verified collectives' own time in fsdp's step, measured directly (less noisy than the ratio
+    // of two runs' steps).
+    add("verify_share_of_step", modes["fsdp"].value("verify_share_of_step", 0.0));
     mixed_precision = modes["fsdp"].value("mixed_precision", "none");
+    verify = modes["fsdp"].value("verify_collectives", "on");
+    quantize_gather = modes["fsdp"].value("quantize_gather", "none");
+    quantize_reduce = modes["fsdp"].value("quantize_reduce", "none");
     // The Python peers (bench/torch_ddp.py): PyTorch's DDP against ddp, its FSDP2 against fsdp
     // (the same mixed precision). Each builds the same model from the same seed and trains on the
     // same batches: its step-1 loss equals its counterpart's (to the last bits where the kernels
@@ -149,6 +156,9 @@ std::string summarize_rounds(const std::vector<std::vector<std::string>>& rounds
   s["world"] = first["world"];
   s["preset"] = first["preset"];
   s["mixed_precision"] = mixed_precision;  // of fsdp, fsdp-noreshard and fsdp2; the others fp32
+  s["verify_collectives"] = verify;          // of fsdp and fsdp-noreshard (fsdp-unverified: off)
+  s["quantize_gather"] = quantize_gather;    // of the fsdp modes
+  s["quantize_reduce"] = quantize_reduce;
   s["rounds"] = rounds.size();
   for (const auto& [name, values] : ratios) {
     s[name] = round_to(median(values), 1e4);
@@ -164,6 +174,7 @@ std::string summarize_rounds(const std::vector<std::vector<std::string>>& rounds
   };
   target("fsdp_over_fsdp2", "fsdp_over_fsdp2<=0.65", 0.65);
   target("fsdp_over_local", "fsdp_over_local<=1.05", 1.05);
+  target("verify_over_unverified", "verify_over_unverified<=1.02", 1.02);
   if (s["world"] == 2) target("fsdp_over_torch_ddp", "fsdp_over_torch_ddp<=0.92", 0.92);
   target("fsdp_mem_over_fsdp2", "fsdp_mem_over_fsdp2<=0.75", 0.75);
   if (s["preset"] == "mem") target("fsdp_mem_over_ddp", "fsdp_mem_over_ddp<=0.60", 0.60);

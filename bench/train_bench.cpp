@@ -26,6 +26,8 @@
 
 #include "ddp_reducer.h"
 #include "stats.h"
+#include "comm/communicator_impl.h"
+#include "core/verified.h"
 #include "train/model_setup.h"
 
 namespace fsdp::bench {
@@ -51,11 +53,17 @@ std::unique_ptr<Trainer> build_trainer(const TrainBenchOptions& o,
   // on every rank and in every mode (one seed), weight decay on the 2-D weights only.
   train::TrainConfig tc;
   tc.layers = o.layers, tc.heads = o.heads, tc.width = o.width, tc.seq = o.seq;
-  tc.lr = o.lr, tc.seed = o.seed, tc.reshard_after_forward = o.mode == "fsdp";
+  const bool resharded = o.mode == "fsdp" || o.mode == "fsdp-unverified";
+  tc.lr = o.lr, tc.seed = o.seed, tc.reshard_after_forward = resharded;
   tc.optimizer = o.optimizer;
   const bool sharded = is_sharded(o.mode);
   tc.mixed_precision = sharded ? o.mixed_precision : "none";
-  if (o.mode == "fsdp") tc.reshard_after_forward_world = o.reshard_after_forward_world;
+  if (resharded) tc.reshard_after_forward_world = o.reshard_after_forward_world;
+  if (sharded) {
+    tc.verify_collectives = o.mode == "fsdp-unverified" ? "off" : o.verify_collectives;
+    tc.quantize_gather = o.quantize_gather;
+    tc.quantize_reduce = o.quantize_reduce;
+  }
   if (sharded) tc.forward_prefetch = o.forward_prefetch;
   auto m = train::build_model(tc, sharded ? comm : nullptr);
   auto t = std::make_unique<Trainer>();
@@ -166,7 +174,7 @@ void write_trace(const std::string& dir, int rank) {
 void check_options(const TrainBenchOptions& o) {
   const auto& modes = compare_modes();
   FSDP_CHECK(std::find(modes.begin(), modes.end(), o.mode) != modes.end(), "--mode '", o.mode,
-             "' is unknown; use local, ddp, fsdp or fsdp-noreshard");
+             "' is unknown; use local, ddp, fsdp, fsdp-noreshard or fsdp-unverified");
   FSDP_CHECK(o.steps >= 1 && o.warmup >= 0 && o.threads >= 1 && o.batch >= 1 && o.bucket_mb > 0,
              "training bench: need --steps >= 1, --warmup >= 0, --threads >= 1, --batch >= 1 and "
              "--bucket-mb > 0; got steps ",
@@ -175,15 +183,15 @@ void check_options(const TrainBenchOptions& o) {
   FSDP_CHECK(o.mixed_precision == "none" || o.mixed_precision == "bf16", "--mixed-precision '",
              o.mixed_precision,
              "': the training bench runs bf16 or none (fp16 compute needs CUDA)");
-  FSDP_CHECK(o.mixed_precision == "none" || o.mode == "fsdp" || o.mode == "fsdp-noreshard",
-             "--mixed-precision ", o.mixed_precision,
-             " is a policy of the fsdp modes, but --mode is ", o.mode,
+  FSDP_CHECK(o.mixed_precision == "none" || is_sharded(o.mode), "--mixed-precision ",
+             o.mixed_precision, " is a policy of the fsdp modes, but --mode is ", o.mode,
              "; use --mode fsdp or fsdp-noreshard");
 }
 
 // What the timed loop of one mode measured on this rank.
 struct StepRecord {
   std::vector<double> step_s, losses;   // per timed step; per step, warm-up included
+  double verify_s = 0;                  // verified collectives' own time over the timed steps
   std::array<double, 3> phase_peaks{};  // peak RSS in forward, backward, optimizer step
   double reducer_exposed_s = 0;         // ddp: c10d::Reducer's collectives bypass the communicator
   double faults_per_step = 0;           // minor page faults per timed step
@@ -200,6 +208,7 @@ StepRecord run_steps(const TrainBenchOptions& o, Trainer& t, Communicator& comm)
       comm.barrier().wait();
       comm.reset_stats();
       faults_at_warmup_end = minor_page_faults();
+      r.verify_s = -detail::VerifiedCollectives::seconds_spent() - detail::wire_digest_seconds();
       if (!o.trace_dir.empty()) trace::enable(true);
     }
     auto [x, y] = make_batch(o, s, rank);
@@ -232,6 +241,7 @@ StepRecord run_steps(const TrainBenchOptions& o, Trainer& t, Communicator& comm)
     if (s >= o.warmup) r.step_s.push_back(dt);
   }
   trace::enable(false);
+  r.verify_s += detail::VerifiedCollectives::seconds_spent() + detail::wire_digest_seconds();
   r.phase_peaks = rss.stop();
   r.faults_per_step = static_cast<double>(minor_page_faults() - faults_at_warmup_end) / o.steps;
   return r;
@@ -250,6 +260,7 @@ enum Figure {
   kBuffers,
   kFaults,
   kTrainMemory,
+  kVerify,
   kFigures
 };
 
@@ -259,15 +270,22 @@ enum Figure {
 // reduce-scatters everything once; padding to N rows adds a little. With bf16 the fsdp modes
 // gather and reduce-scatter 2-byte elements (the reduce-scatter's default reduce_dtype is the
 // param_dtype); ddp stays fp32.
+// Quantized collectives (fsdp/quantized.h) put bf16 (2 bytes) or int8 with an fp32 scale per
+// block of 128 (1 + 4/128 bytes) on the wire per value, whatever the precision.
 double bytes_model(const TrainBenchOptions& o, const Trainer& t, int ws) {
   const double elem = o.mixed_precision == "bf16" ? 2.0 : 4.0;
-  const double f = ws > 1 ? (ws - 1.0) / ws * elem : 0.0;
-  if (o.mode == "ddp") return 2.0 * t.params * f;             // elem is 4 here (check_options)
-  if (o.mode == "fsdp" && o.reshard_after_forward_world > 1)  // the regathers within K ranks
-    return 2.0 * t.params * f + t.regathered_params * (o.reshard_after_forward_world - 1.0) /
-                                    o.reshard_after_forward_world * elem;
-  if (o.mode == "fsdp") return (2.0 * t.params + t.regathered_params) * f;
-  if (o.mode == "fsdp-noreshard") return 2.0 * t.params * f;
+  auto wire = [&](const std::string& q) {
+    return q == "bf16" ? 2.0 : q == "int8" ? 1.0 + 4.0 / 128 : elem;
+  };
+  const double share = ws > 1 ? (ws - 1.0) / ws : 0.0;
+  const double g = share * wire(o.quantize_gather), r = share * wire(o.quantize_reduce);
+  if (o.mode == "ddp") return 2.0 * t.params * share * elem;  // elem is 4 here (check_options)
+  const bool resharded = o.mode == "fsdp" || o.mode == "fsdp-unverified";
+  if (resharded && o.reshard_after_forward_world > 1)  // the regathers within K ranks
+    return t.params * (g + r) + t.regathered_params * (o.reshard_after_forward_world - 1.0) /
+                                    o.reshard_after_forward_world * wire(o.quantize_gather);
+  if (resharded) return t.params * (g + r) + t.regathered_params * g;
+  if (o.mode == "fsdp-noreshard") return t.params * (g + r);
   return 0;
 }
 
@@ -303,6 +321,10 @@ std::string mode_line(const TrainBenchOptions& o, const Trainer& t, const Commun
   // tensors pays for each page again (the kernel zero-fills it), which is CPU time.
   j["minor_faults_per_step"] = static_cast<int64_t>(std::llround(fig(mean, kFaults)));
   j["collectives_per_step"] = round_to(fig(mean, kCollectives), 100);
+  // Verified collectives' own CPU time per step (digests, sketches, the check of the rows), the
+  // slowest rank, and its share of the step: the check's cost, measured directly.
+  j["verify_s_per_step"] = round_to(fig(max, kVerify), 1e5);
+  j["verify_share_of_step"] = round_to(fig(max, kVerify) / med, 1e4);
   const double model = bytes_model(o, t, comm.size());
   j["bytes_model_per_step"] = static_cast<int64_t>(std::llround(model));
   // The same check as --compare's summary, on every run of a communicating mode (so that a
@@ -316,6 +338,11 @@ std::string mode_line(const TrainBenchOptions& o, const Trainer& t, const Commun
   j["reshard_after_forward_world"] = o.reshard_after_forward_world;
   j["forward_prefetch"] = o.forward_prefetch;
   j["optimizer"] = o.optimizer;
+  j["verify_collectives"] = is_sharded(o.mode)
+                                ? (o.mode == "fsdp-unverified" ? "off" : o.verify_collectives)
+                                : "-";
+  j["quantize_gather"] = o.quantize_gather;
+  j["quantize_reduce"] = o.quantize_reduce;
   j["malloc"] = memory::malloc_settings();
   // How the ranks' all-gathers and reduce-scatters travel (FSDP_TRANSPORT); ddp's all-reduces
   // are Gloo's (TCP) either way.
@@ -378,6 +405,7 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
   figures[kBuffers] = buffers_mb;
   figures[kFaults] = r.faults_per_step;
   figures[kTrainMemory] = std::max(build_peak_mb, peak_mb) - rss_before_build_mb;
+  figures[kVerify] = r.verify_s / o.steps;
   auto per_rank = gather(*comm, figures);
   std::string line;
   if (rank == 0)
@@ -392,7 +420,8 @@ std::string run_mode(const TrainBenchOptions& o, const std::shared_ptr<Communica
 // Public
 // ---------------------------------------------------------------------------------------------
 const std::vector<std::string>& compare_modes() {
-  static const std::vector<std::string> modes = {"local", "ddp", "fsdp", "fsdp-noreshard"};
+  static const std::vector<std::string> modes = {"local", "ddp", "fsdp", "fsdp-noreshard",
+                                                 "fsdp-unverified"};
   return modes;
 }
 
@@ -439,7 +468,9 @@ int run_train_bench(const TrainBenchOptions& o) {
   return 0;
 }
 
-bool is_sharded(const std::string& mode) { return mode == "fsdp" || mode == "fsdp-noreshard"; }
+bool is_sharded(const std::string& mode) {
+  return mode == "fsdp" || mode == "fsdp-noreshard" || mode == "fsdp-unverified";
+}
 
 int run_train_compare(TrainBenchOptions o) {
   at::set_num_threads(o.threads);
@@ -471,7 +502,7 @@ std::string summarize_compare(const std::vector<std::string>& json_lines, std::o
     FSDP_CHECK(by_mode.count(m), "--compare: no result line for mode '", m,
                "'; its run failed (see the messages above)");
   const auto &local = by_mode["local"], &ddp = by_mode["ddp"], &fsdp = by_mode["fsdp"],
-             &nors = by_mode["fsdp-noreshard"];
+             &nors = by_mode["fsdp-noreshard"], &unverified = by_mode["fsdp-unverified"];
   auto ratio = [](const nlohmann::json& a, const nlohmann::json& b, const char* key) {
     const double d = b[key].get<double>();
     return d > 0 ? round_to(a[key].get<double>() / d, 1e4) : 0.0;
@@ -490,14 +521,22 @@ std::string summarize_compare(const std::vector<std::string>& json_lines, std::o
       warn(detail::cat("step-1 loss of ", m, " is ", l, ", of ddp ", l1,
                        "; the modes did not start from the same model and data"));
   }
-  // ddp and both fsdp modes apply the same mean gradients: their losses track each other.
-  for (const auto* m : {"fsdp", "fsdp-noreshard"}) {
+  // ddp and the fsdp modes apply the same mean gradients: their losses track each other (with
+  // quantized collectives, within the quantization's error: not compared).
+  const bool quantized = fsdp.value("quantize_gather", "none") != "none" ||
+                         fsdp.value("quantize_reduce", "none") != "none";
+  for (const auto* m : {"fsdp", "fsdp-noreshard", "fsdp-unverified"}) {
+    if (quantized) break;
     const double a = by_mode[m]["loss"], b = ddp["loss"];
     if (std::abs(a - b) > 1e-3 * std::max(1.0, std::abs(b)))
       warn(detail::cat("final loss of ", m, " is ", a, ", of ddp ", b,
                        "; sharded training diverged from replicated training"));
   }
-  for (const auto* m : {"ddp", "fsdp", "fsdp-noreshard"}) {
+  // Verified collectives change no value: fsdp and fsdp-unverified train alike, bit for bit.
+  if (fsdp["loss"] != unverified["loss"])
+    warn(detail::cat("final loss of fsdp is ", fsdp["loss"].dump(), ", of fsdp-unverified ",
+                     unverified["loss"].dump(), "; verified collectives changed a value"));
+  for (const auto* m : {"ddp", "fsdp", "fsdp-noreshard", "fsdp-unverified"}) {
     const double got = by_mode[m]["bytes_sent_per_step"], want = by_mode[m]["bytes_model_per_step"];
     if (world > 1 && std::abs(got - want) > 0.05 * want)
       warn(detail::cat(m, " sent ", got, " bytes per step, the volume model predicts ", want));
@@ -511,6 +550,9 @@ std::string summarize_compare(const std::vector<std::string>& json_lines, std::o
   s["fsdp_over_ddp"] = ratio(fsdp, ddp, "step_s_median");
   s["noreshard_over_ddp"] = ratio(nors, ddp, "step_s_median");
   s["ddp_over_local"] = ratio(ddp, local, "step_s_median");
+  // The cost of verified collectives: fsdp (on, as --verify-collectives says) over fsdp with the
+  // check off, the same model, batches and collectives.
+  s["verify_over_unverified"] = ratio(fsdp, unverified, "step_s_median");
   // Memory: training memory (train_memory_mb), the definition every mode and peer reports.
   s["fsdp_mem_over_ddp"] = ratio(fsdp, ddp, "train_memory_mb");
   s["noreshard_mem_over_ddp"] = ratio(nors, ddp, "train_memory_mb");
@@ -523,6 +565,7 @@ std::string summarize_compare(const std::vector<std::string>& json_lines, std::o
   if (ddp["preset"] == "mem")
     targets["fsdp_mem_over_ddp<=0.60"] = s["fsdp_mem_over_ddp"].get<double>() <= 0.60;
   targets["fsdp_over_local<=1.05"] = s["fsdp_over_local"].get<double>() <= 1.05;
+  targets["verify_over_unverified<=1.02"] = s["verify_over_unverified"].get<double>() <= 1.02;
   s["targets_met"] = targets;
   return s.dump();
 }

@@ -9,6 +9,8 @@
 //                   AccumulateGrad hooks, overlapped with backward, as torch's Python DDP does
 //   fsdp            fully_shard on every block and the root, reshard after forward (ZeRO-3)
 //   fsdp-noreshard  the same without resharding the blocks after forward (ZeRO-2-like)
+//   fsdp-unverified fsdp with verified collectives off: the cost of the check, fsdp's step over
+//                   this one (summary: verify_over_unverified)
 //   (--mixed-precision bf16: the fsdp modes gather and reduce-scatter in bf16, half the bytes)
 //
 // Training memory (train_memory_mb, every mode): the peak resident set from just before the model
@@ -32,7 +34,7 @@
 namespace fsdp::bench {
 
 struct TrainBenchOptions {
-  std::string mode = "fsdp";  // local, ddp, fsdp, fsdp-noreshard
+  std::string mode = "fsdp";  // local, ddp, fsdp, fsdp-noreshard, fsdp-unverified
   // "default", "mem" (parameters and optimizer state dominate), "overhead" (48 blocks of width
   // 64, seq 16, batch 1: compute near zero) or "train" (fsdp-train's default job); explicit size
   // options override it
@@ -57,6 +59,11 @@ struct TrainBenchOptions {
   int reshard_after_forward_world = 0;
   std::string forward_prefetch = "auto";  // --mode fsdp: auto, off or unshard (fsdp-train's)
   std::string optimizer = "fused";        // fsdp-train's --optimizer: fused or torch (AdamW)
+  // The sharded modes' verified collectives (fsdp-train's --verify-collectives): on, full or off;
+  // fsdp-unverified is always off.
+  std::string verify_collectives = "on";
+  // The sharded modes' quantized collectives (fsdp-train's --quantize-gather/--quantize-reduce).
+  std::string quantize_gather = "none", quantize_reduce = "none";
 };
 
 // The sizes `preset` stands for; fields the user set explicitly (`explicit_sizes`, option names
@@ -66,7 +73,8 @@ void apply_preset(TrainBenchOptions& options, const std::vector<std::string>& ex
 // The modes --compare runs, in order.
 const std::vector<std::string>& compare_modes();
 
-// Whether `mode` shards (fsdp, fsdp-noreshard): the modes --mixed-precision applies to.
+// Whether `mode` shards (fsdp, fsdp-noreshard, fsdp-unverified): the modes --mixed-precision and
+// the quantized collectives apply to.
 bool is_sharded(const std::string& mode);
 
 // Runs one mode on the ranks of the current launch; rank 0 prints its JSON line. Returns the exit

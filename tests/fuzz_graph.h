@@ -190,6 +190,9 @@ struct Program {
   int root_reshard = -1;
   int max_unsharded_groups = 2;
   bool audit = true;
+  // Verified collectives (on by default): the period drawn (1: every byte, 8: the default's
+  // rotating part), or off (0). The check changes no value: the exactness is the same.
+  int verify_period = 8;
   bool input_requires_grad = false;
   Optim optim = Optim::kSGD;
   double lr = 0.1, momentum = 0, weight_decay = 0;
@@ -349,7 +352,9 @@ struct Program {
         (broadcast_buffers ? ", broadcast buffers" : "") +
         (checkpoint ? ", checkpoint round trip" : "") +
         (declares() ? ", calls_may_differ" : "") +
-        (transform ? ", gather transforms " + std::to_string(transform) : "") + ", audit " +
+        (transform ? ", gather transforms " + std::to_string(transform) : "") +
+        (verify_period == 0 ? ", verify off" : ", verify period " + std::to_string(verify_period)) +
+        ", audit " +
         (audit ? "on" : "off") + ", max_unsharded_groups " + std::to_string(max_unsharded_groups) +
         ", " +
         (optim == Optim::kSGD    ? "SGD momentum " + std::to_string(momentum)
@@ -619,6 +624,8 @@ inline Program make_program(uint64_t seed, int world) {
   p.calls_may_differ = d.chance(4);
   // Then gather transforms.
   if (d.chance(6)) p.transform = 1 + static_cast<uint32_t>(d.pick(1 << 20));
+  // Then verified collectives: the full check, the default's rotating part, or off.
+  p.verify_period = d.chance(3) ? 1 : d.chance(4) ? 0 : 8;
   return p;
 }
 

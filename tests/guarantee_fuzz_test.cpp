@@ -293,6 +293,8 @@ struct ShardedSide {
     ShardOptions o;
     o.debug.audit = p.audit;
     o.runtime.max_unsharded_groups = p.max_unsharded_groups;
+    o.runtime.verify_collectives = p.verify_period > 0;
+    o.runtime.verify_period = std::max(p.verify_period, 1);
     if (p.mixed) {
       o.mixed_precision.param_dtype = torch::kFloat;
       o.mixed_precision.reduce_dtype = p.mixed == 1 ? torch::kFloat : torch::kDouble;

@@ -51,6 +51,18 @@ class Work {
   // without the step; a step that throws fails the Work the same way.
   Work then(std::function<void()> step) const;
 
+  // Digests of the bytes a collective moved, for checks of its contents (verified collectives,
+  // docs/verified_collectives.md): the XXH3 of what this rank sent to each rank and of what it
+  // received from each rank, indexed by rank of the communicator (this rank's own entries 0).
+  // A collective that computes them attaches them (with_digests), filled by the time its Work
+  // completes; then() keeps them. Null where none were attached.
+  struct Digests {
+    std::vector<uint64_t> sent, received;
+  };
+  std::shared_ptr<const Digests> digests() const;
+  // This Work with `d` attached (the same completion).
+  Work with_digests(std::shared_ptr<const Digests> d) const;
+
  private:
   std::shared_ptr<Impl> impl_;
 };
@@ -122,6 +134,13 @@ class Communicator {
   // rank's own block of the input, input[rank * n : (rank + 1) * n] (in place: no output buffer;
   // the rest of the input is left as it was), with the same result.
   Work reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
+  // REQUIRES: output and input contiguous, distinct, of one dtype and size, a multiple of size().
+  // Block j of the input (numel / size() elements) goes to rank j; block r of the output comes
+  // from rank r (this rank's own block copied). The exchange under a reduce-scatter that sums
+  // blocks of its own making (a quantized wire, fsdp/quantized.h); on the reduce-scatters'
+  // transport and in their order (shm and tcp: their worker; collective: the backend's
+  // all-to-all).
+  Work all_to_all(const at::Tensor& output, const at::Tensor& input);
   // In place, all ranks end with the reduction.
   Work all_reduce(const at::Tensor& tensor, ReduceOp op);
   // In place, from `root` to all.

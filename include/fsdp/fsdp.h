@@ -12,4 +12,5 @@
 #include <fsdp/init.h>
 #include <fsdp/mesh.h>
 #include <fsdp/options.h>
+#include <fsdp/quantized.h>
 #include <fsdp/state_dict.h>

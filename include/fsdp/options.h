@@ -109,6 +109,19 @@ struct RuntimeOptions {
   // the one that opens each top-level call; ranks whose calls differ then stop with an error
   // naming this setting.
   bool calls_may_differ = false;
+  // Verified collectives (docs/verified_collectives.md): every all-gather and reduce-scatter of
+  // the model carries a check of its contents (digests of what each rank sent and received,
+  // compared in the exchange that already ends every forward of the root and every backward: no
+  // collective of its own). A mismatch stops every rank in the same step with an fsdp::Error
+  // naming the collective, the module, the ranks and the step. Set on the root, the same on every
+  // rank (checked); FSDP_VERIFY_COLLECTIVES=0 turns it off for a process, =full sets
+  // verify_period to 1.
+  bool verify_collectives = true;
+  // Each iteration checks a rotating 1/verify_period of every collective's payload, so that every
+  // byte of each module's all-gathers and reduce-scatters is checked within verify_period
+  // iterations (a fault that persists is caught within that many); 1 checks every byte of every
+  // collective (the full check; its cost and that of the default are in the page above).
+  int verify_period = 8;
 };
 
 // Debugging aids.

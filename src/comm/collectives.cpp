@@ -9,9 +9,13 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
+#include <chrono>
+
 #include "communicator_impl.h"
 #include "compat.h"
 #include "rank_order_sum.h"
+#include "util/checksum.h"
 
 namespace fsdp {
 
@@ -180,15 +184,75 @@ void check_reduce_scatter(const at::Tensor& output, const at::Tensor& input, int
 }
 }  // namespace
 
-Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
-  Impl& m = *impl_;
+namespace {
+std::atomic<int64_t> g_wire_digest_ns{0};
+// Counts its lifetime into wire_digest_seconds().
+struct WireTimer {
+  const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  ~WireTimer() {
+    g_wire_digest_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now() - start)
+                                   .count());
+  }
+};
+
+// The digests of one reduce-scatter's wire (detail::reduce_scatter_digested): the blocks this
+// rank sends, digested when issued; each peer's block fed chunk by chunk, in order, as it arrives
+// (the exchange's thread, or the waiting thread on the collective transport).
+struct WireTap {
+  WireTap(int ws, int me, detail::ReceivedChunkHook hook)
+      : me(me), on_received(std::move(hook)), digests(std::make_shared<Work::Digests>()) {
+    digests->sent.assign(ws, 0);
+    digests->received.assign(ws, 0);
+    for (int r = 0; r < ws; ++r) streams.push_back(std::make_unique<detail::StreamingChecksum>());
+  }
+  void send(const at::Tensor& in, int64_t n) {
+    WireTimer timer;
+    for (int j = 0; j < static_cast<int>(digests->sent.size()); ++j)
+      if (j != me) digests->sent[j] = detail::checksum_bytes(in.narrow(0, j * n, n).data_ptr(),
+                                                             static_cast<size_t>(n * in.element_size()));
+  }
+  // rows[r]: rank r's chunk, `offset` elements into its block; returns the rows to sum (copies
+  // where the test seam may change them).
+  std::vector<at::Tensor> receive(int64_t offset, const std::vector<at::Tensor>& rows) {
+    WireTimer timer;
+    std::vector<at::Tensor> out = rows;
+    for (int r = 0; r < static_cast<int>(rows.size()); ++r) {
+      if (r == me || rows[r].numel() == 0) continue;
+      if (on_received) {
+        out[r] = rows[r].clone();
+        on_received(r, offset, out[r]);
+      }
+      const at::Tensor host = out[r].is_cpu() ? out[r] : out[r].cpu();
+      streams[r]->update(host.data_ptr(), static_cast<size_t>(host.nbytes()));
+    }
+    return out;
+  }
+  void finish() {
+    for (int r = 0; r < static_cast<int>(streams.size()); ++r)
+      if (r != me) digests->received[r] = streams[r]->digest();
+  }
+  const int me;
+  const detail::ReceivedChunkHook on_received;
+  std::shared_ptr<Work::Digests> digests;
+  std::vector<std::unique_ptr<detail::StreamingChecksum>> streams;
+};
+
+// The reduce-scatter, with its wire digested when `tap` is set.
+Work issue_reduce_scatter(Communicator::Impl& m, const at::Tensor& output, const at::Tensor& input,
+                          ReduceOp op, const std::shared_ptr<WireTap>& tap) {
   check_reduce_scatter(output, input, m.rank, m.size);
   const int64_t n = output.numel();
   const int ws = m.size;
   const bool average = op == ReduceOp::kAvg;
   const at::Tensor out = output.view({-1}), in = input.view({-1});
   // rows[r]: rank r's chunk of this rank's block, `offset` elements in.
-  auto sum_chunk = [out, average](int64_t offset, const std::vector<at::Tensor>& rows) {
+  auto sum_chunk = [out, average, tap](int64_t offset, const std::vector<at::Tensor>& rows) {
+    if (tap) {
+      detail::sum_in_rank_order(out.narrow(0, offset, rows[0].numel()), tap->receive(offset, rows),
+                                average);
+      return;
+    }
     detail::sum_in_rank_order(out.narrow(0, offset, rows[0].numel()), rows, average);
   };
   auto sum_blocks = [sum_chunk, ws, n](const at::Tensor& blocks) {  // (ws * n): block r from r
@@ -201,29 +265,94 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
     sum_blocks(in);
     return m.make_work({}, "reduce_scatter", nbytes(input), nullptr);
   }
+  if (tap) tap->send(in.is_cpu() ? in : in.cpu(), n);
   m.stats->bytes_sent += nbytes(output) * (ws - 1);
   if (m.uses_exchange(input)) {
     // The sums run on the exchange's thread as the chunks arrive, overlapping the transfer.
-    auto job = [in, n, sum_chunk, timeout = m.timeout](detail::Exchange& e) {
+    auto job = [in, n, sum_chunk, tap, timeout = m.timeout](detail::Exchange& e) {
       e.exchange_blocks(in, n, sum_chunk, timeout);
+      if (tap) tap->finish();
     };
     return m.make_work({m.reductions->run(c10d::OpType::REDUCE_SCATTER, std::move(job))},
                        "reduce_scatter", nbytes(input), nullptr);
   }
   const at::Tensor received = at::empty_like(in);
+  auto finish = [sum_blocks, received, tap] {
+    sum_blocks(received);
+    if (tap) tap->finish();
+  };
   if (staged(m.backend, in)) {
     const at::Tensor dev_received = empty_on_device(received);
     auto work = compat::exchange_blocks(*m.pg, as_wire(dev_received, m.backend),
                                         as_wire(on_device(in), m.backend));
     return m.make_work({work}, "reduce_scatter", nbytes(input),
-                       [sum_blocks, received, dev_received] {
+                       [finish, received, dev_received] {
                          received.copy_(dev_received);
-                         sum_blocks(received);
+                         finish();
                        });
   }
   auto work = compat::exchange_blocks(*m.pg, as_wire(received, m.backend), as_wire(in, m.backend));
-  return m.make_work({work}, "reduce_scatter", nbytes(input),
-                     [sum_blocks, received] { sum_blocks(received); });
+  return m.make_work({work}, "reduce_scatter", nbytes(input), finish);
+}
+}  // namespace
+
+Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+  return issue_reduce_scatter(*impl_, output, input, op, nullptr);
+}
+
+double detail::wire_digest_seconds() {
+  return static_cast<double>(g_wire_digest_ns.load()) * 1e-9;
+}
+
+Work detail::reduce_scatter_digested(Communicator& c, const at::Tensor& output,
+                                     const at::Tensor& input, ReduceOp op,
+                                     ReceivedChunkHook on_received) {
+  Communicator::Impl& m = c.impl();
+  auto tap = std::make_shared<WireTap>(m.size, m.rank, std::move(on_received));
+  return issue_reduce_scatter(m, output, input, op, tap).with_digests(tap->digests);
+}
+
+// ---------------------------------------------------------------------------------------------
+// All-to-all: the reduce-scatter's block exchange, each block copied into its place
+// ---------------------------------------------------------------------------------------------
+Work Communicator::all_to_all(const at::Tensor& output, const at::Tensor& input) {
+  Impl& m = *impl_;
+  check_supported(output, "all_to_all", "output");
+  check_supported(input, "all_to_all", "input");
+  check_same_dtype(output, input, "all_to_all");
+  FSDP_CHECK(output.numel() == input.numel() && input.numel() % m.size == 0, "all_to_all: input ",
+             input.numel(), " and output ", output.numel(),
+             " elements; both must hold world size ", m.size, " equal blocks");
+  FSDP_CHECK(input.numel() == 0 || !output.storage().is_alias_of(input.storage()),
+             "all_to_all: the output shares storage with the input; pass a separate output");
+  const int64_t n = input.numel() / m.size;
+  const at::Tensor out = output.view({-1}), in = input.view({-1});
+  if (n == 0) return m.make_work({}, "all_to_all", 0, nullptr);
+  if (m.size == 1) {
+    out.copy_(in);
+    return m.make_work({}, "all_to_all", nbytes(input), nullptr);
+  }
+  m.stats->bytes_sent += nbytes(input) / m.size * (m.size - 1);
+  if (m.uses_exchange(input)) {
+    // rows[r]: rank r's chunk of this rank's block, `offset` elements in: copied to block r.
+    auto copy_chunk = [out, n](int64_t offset, const std::vector<at::Tensor>& rows) {
+      for (size_t r = 0; r < rows.size(); ++r)
+        out.narrow(0, static_cast<int64_t>(r) * n + offset, rows[r].numel()).copy_(rows[r]);
+    };
+    auto job = [in, n, copy_chunk, timeout = m.timeout](detail::Exchange& e) {
+      e.exchange_blocks(in, n, copy_chunk, timeout);
+    };
+    return m.make_work({m.reductions->run(c10d::OpType::ALLTOALL_BASE, std::move(job))},
+                       "all_to_all", nbytes(input), nullptr);
+  }
+  if (staged(m.backend, in)) {
+    const at::Tensor dev_out = empty_on_device(out);
+    auto work = compat::exchange_blocks(*m.pg, as_wire(dev_out, m.backend),
+                                        as_wire(on_device(in), m.backend));
+    return m.make_work({work}, "all_to_all", nbytes(input), [out, dev_out] { out.copy_(dev_out); });
+  }
+  auto work = compat::exchange_blocks(*m.pg, as_wire(out, m.backend), as_wire(in, m.backend));
+  return m.make_work({work}, "all_to_all", nbytes(input), nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -77,5 +77,20 @@ bool gathers_into_places(const Communicator& c, const std::vector<at::Tensor>& i
 Work all_gather_into(Communicator& c, std::vector<std::vector<at::Tensor>> outputs,
                      std::vector<at::Tensor> inputs);
 
+// Communicator::reduce_scatter with the XXH3 digests of its wire attached to its Work
+// (Work::digests, for verified collectives, core/verified.h): sent[j], of the block this rank
+// sends rank j, digested before it is sent; received[r], of rank r's block as it arrived here,
+// digested chunk by chunk before it is summed (so a byte changed between the two is caught
+// exactly, whatever the sum's rounding). `on_received`, when set, is a test seam
+// (core/content_faults.h): it gets each chunk of a peer's block, a copy it may change, before
+// the chunk is digested and summed.
+using ReceivedChunkHook =
+    std::function<void(int from, int64_t offset, const at::Tensor& chunk)>;
+Work reduce_scatter_digested(Communicator& c, const at::Tensor& output, const at::Tensor& input,
+                             ReduceOp op, ReceivedChunkHook on_received = nullptr);
+// Seconds this process spent digesting reduce-scatters' wires (any thread; fsdp-bench adds it to
+// verified collectives' own time).
+double wire_digest_seconds();
+
 }  // namespace detail
 }  // namespace fsdp

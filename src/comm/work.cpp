@@ -146,11 +146,22 @@ Work Work::then(std::function<void()> step) const {
     impl->peers = impl_->peers;
     impl->rank = impl_->rank;
     impl->group = impl_->group;
+    impl->digests = impl_->digests;
   } else {
     impl->what = "a local step";
     impl->timeout = std::chrono::hours(24);
   }
   return Work(std::move(impl));
+}
+
+std::shared_ptr<const Work::Digests> Work::digests() const {
+  return impl_ ? impl_->digests : nullptr;
+}
+
+Work Work::with_digests(std::shared_ptr<const Digests> d) const {
+  Work w = then(nullptr);
+  w.impl_->digests = std::move(d);
+  return w;
 }
 
 }  // namespace fsdp

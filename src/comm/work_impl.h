@@ -23,6 +23,7 @@ struct Work::Impl {
   std::vector<Work> before;  // waited first (Work::then)
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::function<void()> finish;  // local post-processing, run once on the waiting thread
+  std::shared_ptr<const Work::Digests> digests;  // with_digests, kept by then()
   std::string what;              // "all_gather of 4096 bytes on 'world' (rank 0 of 2)"
   std::string op, lane;          // for the timeline
   std::chrono::milliseconds timeout{0};

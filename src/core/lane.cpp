@@ -32,7 +32,14 @@ Work Lane::all_gather_into(const Collective& c, std::vector<std::vector<at::Tens
 Work Lane::reduce_scatter(const Collective& c, const at::Tensor& out, const at::Tensor& in,
                           ReduceOp op, ReduceScatter* custom) {
   for (auto* o : observers_) o->on_reduce_scatter(c);
-  Work w = custom ? (*custom)(out, in, op, *comm_) : comm_->reduce_scatter(out, in, op);
+  for (auto* o : observers_) o->issuing_reduce_scatter(c, out, in, op, custom);
+  bool digested = false;
+  ReceivedChunkHook hook;
+  if (!custom)
+    for (auto* o : observers_) digested |= o->digests_reduce_scatter(c, &hook);
+  Work w = custom     ? (*custom)(out, in, op, *comm_)
+           : digested ? detail::reduce_scatter_digested(*comm_, out, in, op, std::move(hook))
+                      : comm_->reduce_scatter(out, in, op);
   for (auto* o : observers_) w = o->issued_reduce_scatter(c, out, in, std::move(w));
   return w;
 }

@@ -1,7 +1,7 @@
 // Lane: one communicator on which a root's collectives of one kind travel (the all-gathers, the
 // reduce-scatters, HSDP's all-reduces across replicas), and the observers that check what is
 // issued on it, as c10d's ProcessGroupWrapper does: the algorithm issues, the observers watch
-// (the Agreed log, core/agreed.h; content checks may join). A group's custom collectives
+// (the Agreed log, core/agreed.h; verified collectives, core/verified.h). A group's custom collectives
 // (fsdp/custom_collectives.h) are issued here too, so the observers see them alike.
 // Thread-safety: used by the root's one training thread (the backward's hooks run on it on CPU).
 #pragma once
@@ -12,6 +12,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "comm/communicator_impl.h"
 
 namespace fsdp::detail {
 
@@ -38,6 +40,18 @@ class LaneObserver {
                                       const std::vector<std::vector<at::Tensor>>& /*places*/,
                                       const std::vector<at::Tensor>& /*pieces*/, Work work) {
     return work;
+  }
+  // Just before a reduce-scatter is issued, with its buffers, its op and the custom collective
+  // that issues it (null: the communicator's). Its input is read here, not once issued: an
+  // in-place reduction overwrites this rank's block of it while it runs.
+  virtual void issuing_reduce_scatter(const Collective&, const at::Tensor& /*out*/,
+                                      const at::Tensor& /*in*/, ReduceOp /*op*/,
+                                      const ReduceScatter* /*custom*/) {}
+  // Asked after issuing_reduce_scatter, for the communicator's reduce-scatter (not a custom one):
+  // whether to issue it with the digests of its wire attached (detail::reduce_scatter_digested);
+  // `hook` may be set to a test seam that changes the chunks as they arrive.
+  virtual bool digests_reduce_scatter(const Collective&, ReceivedChunkHook* /*hook*/) {
+    return false;
   }
   virtual Work issued_reduce_scatter(const Collective&, const at::Tensor& /*out*/,
                                      const at::Tensor& /*in*/, Work work) {

@@ -20,6 +20,9 @@ Root::Root(std::shared_ptr<Communicator> comm, std::shared_ptr<Communicator> rep
   audit_.enabled = audit || env_flag("FSDP_AUDIT");
   ctx_.gather.add_observer(&agreed_);
   ctx_.reduce.add_observer(&agreed_);
+  ctx_.gather.add_observer(&verified_);
+  ctx_.reduce.add_observer(&verified_);
+  agreed_.add_rider(&verified_);
 }
 
 void Root::absorb(Root& other) {
@@ -47,6 +50,11 @@ void Root::add(std::shared_ptr<Group> g) {
     const bool last = k + 1 == order_.size();
     order_[k]->place(&ctx_, static_cast<int>(k), last, last && contains);
   }
+  // The root's settings (the last call's), before any collective of the model.
+  const RuntimeOptions& o = order_.back()->options().runtime;
+  const auto env = verify_collectives_env();
+  verified_.configure({o.verify_collectives && env != VerifyCollectivesEnv::kOff,
+                       env == VerifyCollectivesEnv::kFull ? 1 : o.verify_period});
 }
 
 std::vector<Group*> Root::at_or_below(const Group& g) const {
@@ -88,10 +96,12 @@ std::vector<protocol::Message> Root::exchange(const protocol::Message& m) {
 // Agreed, and the shards' gradients settled ([Note: parameters that got no gradient])
 // ---------------------------------------------------------------------------------------------
 void Root::check_agreement() {
+  verified_.begin_check(/*backward=*/false);
   agreed_.check(*ctx_.agree, ctx_.replicate_agree.get(), [this] { return names(); });
 }
 
 std::vector<uint64_t> Root::check_agreement_and_settle() {
+  verified_.begin_check(/*backward=*/true);
   auto any_rank = agreed_.check(*ctx_.agree, ctx_.replicate_agree.get(),
                                 [this] { return names(); }, contribution_bits());
   settle_shard_grads(any_rank);

@@ -31,6 +31,7 @@
 #include "core/comm_context.h"
 #include "core/group.h"
 #include "core/rounds.h"
+#include "core/verified.h"
 #include "util/mutex.h"
 
 namespace fsdp::detail {
@@ -126,6 +127,7 @@ class Root {
   std::vector<Group*> order_;                   // the same, registration order
   Rounds rounds_{ctx_};
   AgreedLog agreed_;
+  VerifiedCollectives verified_{ctx_.agree, [this] { return names(); }};  // rides agreed_
   Audit audit_;
   ReapBudget reap_budget_;
   EntryMutex mu_{"the root's mutex"};

@@ -183,6 +183,27 @@ void add_options(App& a, TrainConfig& c) {
       ->check(CLI::IsMember({"none", "bf16-round"}))
       ->capture_default_str()
       ->group("Processes");
+  app.add_option("--quantize-gather", c.quantize_gather,
+                 "bf16 or int8: all-gather the weights on a quantized wire (int8: one fp32 scale "
+                 "per block of 128 values, ZeRO++'s qwZ; 0.5 and 0.26 of fp32's bytes), decoded "
+                 "on every rank; the shards and AdamW stay fp32. none: exact")
+      ->check(CLI::IsMember({"none", "bf16", "int8"}))
+      ->capture_default_str()
+      ->group("Processes");
+  app.add_option("--quantize-reduce", c.quantize_reduce,
+                 "bf16 or int8: reduce-scatter the gradients on a quantized wire, decoded and "
+                 "summed in fp32 in rank order (Megatron's bf16 communication, ZeRO++'s qgZ). "
+                 "none: exact")
+      ->check(CLI::IsMember({"none", "bf16", "int8"}))
+      ->capture_default_str()
+      ->group("Processes");
+  app.add_option("--verify-collectives", c.verify_collectives,
+                 "check the contents of every all-gather and reduce-scatter (docs/"
+                 "verified_collectives.md): on (a rotating 1/8 of each per step, every byte "
+                 "within 8 steps), full (every byte of every step) or off")
+      ->check(CLI::IsMember({"on", "full", "off"}))
+      ->capture_default_str()
+      ->group("Processes");
   app.add_option("--shard-dim", c.shard_dim,
                  "1: shard every weight and embedding on dim 1 (columns) instead of dim 0 "
                  "(FSDP2's shard_placement_fn returning Shard(1)); 0: dim 0")
@@ -266,6 +287,9 @@ std::string TrainConfig::to_json() const {
   j["shard-dim"] = shard_dim;
   j["ignored-params"] = ignored_params;
   j["custom-collectives"] = custom_collectives;
+  j["quantize-gather"] = quantize_gather;
+  j["quantize-reduce"] = quantize_reduce;
+  j["verify-collectives"] = verify_collectives;
   j["activation-checkpointing"] = activation_checkpointing;
   j["mixed-precision"] = mixed_precision;
   j["mixed-precision-reduce"] = mixed_precision_reduce;
@@ -357,6 +381,7 @@ const std::vector<std::string>& resumable_keys() {
                                                 "reshard-after-forward-world",
                                                 "shard-dim",
                                                 "activation-checkpointing",
+                                                "verify-collectives",
                                                 "hsdp",
                                                 "steps",
                                                 "min-lr-ratio",

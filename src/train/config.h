@@ -40,6 +40,16 @@ struct TrainConfig {
   // that round their input to bf16 (FSDPModule::set_custom_all_gather / _reduce_scatter;
   // rounding_collectives.h); "none": the communicator's own.
   std::string custom_collectives = "none";
+  // Quantized collectives (fsdp/quantized.h): "bf16" or "int8" (a scale per block of 128 values)
+  // gathers the weights on a quantized wire (ShardOptions::gather_transform_fn =
+  // quantized_gather), reduce-scatters the gradients on one summed in fp32 in rank order
+  // (set_quantized_reduce_scatter); "none": exactly. The shards and AdamW stay fp32.
+  std::string quantize_gather = "none";
+  std::string quantize_reduce = "none";
+  // Verified collectives (RuntimeOptions::verify_collectives): "on" checks a rotating 1/8 of each
+  // collective's bytes per step (every byte within 8 steps), "full" every byte of every step
+  // (verify_period 1), "off" none.
+  std::string verify_collectives = "on";
   bool activation_checkpointing = false;  // blocks recompute their activations in backward
   std::string mixed_precision = "none";   // "none", "bf16" (gather and compute) or "fp16" (CUDA)
   // The reductions' dtype under mixed_precision: "param" (bf16, set explicitly) or "fp32"

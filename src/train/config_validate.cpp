@@ -106,6 +106,21 @@ void check_policies(const TrainConfig& c) {
              c.custom_collectives,
              " replaces the sharded model's collectives, but --no-shard trains the plain model "
              "without any; drop one of the two");
+  for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{
+                                         "--quantize-gather", c.quantize_gather},
+                                     {"--quantize-reduce", c.quantize_reduce}}) {
+    FSDP_CHECK(value == "none" || value == "bf16" || value == "int8", flag, " is '", value,
+               "'; expected none, bf16 or int8");
+    FSDP_CHECK(value == "none" || !c.no_shard, flag, " ", value,
+               " quantizes the sharded model's collectives, but --no-shard trains the plain "
+               "model without any; drop one of the two");
+    FSDP_CHECK(value == "none" || c.custom_collectives == "none", flag, " ", value,
+               " and --custom-collectives ", c.custom_collectives,
+               " both replace what the collectives put on the wire; keep one of the two");
+  }
+  FSDP_CHECK(c.verify_collectives == "on" || c.verify_collectives == "full" ||
+                 c.verify_collectives == "off",
+             "--verify-collectives is '", c.verify_collectives, "'; expected on, full or off");
   FSDP_CHECK(!(c.shard_dim != 0 && c.no_shard), "--shard-dim ", c.shard_dim,
              " places the shards of the sharded model, but --no-shard trains the plain model; "
              "drop one of the two");

@@ -5,6 +5,7 @@
 #include <fsdp/deferred_init.h>
 #include <fsdp/error.h>
 #include <fsdp/optim.h>
+#include <fsdp/quantized.h>
 #include <torch/torch.h>
 
 #include <sstream>
@@ -83,6 +84,10 @@ std::pair<ShardOptions, ShardOptions> shard_options(const TrainConfig& cfg) {
   ShardOptions root_options;
   root_options.mixed_precision =
       mixed_precision_policy(cfg.mixed_precision, cfg.mixed_precision_reduce, true);
+  root_options.runtime.verify_collectives = cfg.verify_collectives != "off";
+  root_options.runtime.verify_period = cfg.verify_collectives == "full" ? 1 : 8;
+  block_options.gather_transform_fn = root_options.gather_transform_fn =
+      quantized_gather(parse_quantization(cfg.quantize_gather));
   if (cfg.shard_dim != 0) {
     const int64_t dim = cfg.shard_dim;
     block_options.shard_placement_fn = root_options.shard_placement_fn =
@@ -118,6 +123,9 @@ void shard_model(const TrainConfig& cfg, TrainModel& m, fsdp::Sharded<Root>& roo
     for (FSDPModule h : handles) set_rounding_collectives(h);
     set_rounding_collectives(m.root);
   }
+  std::vector<FSDPModule> groups = handles;
+  groups.push_back(m.root);
+  set_quantized_reduce_scatter(groups, parse_quantization(cfg.quantize_reduce));
   set_forward_prefetch(cfg.forward_prefetch, m, root->before_block, handles);
 }
 }  // namespace

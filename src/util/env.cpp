@@ -82,4 +82,13 @@ std::string env_choice(const char* name, std::initializer_list<std::string_view>
   throw Error(cat("environment variable ", name, "='", v, "' is not one of ", allowed));
 }
 
+VerifyCollectivesEnv verify_collectives_env() {
+  static const VerifyCollectivesEnv value = [] {
+    const std::string v = env_choice("FSDP_VERIFY_COLLECTIVES", {"0", "1", "full"}, "1");
+    return v == "0" ? VerifyCollectivesEnv::kOff
+                    : v == "full" ? VerifyCollectivesEnv::kFull : VerifyCollectivesEnv::kAsOptions;
+  }();
+  return value;
+}
+
 }  // namespace fsdp::detail

@@ -45,4 +45,10 @@ std::optional<double> env_positive(const char* name, const char* unit,
 std::string env_choice(const char* name, std::initializer_list<std::string_view> choices,
                        const std::string& fallback, const EnvLookup& lookup = nullptr);
 
+// FSDP_VERIFY_COLLECTIVES, read once per process: "0" turns verified collectives off, "full"
+// checks every byte of every collective, "1" or unset leaves RuntimeOptions as they are; anything
+// else throws naming the variable.
+enum class VerifyCollectivesEnv { kAsOptions, kOff, kFull };
+VerifyCollectivesEnv verify_collectives_env();
+
 }  // namespace fsdp::detail
