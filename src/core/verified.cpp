@@ -179,6 +179,7 @@ Work VerifiedCollectives::issued_all_gather_into(const Collective& c,
   const int64_t bytes = moved / k;
   State* s = st.get();  // kept alive by the step's own copy (watched)
   return watched(st, work, [s, places, first, parts, total, group = c.group, bytes] {
+    s->mu.assert_held();  // watched() runs every step under mu
     Timed timed;
     corrupt_gathered(total, first, s->me, places);
     std::vector<uint64_t> digests;
@@ -287,7 +288,7 @@ void State::fold_output(const Issuing& is, const at::Tensor& out) {
 
 bool VerifiedCollectives::digests_reduce_scatter(const Collective&, ReceivedChunkHook* hook) {
   MutexLock lock(state_->mu);
-  const State::Issuing& is = state_->issuing;
+  const State::Issuing is = state_->issuing;
   if (!state_->active || !is.sketched) return false;
   // The test fault: a bit of the block from its rank, as it arrives on the next rank.
   const auto& f = content_faults::active();
@@ -312,10 +313,15 @@ Work VerifiedCollectives::issued_reduce_scatter(const Collective&, const at::Ten
   const State::Issuing is = st->issuing;
   State* s = st.get();
   // A custom collective: checked by the digests of its wire it attached to its Work, if any.
-  if (is.custom) return watched(st, work, [s, work, is] { s->fold_wire(is, work.digests().get()); });
+  if (is.custom)
+    return watched(st, work, [s, work, is] {
+      s->mu.assert_held();  // watched() runs every step under mu
+      s->fold_wire(is, work.digests().get());
+    });
   if (!is.sketched) return work;
   // The communicator's: its wire's digests (exact) and the sketch of its sum.
   return watched(st, work, [s, out, is, work] {
+    s->mu.assert_held();
     s->fold_wire(is, work.digests().get());
     s->fold_output(is, out);
   });
