@@ -359,8 +359,8 @@ fsdp::bench::ArgsFor args_for(const TrainCli& cli) {
 
 // What the parsed command line asks for: one benchmark, here or through fsdp-run.
 struct Request {
-  bool comm = false, checkpointing = false, moe = false, optimizer_step = false,
-       async_save = false, verify_detection = false;
+  bool comm = false, checkpointing = false, moe = false, optimizer_step = false, async_save = false,
+       verify_detection = false;
   std::string save_dir, writer_priority = "low";
   fsdp::bench::VerifyDetectionOptions verify_options;
   fsdp::bench::MoEBenchOptions moe_options;
@@ -461,7 +461,8 @@ int main(int argc, char** argv) {
       "  --optimizer-step   the optimizer step alone on the GPT's shards: fsdp::optim's fused\n"
       "              AdamW and SGD against torch::optim's (--rounds rounds, the size options).\n"
       "  --async-save   asynchronous against synchronous checkpoints of fsdp-train's job (or\n"
-      "              --preset mem): the time a save holds the step, the overlapped steps' slowdown.\n"
+      "              --preset mem): the time a save holds the step, the overlapped steps' "
+      "slowdown.\n"
       "  --verify-detection   verified collectives against --injections random bit flips per\n"
       "              case (all-gather, reduce-scatter; shm, tcp; fp32, bf16): caught / missed.\n"
       "Examples:\n"
@@ -492,9 +493,10 @@ int main(int argc, char** argv) {
   async->add_option("--save-dir", q.save_dir,
                     "--async-save: where the checkpoints go (default: a temporary directory, "
                     "removed after)");
-  async->add_option("--writer-priority", q.writer_priority,
-                    "--async-save: low (the library's default: nice 19 for the writer thread) or "
-                    "normal")
+  async
+      ->add_option("--writer-priority", q.writer_priority,
+                   "--async-save: low (the library's default: nice 19 for the writer thread) or "
+                   "normal")
       ->check(CLI::IsMember({"low", "normal"}))
       ->capture_default_str();
   auto* moe = app.add_option_group("moe", "Options of --moe");
@@ -519,8 +521,9 @@ int main(int argc, char** argv) {
   verify->add_flag("--verify-detection", q.verify_detection,
                    "verified collectives against injected bit flips: caught and missed per case "
                    "(docs/verified_collectives.md)");
-  verify->add_option("--injections", q.verify_options.injections,
-                     "--verify-detection: injections per case")
+  verify
+      ->add_option("--injections", q.verify_options.injections,
+                   "--verify-detection: injections per case")
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
   add_comm_options(app, q.comm_options);

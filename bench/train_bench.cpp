@@ -24,10 +24,10 @@
 #include <set>
 #include <thread>
 
-#include "ddp_reducer.h"
-#include "stats.h"
 #include "comm/communicator_impl.h"
 #include "core/verified.h"
+#include "ddp_reducer.h"
+#include "stats.h"
 #include "train/model_setup.h"
 
 namespace fsdp::bench {
@@ -338,9 +338,8 @@ std::string mode_line(const TrainBenchOptions& o, const Trainer& t, const Commun
   j["reshard_after_forward_world"] = o.reshard_after_forward_world;
   j["forward_prefetch"] = o.forward_prefetch;
   j["optimizer"] = o.optimizer;
-  j["verify_collectives"] = is_sharded(o.mode)
-                                ? (o.mode == "fsdp-unverified" ? "off" : o.verify_collectives)
-                                : "-";
+  j["verify_collectives"] =
+      is_sharded(o.mode) ? (o.mode == "fsdp-unverified" ? "off" : o.verify_collectives) : "-";
   j["quantize_gather"] = o.quantize_gather;
   j["quantize_reduce"] = o.quantize_reduce;
   j["malloc"] = memory::malloc_settings();

@@ -162,21 +162,22 @@ TEST(CommFailureText, TimeoutNamesTheRanksThatDidNotArrive) {
   detail::Census c{true, {2}};
   auto m = detail::describe_failure("all_reduce of 16 bytes", "Operation timed out!", 20.1, 20s,
                                     three_peers("h"), 0, alive, &c, none);
-  EXPECT_TRUE(contains(m, "did not complete within 20 s: no peer connection failed, and rank 2 "
-                          "(pid 102 on h) did not arrive (every other rank reported waiting"))
+  EXPECT_TRUE(contains(m,
+                       "did not complete within 20 s: no peer connection failed, and rank 2 "
+                       "(pid 102 on h) did not arrive (every other rank reported waiting"))
       << m;
   EXPECT_FALSE(contains(m, "a peer rank is hung")) << m;
   c = {true, {}};
   m = detail::describe_failure("x", "timed out", 20.1, 20s, three_peers("h"), 0, alive, &c, none);
-  EXPECT_TRUE(contains(m, "every rank reached a collective of this communicator, so they issued "
-                          "different collectives"))
+  EXPECT_TRUE(contains(m,
+                       "every rank reached a collective of this communicator, so they issued "
+                       "different collectives"))
       << m;
   c = {false, {}};
-  m = detail::describe_failure("x", "timed out", 20.1, 20s, three_peers("h"), 2, alive, &c,
-                               [](int64_t pid) {
-                                 return pid == 100 ? std::string("its process is stopped (T)")
-                                                   : std::string();
-                               });
+  m = detail::describe_failure(
+      "x", "timed out", 20.1, 20s, three_peers("h"), 2, alive, &c, [](int64_t pid) {
+        return pid == 100 ? std::string("its process is stopped (T)") : std::string();
+      });
   EXPECT_TRUE(contains(m, "rank 0 (pid 100 on " + detail::this_host() +
                               ") did not arrive: its process is stopped (T)"))
       << m;

@@ -53,9 +53,7 @@ double seconds_since(Clock::time_point t0) {
 }
 
 // The message of an fsdp::Error without its "fsdp: " prefix, for nesting in another message.
-std::string unprefixed(const std::string& m) {
-  return m.rfind("fsdp: ", 0) == 0 ? m.substr(6) : m;
-}
+std::string unprefixed(const std::string& m) { return m.rfind("fsdp: ", 0) == 0 ? m.substr(6) : m; }
 
 }  // namespace
 
@@ -82,8 +80,8 @@ struct AsyncSaver::Impl {
     std::string dir;
     TrainState state;
     test_hooks::Taken hooks;
-    bool writes = false;          // replica 0 (or no HSDP): this rank writes its file
-    std::string staging_error;    // this rank could not stage: raised at the first agreement
+    bool writes = false;        // replica 0 (or no HSDP): this rank writes its file
+    std::string staging_error;  // this rank could not stage: raised at the first agreement
     std::function<void(const std::string&)> on_commit;  // a copy taken at the start
   };
   void run(const Task& task);
@@ -99,7 +97,8 @@ void AsyncSaver::Impl::ensure_lanes(const FSDPModule& root) {
              "communicator before; use one AsyncSaver per model");
   // Collective over the model's ranks, in the same order on every rank (save_async is).
   shard = model.split("checkpoint-async");
-  if (root.replicate_communicator()) replicate = root.replicate_communicator()->split("checkpoint-async");
+  if (root.replicate_communicator())
+    replicate = root.replicate_communicator()->split("checkpoint-async");
   split_from = &model;
 }
 
@@ -121,8 +120,9 @@ void AsyncSaver::Impl::run(const Task& task) {
       auto failed = at::tensor(std::vector<int64_t>{failure ? 1 : 0}, at::kLong);
       replicate->broadcast(failed, 0).wait();
       if (!failure && failed.item<int64_t>() != 0)
-        throw Error(cat("replica 0, which writes for every replica under HSDP, failed (its error "
-                        "says why)"));
+        throw Error(
+            cat("replica 0, which writes for every replica under HSDP, failed (its error "
+                "says why)"));
     }
     if (failure) std::rethrow_exception(failure);
     if (task.on_commit) task.on_commit(ckpt);
@@ -145,8 +145,9 @@ std::string AsyncSaver::Impl::collect() {
     } catch (...) {
       message = "an exception of unknown type";
     }
-    return cat("the asynchronous checkpoint save of '", ckpt, "' failed in the background: ",
-               message, ". That step is not saved (the step directory has no index.json); the "
+    return cat("the asynchronous checkpoint save of '", ckpt,
+               "' failed in the background: ", message,
+               ". That step is not saved (the step directory has no index.json); the "
                "previous complete checkpoint is still the latest");
   }
   stats.committed += 1;
@@ -161,14 +162,14 @@ AsyncSaver::AsyncSaver(AsyncSaveOptions options) : impl_(std::make_unique<Impl>(
 
 AsyncSaver::~AsyncSaver() {
   const std::string failure = impl_->collect();
-  if (!failure.empty()) std::fprintf(stderr, "fsdp: %s (no wait() collected it)\n", failure.c_str());
+  if (!failure.empty())
+    std::fprintf(stderr, "fsdp: %s (no wait() collected it)\n", failure.c_str());
 }
 
 std::string AsyncSaver::save_async(const std::string& dir, const FSDPModule& root,
                                    torch::optim::Optimizer* opt, const TrainState& state) {
   const auto t0 = Clock::now();
-  fsdp::detail::agree_explicit_collective(root,
-                                          fsdp::detail::protocol::Explicit::kCheckpointSave);
+  fsdp::detail::agree_explicit_collective(root, fsdp::detail::protocol::Explicit::kCheckpointSave);
   // At most one save in flight: the previous one's failure belongs to its own step and is raised
   // here, before anything of this step is started. No agreement is needed: commit_files raised it
   // on every rank already (only an on_commit failure is one rank's), and after a peer died the
@@ -193,9 +194,8 @@ std::string AsyncSaver::save_async(const std::string& dir, const FSDPModule& roo
     // Buffers are saved from rank 0: say so when the ranks' copies differ (a small all-gather).
     check_buffers_agree(root, cat("checkpoint save '", dir, "/", step_dir_name(state.step),
                                   "' keeps rank 0's values"));
-    task->staging_error = fsdp::detail::error_of([&] {
-      task->file = collect(root, opt, root.communicator().rank(), &impl_->staging);
-    });
+    task->staging_error = fsdp::detail::error_of(
+        [&] { task->file = collect(root, opt, root.communicator().rank(), &impl_->staging); });
   }
   impl_->ckpt = dir + "/" + step_dir_name(state.step);
   impl_->finished.store(false);

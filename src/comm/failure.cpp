@@ -53,8 +53,8 @@ std::string hung_ranks(const std::vector<PeerInfo>& peers, int self, const Censu
     return "every rank reached a collective of this communicator, so they issued different "
            "collectives (or a collective's data did not get through)";
   if (census && !census->complete && !peers.empty())
-    return cat("the store did not answer either, so rank ", peers[0].rank, " (pid ",
-               peers[0].pid, " on ", peers[0].host,
+    return cat("the store did not answer either, so rank ", peers[0].rank, " (pid ", peers[0].pid,
+               " on ", peers[0].host,
                "), which serves it unless a launcher's agent does, is likely hung");
   return {};
 }
@@ -151,12 +151,11 @@ std::string describe_failure(const std::string& what, const std::string& cause, 
       const std::string hung =
           ranks.empty() && census ? hung_ranks(peers, self, census, state, timeout) : std::string();
       out = cat(what, " did not complete within ", limit, ": no peer connection failed, ",
-                !ranks.empty() ? cat(who, verb, " exited without closing its connections")
-                : !hung.empty()
-                    ? "and " + hung
-                    : std::string("so a peer rank is hung, slower than the limit, "
-                                  "unreachable (the network between the hosts), or "
-                                  "issued a different collective"),
+                !ranks.empty()  ? cat(who, verb, " exited without closing its connections")
+                : !hung.empty() ? "and " + hung
+                                : std::string("so a peer rank is hung, slower than the limit, "
+                                              "unreachable (the network between the hosts), or "
+                                              "issued a different collective"),
                 ". Every rank must issue the same collectives in the same order; check the other "
                 "ranks' output, and raise the limit with FSDP_TIMEOUT_S if a step legitimately "
                 "takes longer.");

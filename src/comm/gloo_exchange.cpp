@@ -1,7 +1,6 @@
 #include "gloo_exchange.h"
 
 #include <ATen/ATen.h>
-
 #include <fsdp/error.h>
 
 #include <algorithm>
@@ -23,6 +22,7 @@ int64_t chunk_numel(int64_t n, int64_t element_size) {
   const int64_t count = std::clamp<int64_t>(wanted, 1, GlooExchange::kMaxPieces);
   return std::max<int64_t>(1, (n + count - 1) / count);
 }
+
 enum JobKind : int64_t { kAllGather = 1, kBlockExchange = 2 };
 const char* kind_name(int64_t k) {
   return k == kAllGather ? "an all-gather" : k == kBlockExchange ? "a reduce-scatter" : "?";
@@ -61,8 +61,8 @@ void GlooExchange::agree_on_header(const at::Tensor& mine, int tag_base,
     throw CommError(detail::cat(
         "TCP exchange: rank ", j, "'s collective #", jobs_, " on this lane is ", kind_name(t[0]),
         " sending ", t[1], " bytes in ", t[2], " pieces, where rank ", rank_, "'s is ",
-        kind_name(m[0]), " sending ", m[1], " bytes in ", m[2],
-        " pieces", t[0] == m[0] && t[1] == m[1] ? " of other sizes" : "",
+        kind_name(m[0]), " sending ", m[1], " bytes in ", m[2], " pieces",
+        t[0] == m[0] && t[1] == m[1] ? " of other sizes" : "",
         ": the ranks issued different collectives or sizes (every rank must issue the same "
         "collectives in the same order)"));
   }
@@ -86,8 +86,8 @@ void GlooExchange::all_gather(const std::vector<std::vector<at::Tensor>>& into,
     for (size_t i = 0; i < pieces.size(); ++i)
       sizes.push_back(j == rank_ ? pieces[i].numel() : into[j][i].numel());
   for (const auto& p : pieces) bytes += static_cast<int64_t>(p.nbytes());
-  agree_on_header(header(kAllGather, bytes, static_cast<int64_t>(pieces.size()), sizes),
-                  tag_base, timeout);
+  agree_on_header(header(kAllGather, bytes, static_cast<int64_t>(pieces.size()), sizes), tag_base,
+                  timeout);
   std::vector<WorkPtr> works;
   for (int d = 1; d < world_; ++d) {  // from r-1, r-2, ... and to r+1, r+2, ...: no common first
     const int from = (rank_ - d + world_) % world_, to = (rank_ + d) % world_;

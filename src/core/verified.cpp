@@ -2,8 +2,6 @@
 // every rank's rows with its error (verified_check.cpp).
 #include "core/verified.h"
 
-#include "core/verified_state.h"
-
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 
@@ -13,6 +11,7 @@
 
 #include "core/content_faults.h"
 #include "core/payload_digest.h"
+#include "core/verified_state.h"
 #include "util/checksum.h"
 
 namespace fsdp::detail {
@@ -50,7 +49,8 @@ std::atomic<int64_t> g_checks_passed{0};
 std::atomic<int64_t> g_busy_ns{0};  // time spent digesting and sketching, this process
 }  // namespace
 
-VerifiedCollectives::Timed::Timed() : start_ns(std::chrono::steady_clock::now().time_since_epoch().count()) {}
+VerifiedCollectives::Timed::Timed()
+    : start_ns(std::chrono::steady_clock::now().time_since_epoch().count()) {}
 VerifiedCollectives::Timed::~Timed() {
   g_busy_ns.fetch_add(std::chrono::steady_clock::now().time_since_epoch().count() - start_ns);
 }
@@ -209,9 +209,17 @@ void VerifiedCollectives::issuing_reduce_scatter(const Collective& c, const at::
   is.numel = n;
   is.record = st.window.reduces.size();
   if (is.record < static_cast<size_t>(AgreedLog::kMaxRecorded))
-    st.window.reduces.push_back(ReduceRecord{c.group, n, custom ? 1 : 0, std::vector<double>(n_),
-                                             std::vector<double>(n_), std::vector<double>(n_),
-                                             0, 0, 0, {}, {}});
+    st.window.reduces.push_back(ReduceRecord{c.group,
+                                             n,
+                                             custom ? 1 : 0,
+                                             std::vector<double>(n_),
+                                             std::vector<double>(n_),
+                                             std::vector<double>(n_),
+                                             0,
+                                             0,
+                                             0,
+                                             {},
+                                             {}});
   if (custom) return;  // checked by the digests of its wire, once it completed
   is.sketched = true;
   Timed timed;
@@ -227,7 +235,8 @@ void VerifiedCollectives::issuing_reduce_scatter(const Collective& c, const at::
   const double g = gamma_of(n_ - 1, r.u_acc);
   is.out_gamma = 1.01 * ((average ? r.u_acc : 0) + r.u_out);
   is.out_absolute = is.scale * ((n_ + 1) * r.eta_acc + r.eta_out);
-  ReduceRecord* rec = is.record < st.window.reduces.size() ? &st.window.reduces[is.record] : nullptr;
+  ReduceRecord* rec =
+      is.record < st.window.reduces.size() ? &st.window.reduces[is.record] : nullptr;
   const at::Tensor flat = in.view({-1});
   for (int j = 0; j < n_; ++j) {
     const Sketch s = sketch_values(flat.narrow(0, j * n, n), part, is.seed);
@@ -306,7 +315,7 @@ bool VerifiedCollectives::digests_reduce_scatter(const Collective&, ReceivedChun
 }
 
 Work VerifiedCollectives::issued_reduce_scatter(const Collective&, const at::Tensor& out,
-                                               const at::Tensor&, Work work) {
+                                                const at::Tensor&, Work work) {
   const auto& st = state_;
   MutexLock lock(st->mu);
   if (!st->active || out.numel() == 0) return work;
