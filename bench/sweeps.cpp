@@ -156,8 +156,8 @@ std::string summarize_rounds(const std::vector<std::vector<std::string>>& rounds
   s["world"] = first["world"];
   s["preset"] = first["preset"];
   s["mixed_precision"] = mixed_precision;  // of fsdp, fsdp-noreshard and fsdp2; the others fp32
-  s["verify_collectives"] = verify;          // of fsdp and fsdp-noreshard (fsdp-unverified: off)
-  s["quantize_gather"] = quantize_gather;    // of the fsdp modes
+  s["verify_collectives"] = verify;        // of fsdp and fsdp-noreshard (fsdp-unverified: off)
+  s["quantize_gather"] = quantize_gather;  // of the fsdp modes
   s["quantize_reduce"] = quantize_reduce;
   s["rounds"] = rounds.size();
   for (const auto& [name, values] : ratios) {

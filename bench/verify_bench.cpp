@@ -79,7 +79,8 @@ std::shared_ptr<Communicator> lane(const std::shared_ptr<Communicator>& world,
 }
 
 // One step of a fresh model with `f` injected; the error it ended with ("" when none).
-std::string faulty_step(const std::shared_ptr<Communicator>& comm, const FlipCase& c, const Fault& f) {
+std::string faulty_step(const std::shared_ptr<Communicator>& comm, const FlipCase& c,
+                        const Fault& f) {
   torch::manual_seed(0);
   fsdp::Sharded<models::GPT> gpt{models::GPT(model_config())};
   ShardOptions o;
@@ -126,10 +127,10 @@ int run_verify_detection(const VerifyDetectionOptions& o) {
     for (bool bf16 : {false, true}) {
       const std::string p = std::string(bf16 ? "bf16" : "fp32") + ", " + t;
       cases.push_back({"all-gather, " + p, t, Where::kGatheredBlock, bf16});
-      cases.push_back({"reduce-scatter wire (block as it arrives), " + p, t, Where::kReceivedBlock,
-                       bf16});
-      cases.push_back({"reduce-scatter sender's buffer (before the wire), " + p, t,
-                       Where::kSentBlock, bf16});
+      cases.push_back(
+          {"reduce-scatter wire (block as it arrives), " + p, t, Where::kReceivedBlock, bf16});
+      cases.push_back(
+          {"reduce-scatter sender's buffer (before the wire), " + p, t, Where::kSentBlock, bf16});
       cases.push_back({"reduce-scatter reduced value, " + p, t, Where::kReducedValue, bf16});
     }
   cases.push_back({"all-gather int8 wire (qwZ), shm", "shm", Where::kGatheredBlock, false, true});

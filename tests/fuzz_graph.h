@@ -350,13 +350,11 @@ struct Program {
         (ignore ? ", ignored params " + std::to_string(ignore) : "") +
         (reduce_unused ? ", reduce-scatter unused params" : "") +
         (broadcast_buffers ? ", broadcast buffers" : "") +
-        (checkpoint ? ", checkpoint round trip" : "") +
-        (declares() ? ", calls_may_differ" : "") +
+        (checkpoint ? ", checkpoint round trip" : "") + (declares() ? ", calls_may_differ" : "") +
         (transform ? ", gather transforms " + std::to_string(transform) : "") +
         (verify_period == 0 ? ", verify off" : ", verify period " + std::to_string(verify_period)) +
-        ", audit " +
-        (audit ? "on" : "off") + ", max_unsharded_groups " + std::to_string(max_unsharded_groups) +
-        ", " +
+        ", audit " + (audit ? "on" : "off") + ", max_unsharded_groups " +
+        std::to_string(max_unsharded_groups) + ", " +
         (optim == Optim::kSGD    ? "SGD momentum " + std::to_string(momentum)
          : optim == Optim::kAdam ? std::string("Adam")
                                  : std::string("AdamW")) +

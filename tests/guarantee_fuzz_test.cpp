@@ -420,20 +420,20 @@ struct Sides {
 // fresh model sharded over them alone: its shards equal the reference's. Ignored parameters of
 // every shape (the 0-d root_bias, 1-d biases, views into one buffer) go through all of it.
 void checkpoint_round_trip(const Program& p, Rank& r, ShardedSide& s, Reference& ref) {
-  const std::string dir = "/tmp/fsdp_fuzz_ckpt_" + std::to_string(::getppid()) + "_" +
-                          std::to_string(p.seed);
+  const std::string dir =
+      "/tmp/fsdp_fuzz_ckpt_" + std::to_string(::getppid()) + "_" + std::to_string(p.seed);
   auto world = communicator(r, p.transport);
   if (r.rank == 0) std::filesystem::remove_all(dir);
   world->barrier().wait();
-  const std::string saved = fsdp::checkpoint::save(dir, s.root, s.opt.get(),
-                                                   fsdp::checkpoint::TrainState{}, *world);
+  const std::string saved =
+      fsdp::checkpoint::save(dir, s.root, s.opt.get(), fsdp::checkpoint::TrainState{}, *world);
   if (r.rank == 0) {
     const std::string file = dir + "/full.safetensors";
     fsdp::checkpoint::consolidate(saved, file);
     auto f = safetensors::File::open(file);
     for (const auto& item : ref.net(0)->named_parameters())
-      EXPECT_TRUE(torch::allclose(safetensors::read_tensor(*f, item.key()), item.value(), kRtol,
-                                  kAtol))
+      EXPECT_TRUE(
+          torch::allclose(safetensors::read_tensor(*f, item.key()), item.value(), kRtol, kAtol))
           << "consolidated " << item.key();
     for (const auto& item : ref.net(0)->named_buffers())
       EXPECT_TRUE(torch::equal(safetensors::read_tensor(*f, item.key()), item.value()))
@@ -767,9 +767,10 @@ Program different_calls_program(int world, int blocks, std::vector<Pass> micro) 
   return p;
 }
 
-// The same decision with accumulation (used in one micro-batch only, or in none), finalize_backward,
-// HSDP (every micro-batch reduce-scatters, the last all-reduces), hpZ and ranks calling different
-// modules (used on rank 0 only: the mean with the others' zeros; then on no rank).
+// The same decision with accumulation (used in one micro-batch only, or in none),
+// finalize_backward, HSDP (every micro-batch reduce-scatters, the last all-reduces), hpZ and ranks
+// calling different modules (used on rank 0 only: the mean with the others' zeros; then on no
+// rank).
 TEST(GuaranteeFindings, AModuleNoRankCalledKeepsItsGradientInEveryMode) {
   auto program = [](int world, Accumulate accumulate) {
     Program p = three_blocks_skipping_the_middle(world, Optim::kAdam, ZeroGrad::kOptimizer);

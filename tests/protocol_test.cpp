@@ -108,10 +108,10 @@ TEST(Protocol, TheFirstClashIsFoundAndNamedWithTheFix) {
 }
 
 TEST(Protocol, ARoundGathersTheUnionNeededFirstThenPrefetchedEachInRegistrationOrder) {
-  const Message r0 = with(with(msg(Kind::kCall, 5, 0), &Message::need, {5}), &Message::prefetch,
-                          {6, 65});
-  const Message r1 = with(with(msg(Kind::kCall, 2, 1), &Message::need, {2, 65}),
-                          &Message::prefetch, {6});
+  const Message r0 =
+      with(with(msg(Kind::kCall, 5, 0), &Message::need, {5}), &Message::prefetch, {6, 65});
+  const Message r1 =
+      with(with(msg(Kind::kCall, 2, 1), &Message::need, {2, 65}), &Message::prefetch, {6});
   const Message r2 = msg(Kind::kDone, 0, 2);  // done: serves, needs nothing
   const auto g = gathers_of_round(r0, {r0, r1, r2}, kGroups);
   ASSERT_EQ(g.size(), 4u);
@@ -134,8 +134,8 @@ TEST(Protocol, ARoundGathersTheUnionNeededFirstThenPrefetchedEachInRegistrationO
 }
 
 TEST(Protocol, AHeldGroupIsStaleWhereAnyRankChangedOrDoesNotHoldIt) {
-  const Message a = with(with(msg(Kind::kStart, 0, 0), &Message::held, {1, 2, 3, 66}),
-                         &Message::changed, {2});
+  const Message a =
+      with(with(msg(Kind::kStart, 0, 0), &Message::held, {1, 2, 3, 66}), &Message::changed, {2});
   const Message b = with(msg(Kind::kStart, 0, 1), &Message::held, {1, 2, 66});
   const auto s = stale(a, {a, b}, kGroups);
   EXPECT_FALSE(s[1]);   // held by both, unchanged
@@ -167,7 +167,7 @@ TEST(Protocol, BackwardMergesPlansReducesInOneOrderRootLast) {
   // registration order), the root last.
   EXPECT_EQ(d.reductions, (std::vector<int64_t>{2, 1, 3, 0, 4}));
   EXPECT_EQ(d.from_chunk, (std::vector<bool>{false, true, false, false, false}));  // both hold it
-  EXPECT_EQ(d.held, (std::vector<bool>{false, true, true, false, false}));  // any rank's
+  EXPECT_EQ(d.held, (std::vector<bool>{false, true, true, false, false}));         // any rank's
   b.plan = {1};
   b.reverse = {1, 4};
   const auto e = decide_backward({a, b}, 5, 4);

@@ -164,7 +164,8 @@ TEST(QuantizedGather, EqualsTheUnshardedModelOnWeightsQuantizedPerRankPart) {
       const int n = r.world()->size();
       torch::manual_seed(900 + r.rank);
       auto tokens = torch::randint(0, tiny_gpt().vocab_size, {2, tiny_gpt().seq_len + 1});
-      const auto x = tokens.narrow(1, 0, tiny_gpt().seq_len), y = tokens.narrow(1, 1, tiny_gpt().seq_len);
+      const auto x = tokens.narrow(1, 0, tiny_gpt().seq_len),
+                 y = tokens.narrow(1, 1, tiny_gpt().seq_len);
       torch::manual_seed(0);
       GPT exact(tiny_gpt());
       const double exact_loss = exact->forward(x, y).item<double>();
@@ -183,7 +184,8 @@ TEST(QuantizedGather, EqualsTheUnshardedModelOnWeightsQuantizedPerRankPart) {
         o.gather_transform_fn = quantized_gather(q);
         for (auto& b : gpt->blocks) fully_shard(b, r.world(), o);
         fully_shard(gpt, r.world(), o);
-        const double loss = gpt(x, y).item<double>(), want = reference->forward(x, y).item<double>();
+        const double loss = gpt(x, y).item<double>(),
+                     want = reference->forward(x, y).item<double>();
         EXPECT_NEAR(loss, want, 1e-6 * std::abs(want));
         EXPECT_GT(std::abs(loss - exact_loss), 1e-6 * std::abs(exact_loss)) << "not quantized";
       }
@@ -214,7 +216,8 @@ Trained train(Rank& r, Quantization gather, Quantization reduce) {
   set_quantized_reduce_scatter(groups, reduce);
   torch::optim::AdamW opt(root.parameters(), torch::optim::AdamWOptions(3e-3));
   Trained t;
-  for (const char* lane : {"fsdp.all_gather", "fsdp.reduce_scatter"}) comm->lane(lane)->reset_stats();
+  for (const char* lane : {"fsdp.all_gather", "fsdp.reduce_scatter"})
+    comm->lane(lane)->reset_stats();
   for (int s = 0; s < kSteps; ++s) {
     // A learnable stream (each row counts up by a stride from a random start), one batch per
     // step, each rank its half: the loss falls far below a uniform guess's, so that what the

@@ -286,8 +286,8 @@ TEST(TrainConfig, IntegersThatDoNotFitAreRefused) {
   const auto msg = error_of([&] { parse_args({"fsdp-train", "--config", file}); });
   EXPECT_NE(msg.find("key 'steps' = '99999999999999999999' is invalid"), std::string::npos) << msg;
   EXPECT_NE(msg.find("is out of range"), std::string::npos) << msg;
-  r = parse_args({"fsdp-train", "--steps", "9223372036854775807", "--seed",
-                  "18446744073709551615", "--warmup", "0x10"});
+  r = parse_args({"fsdp-train", "--steps", "9223372036854775807", "--seed", "18446744073709551615",
+                  "--warmup", "0x10"});
   ASSERT_TRUE(r.config.has_value()) << r.message;
   EXPECT_EQ(r.config->steps, INT64_MAX);
   EXPECT_EQ(r.config->seed, UINT64_MAX);

@@ -19,16 +19,16 @@
 namespace fsdp::testing::verified_collectives_test {
 namespace {
 
-using fsdp::models::GPT;
 using detail::content_faults::Fault;
 using detail::content_faults::Where;
+using fsdp::models::GPT;
 
 constexpr int64_t kRows = 2;  // sequences per rank and step
 
 std::pair<torch::Tensor, torch::Tensor> batch(int step, int rank) {
   torch::manual_seed(500 + 31 * step + rank);
-  auto tokens = torch::randint(0, tiny_gpt().vocab_size, {kRows, tiny_gpt().seq_len + 1},
-                               torch::kLong);
+  auto tokens =
+      torch::randint(0, tiny_gpt().vocab_size, {kRows, tiny_gpt().seq_len + 1}, torch::kLong);
   return {tokens.narrow(1, 0, tiny_gpt().seq_len), tokens.narrow(1, 1, tiny_gpt().seq_len)};
 }
 
@@ -37,8 +37,8 @@ struct Config {
   bool bf16 = false;      // param_dtype and reduce_dtype bf16
   int period = 1;
   bool verify = true;
-  int hpz = 0;            // reshard_after_forward world of the blocks (0: true)
-  int replicas = 1;       // HSDP
+  int hpz = 0;       // reshard_after_forward world of the blocks (0: true)
+  int replicas = 1;  // HSDP
   Quantization gather = Quantization::kNone;
   Quantization reduce = Quantization::kNone;
 };
@@ -85,8 +85,8 @@ std::unique_ptr<Model> build(Rank& r, const Config& s) {
   }
   m->groups.push_back(m->root);
   set_quantized_reduce_scatter(m->groups, s.reduce);
-  m->opt = std::make_unique<torch::optim::AdamW>(m->root.parameters(),
-                                                 torch::optim::AdamWOptions(1e-2));
+  m->opt =
+      std::make_unique<torch::optim::AdamW>(m->root.parameters(), torch::optim::AdamWOptions(1e-2));
   return m;
 }
 
@@ -183,7 +183,8 @@ TEST(VerifiedCollectives, AFlipIsCaughtOnEveryRankInItsStep) {
   const std::vector<FlipCase> cases = {
       {Where::kGatheredBlock, "all-gather #", "the bytes rank 1 sent arrived different on rank 0"},
       {Where::kSentBlock, "reduce-scatter #", "the reduced gradient shard on rank 0 differs"},
-      {Where::kReceivedBlock, "reduce-scatter #", "the bytes rank 1 sent to rank 0 arrived different"},
+      {Where::kReceivedBlock, "reduce-scatter #",
+       "the bytes rank 1 sent to rank 0 arrived different"},
       {Where::kReducedValue, "reduce-scatter #", "the reduced gradient shard on rank 1 differs"}};
   run_ranks(2, [&](Rank& r) {
     for (const std::string transport : {"shm", "tcp", "collective"})
@@ -201,8 +202,7 @@ TEST(VerifiedCollectives, AFlipIsCaughtOnEveryRankInItsStep) {
             detail::content_faults::inject(
                 Fault{c.where, 1, (gather ? 5 : 3) * at_step + 1, 7, bit});
             std::string e;
-            for (int k = 0; k <= at_step && e.empty(); ++k)
-              try {
+            for (int k = 0; k <= at_step && e.empty(); ++k) try {
                 step(*m, k, r.rank);
               } catch (const fsdp::Error& err) {
                 e = err.what();

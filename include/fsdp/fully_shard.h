@@ -93,7 +93,7 @@ class FSDPModule {
   // Gathers this module's group (a collective: every rank at the same point), or frees it again.
   UnshardHandle unshard(bool async_op = false);
   void reshard();
-  void set_requires_gradient_sync(bool sync);  // recursive; off: micro-batches accumulate
+  void set_requires_gradient_sync(bool sync);     // recursive; off: micro-batches accumulate
   void set_reshard_after_backward(bool reshard);  // recursive
   void set_reshard_after_forward(bool reshard);
   void set_requires_all_reduce(bool all_reduce);  // recursive; HSDP only
@@ -184,9 +184,9 @@ class ShardedRef {
  public:
   template <class Holder>
   ShardedRef(Sharded<Holder>& module)  // NOLINT: implicit on purpose
-      : module_(module.ptr()), sharded_(module.is_sharded()), attach_([&module](const FSDPModule& h) {
-          detail::HandleAccess::attach(module, h);
-        }) {}
+      : module_(module.ptr()),
+        sharded_(module.is_sharded()),
+        attach_([&module](const FSDPModule& h) { detail::HandleAccess::attach(module, h); }) {}
 
  private:
   friend struct detail::HandleAccess;

@@ -178,8 +178,8 @@ struct ShardOptions {
 
   // Deprecated spellings of runtime's and debug's fields (fully_shard takes either; these go in a
   // later release).
-  [[deprecated("use ShardOptions::runtime.activation_checkpointing")]] bool
-      activation_checkpointing = false;
+  [[deprecated(
+      "use ShardOptions::runtime.activation_checkpointing")]] bool activation_checkpointing = false;
   [[deprecated("use ShardOptions::runtime.broadcast_buffers")]] bool broadcast_buffers = false;
   [[deprecated("use ShardOptions::runtime.sync_module_states")]] bool sync_module_states = false;
   [[deprecated("use ShardOptions::runtime.max_unsharded_groups")]] std::optional<int>

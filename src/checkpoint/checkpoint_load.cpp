@@ -129,8 +129,7 @@ void init_buffers(st::File& f, const std::vector<std::pair<std::string, at::Tens
 
 TrainState load(const std::string& ckpt_dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                 Communicator& comm) {
-  fsdp::detail::agree_explicit_collective(
-      root, fsdp::detail::protocol::Explicit::kCheckpointLoad);
+  fsdp::detail::agree_explicit_collective(root, fsdp::detail::protocol::Explicit::kCheckpointLoad);
   TrainState out;
   std::string error = detail::error_of([&] {
     OptKind kind = kind_of(opt);

@@ -142,8 +142,7 @@ std::string save_shards(const std::string& dir, const FSDPModule& root,
 
 std::string save(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                  const TrainState& state, Communicator& comm) {
-  fsdp::detail::agree_explicit_collective(
-      root, fsdp::detail::protocol::Explicit::kCheckpointSave);
+  fsdp::detail::agree_explicit_collective(root, fsdp::detail::protocol::Explicit::kCheckpointSave);
   const auto& replicas = root.replicate_communicator();
   if (!replicas) return save_shards(dir, root, opt, state, comm);
   // HSDP: every replica holds the same shards; replica 0 writes them over the shard communicator,
@@ -181,7 +180,8 @@ std::string save_shards(const std::string& dir, const FSDPModule& root,
   check_buffers_agree(root, cat("checkpoint save '", dir, "/", step_dir_name(state.step),
                                 "' keeps rank 0's values"));
   RankFile file;
-  const std::string error = detail::error_of([&] { file = collect(root, opt, comm.rank(), nullptr); });
+  const std::string error =
+      detail::error_of([&] { file = collect(root, opt, comm.rank(), nullptr); });
   return commit_files(dir, file, state, comm, error, hooks);
 }
 }  // namespace
@@ -224,8 +224,7 @@ void RankFile::add(const std::string& name, at::Tensor host, std::pair<int64_t, 
   replicated.push_back(repl);
 }
 
-RankFile collect(const FSDPModule& root, torch::optim::Optimizer* opt, int rank,
-                 Staging* staging) {
+RankFile collect(const FSDPModule& root, torch::optim::Optimizer* opt, int rank, Staging* staging) {
   RankFile out;
   out.kind = kind_of(opt);
   size_t slot = 0;

@@ -7,10 +7,9 @@
 #include <fsdp/communicator.h>
 #include <fsdp/error.h>
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-
 #include <atomic>
 #include <chrono>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "communicator_impl.h"
 #include "compat.h"
@@ -209,8 +208,9 @@ struct WireTap {
   void send(const at::Tensor& in, int64_t n) {
     WireTimer timer;
     for (int j = 0; j < static_cast<int>(digests->sent.size()); ++j)
-      if (j != me) digests->sent[j] = detail::checksum_bytes(in.narrow(0, j * n, n).data_ptr(),
-                                                             static_cast<size_t>(n * in.element_size()));
+      if (j != me)
+        digests->sent[j] = detail::checksum_bytes(in.narrow(0, j * n, n).data_ptr(),
+                                                  static_cast<size_t>(n * in.element_size()));
   }
   // rows[r]: rank r's chunk, `offset` elements into its block; returns the rows to sum (copies
   // where the test seam may change them).
@@ -285,11 +285,10 @@ Work issue_reduce_scatter(Communicator::Impl& m, const at::Tensor& output, const
     const at::Tensor dev_received = empty_on_device(received);
     auto work = compat::exchange_blocks(*m.pg, as_wire(dev_received, m.backend),
                                         as_wire(on_device(in), m.backend));
-    return m.make_work({work}, "reduce_scatter", nbytes(input),
-                       [finish, received, dev_received] {
-                         received.copy_(dev_received);
-                         finish();
-                       });
+    return m.make_work({work}, "reduce_scatter", nbytes(input), [finish, received, dev_received] {
+      received.copy_(dev_received);
+      finish();
+    });
   }
   auto work = compat::exchange_blocks(*m.pg, as_wire(received, m.backend), as_wire(in, m.backend));
   return m.make_work({work}, "reduce_scatter", nbytes(input), finish);
@@ -300,9 +299,7 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
   return issue_reduce_scatter(*impl_, output, input, op, nullptr);
 }
 
-double detail::wire_digest_seconds() {
-  return static_cast<double>(g_wire_digest_ns.load()) * 1e-9;
-}
+double detail::wire_digest_seconds() { return static_cast<double>(g_wire_digest_ns.load()) * 1e-9; }
 
 Work detail::reduce_scatter_digested(Communicator& c, const at::Tensor& output,
                                      const at::Tensor& input, ReduceOp op,
@@ -321,8 +318,8 @@ Work Communicator::all_to_all(const at::Tensor& output, const at::Tensor& input)
   check_supported(input, "all_to_all", "input");
   check_same_dtype(output, input, "all_to_all");
   FSDP_CHECK(output.numel() == input.numel() && input.numel() % m.size == 0, "all_to_all: input ",
-             input.numel(), " and output ", output.numel(),
-             " elements; both must hold world size ", m.size, " equal blocks");
+             input.numel(), " and output ", output.numel(), " elements; both must hold world size ",
+             m.size, " equal blocks");
   FSDP_CHECK(input.numel() == 0 || !output.storage().is_alias_of(input.storage()),
              "all_to_all: the output shares storage with the input; pass a separate output");
   const int64_t n = input.numel() / m.size;

@@ -84,8 +84,7 @@ Work all_gather_into(Communicator& c, std::vector<std::vector<at::Tensor>> outpu
 // exactly, whatever the sum's rounding). `on_received`, when set, is a test seam
 // (core/content_faults.h): it gets each chunk of a peer's block, a copy it may change, before
 // the chunk is digested and summed.
-using ReceivedChunkHook =
-    std::function<void(int from, int64_t offset, const at::Tensor& chunk)>;
+using ReceivedChunkHook = std::function<void(int from, int64_t offset, const at::Tensor& chunk)>;
 Work reduce_scatter_digested(Communicator& c, const at::Tensor& output, const at::Tensor& input,
                              ReduceOp op, ReceivedChunkHook on_received = nullptr);
 // Seconds this process spent digesting reduce-scatters' wires (any thread; fsdp-bench adds it to

@@ -108,9 +108,8 @@ void Work::wait(std::chrono::milliseconds timeout) {
       if (detail::classify_failure(cause) == detail::FailureKind::kTimeout)
         census = detail::census_of(impl_->store, impl_->lane, impl_->rank, impl_->size,
                                    detail::census_grace(timeout));
-      impl_->error = detail::describe_failure(impl_->what, cause, elapsed_s, timeout,
-                                              *impl_->peers, impl_->rank, nullptr,
-                                              census ? &*census : nullptr);
+      impl_->error = detail::describe_failure(impl_->what, cause, elapsed_s, timeout, *impl_->peers,
+                                              impl_->rank, nullptr, census ? &*census : nullptr);
       mark_broken(impl_->group, impl_->error);
       throw CommError(impl_->error);
     }

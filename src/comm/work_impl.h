@@ -9,10 +9,10 @@
 #pragma once
 
 #include <fsdp/communicator.h>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <functional>
 #include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
 #include "util/mutex.h"
@@ -24,8 +24,8 @@ struct Work::Impl {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::function<void()> finish;  // local post-processing, run once on the waiting thread
   std::shared_ptr<const Work::Digests> digests;  // with_digests, kept by then()
-  std::string what;              // "all_gather of 4096 bytes on 'world' (rank 0 of 2)"
-  std::string op, lane;          // for the timeline
+  std::string what;      // "all_gather of 4096 bytes on 'world' (rank 0 of 2)"
+  std::string op, lane;  // for the timeline
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<CommStats> stats;
   int64_t issued_us = 0;

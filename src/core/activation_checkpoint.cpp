@@ -12,7 +12,6 @@
 
 #include "compat/autograd.h"
 
-
 namespace fsdp {
 
 namespace {

@@ -49,7 +49,8 @@ Exchanged exchange_hashes(Communicator& lane, const std::vector<int64_t>& hashes
   out.bits.assign(bits.size(), 0);
   const auto rows = gather_rows(lane, row);
   for (const auto& r : rows) {
-    out.differ = out.differ || !std::equal(r.begin() + first, r.begin() + 4, hashes.begin() + first);
+    out.differ =
+        out.differ || !std::equal(r.begin() + first, r.begin() + 4, hashes.begin() + first);
     out.any_extra = out.any_extra || r[4] != 0;
     for (size_t i = 0; i < bits.size(); ++i) out.bits[i] |= static_cast<uint64_t>(r[5 + i]);
   }
@@ -93,8 +94,8 @@ std::vector<uint64_t> AgreedLog::check(Communicator& agree, Communicator* replic
   // the shard lane whenever any row differed: rows that agree find nothing).
   const auto group_names = names();
   Communicator& on = any_row_differs ? agree : *replicate;
-  std::string diff = any_row_differs ? first_difference(on, "all-gather", gathers_, group_names)
-                                     : std::string();
+  std::string diff =
+      any_row_differs ? first_difference(on, "all-gather", gathers_, group_names) : std::string();
   if (diff.empty()) diff = first_difference(on, "reduce-scatter", reduces_, group_names);
   if (diff.empty())
     diff = any_row_differs && !row_differs
@@ -128,12 +129,12 @@ void AgreedLog::check_all_reduce_settings(Communicator& agree, Communicator& rep
   std::string off;
   for (size_t k = 0; k < all_reduces.size(); ++k)
     if (!all_reduces[k]) off += cat(off.empty() ? "" : ", ", "'", group_names[k], "'");
-  throw Error(cat(
-      "set_requires_all_reduce differs between ranks: on rank ", agree.rank(), " of replica ",
-      replicate.rank(), " it is off for ", off.empty() ? std::string("no module") : off,
-      " and on for the rest, and another rank decided otherwise. Every rank of the mesh must "
-      "skip or issue the same all-reduces across replicas. Fix: call set_requires_all_reduce "
-      "with the same value on every rank (e.g. true on the last micro-batch everywhere)"));
+  throw Error(
+      cat("set_requires_all_reduce differs between ranks: on rank ", agree.rank(), " of replica ",
+          replicate.rank(), " it is off for ", off.empty() ? std::string("no module") : off,
+          " and on for the rest, and another rank decided otherwise. Every rank of the mesh must "
+          "skip or issue the same all-reduces across replicas. Fix: call set_requires_all_reduce "
+          "with the same value on every rank (e.g. true on the last micro-batch everywhere)"));
 }
 
 std::string AgreedLog::first_difference(Communicator& lane, const char* what, const Sequence& s,

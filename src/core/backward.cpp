@@ -177,8 +177,8 @@ void Backward::gather_elements() {
 // ---------------------------------------------------------------------------------------------
 void Backward::pre_backward(Group& g) {
   Slot& s = slot(g);
-  log(&g, cat("pre_backward (", to_string(g.shard_state()), ", ", s.hooks_pending,
-              " hooks expected)"));
+  log(&g,
+      cat("pre_backward (", to_string(g.shard_state()), ", ", s.hooks_pending, " hooks expected)"));
   // Still counted as pending while its own gather is issued, so that catch-up keeps it.
   auto it = std::find(gather_plan_.begin() + gather_cursor_, gather_plan_.end(), &g);
   if (it != gather_plan_.end()) gather_through(it - gather_plan_.begin() + 1);

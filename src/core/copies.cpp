@@ -15,7 +15,8 @@ void copy_in_wire(const GroupLayout& layout, std::vector<ParamState>& params,
     const ParamPlace& place = layout.places[i];
     at::Tensor bytes = wire.narrow(0, place.wire_offset, place.wire_bytes);
     if (place.transform) {
-      at::Tensor padded = at::empty({params[i].padded_numel()}, params[i].shard().options().requires_grad(false));
+      at::Tensor padded =
+          at::empty({params[i].padded_numel()}, params[i].shard().options().requires_grad(false));
       params[i].copy_in_shard(padded);
       place.transform->pre_all_gather(padded, bytes);
     } else {
@@ -69,7 +70,8 @@ std::vector<std::vector<at::Tensor>> places_in(const GroupLayout& layout,
 
 void bind_full(const GroupLayout& layout, std::vector<ParamState>& params,
                const at::Tensor& block) {
-  for (size_t i = 0; i < params.size(); ++i) params[i].bind_full(block, layout.places[i].full_offset);
+  for (size_t i = 0; i < params.size(); ++i)
+    params[i].bind_full(block, layout.places[i].full_offset);
 }
 
 void copy_chunk(const GroupLayout& layout, const std::vector<ParamState>& params,

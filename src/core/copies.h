@@ -36,8 +36,7 @@ std::vector<at::Tensor> pieces_to_send(const GroupLayout& layout,
 std::vector<std::vector<at::Tensor>> places_in(const GroupLayout& layout,
                                                const std::vector<ParamState>& params,
                                                const at::Tensor& block);
-void bind_full(const GroupLayout& layout, std::vector<ParamState>& params,
-               const at::Tensor& block);
+void bind_full(const GroupLayout& layout, std::vector<ParamState>& params, const at::Tensor& block);
 // hpZ: the rows of ranks [first, first + count) of the full parameters in `block`, laid out as
 // rows of the gathered (world, S) buffer, into `chunk` (count * S elements).
 void copy_chunk(const GroupLayout& layout, const std::vector<ParamState>& params,

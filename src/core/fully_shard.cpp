@@ -236,9 +236,9 @@ FSDPModule fully_shard_impl(const std::shared_ptr<torch::nn::Module>& module,
   reg.add(binding);
   // Buffers are replicated: rank 0's values win. Sharded children broadcast their own already.
   broadcast_buffers(reg.own_buffers(*module, paths), *comm);
-  root->comm_context().log(group->name(), cat("fully_shard: ", group->params().size(),
-                                              " parameters, ", group->flat_numel(),
-                                              " padded elements per rank"));
+  root->comm_context().log(group->name(),
+                           cat("fully_shard: ", group->params().size(), " parameters, ",
+                               group->flat_numel(), " padded elements per rank"));
   return HandleAccess::make(binding);
 }
 

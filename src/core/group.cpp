@@ -51,15 +51,15 @@ Group::Group(torch::nn::Module* module, std::string type_name, std::vector<Param
       layout_(GroupLayout::of(params_, comm_->size(), comm_->rank(), std::move(transforms))) {
   reduce_dtype_ = layout_.shard_dtype;
   bool same_dtype = !params_.empty() && !layout_.transformed;
-  for (auto& p : params_) same_dtype = same_dtype && p.shard().scalar_type() == layout_.gather_dtype;
+  for (auto& p : params_)
+    same_dtype = same_dtype && p.shard().scalar_type() == layout_.gather_dtype;
   if (same_dtype) {
     // Offloaded shards (CPUOffloadPolicy, parameters off the CPU) stay in host memory.
     const at::Device shard_device = params_[0].shard().device();
     const bool pin = shard_device != layout_.device && options_.offload_policy->pin_memory;
-    flat_shard_ = at::zeros({layout_.flat_numel}, at::TensorOptions()
-                                                      .dtype(layout_.gather_dtype)
-                                                      .device(shard_device)
-                                                      .pinned_memory(pin));
+    flat_shard_ = at::zeros(
+        {layout_.flat_numel},
+        at::TensorOptions().dtype(layout_.gather_dtype).device(shard_device).pinned_memory(pin));
     for (size_t i = 0; i < params_.size(); ++i)
       params_[i].place_shard_in(
           flat_shard_.narrow(0, layout_.places[i].flat_offset, params_[i].padded_numel()));

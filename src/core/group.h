@@ -91,7 +91,9 @@ class Group {
   void set_members(std::shared_ptr<torch::nn::Module> container,
                    std::vector<torch::nn::Module*> members);
   bool is_list() const { return container_ != nullptr; }
-  const std::vector<torch::nn::Module*>& members() const { return members_; }  // whose calls reach it
+  const std::vector<torch::nn::Module*>& members() const {
+    return members_;
+  }                                                                      // whose calls reach it
   bool inside(const std::set<const torch::nn::Module*>& modules) const;  // a member is in them
   void set_member_paths(const std::vector<std::string>& paths);
   const std::vector<ParamState>& params() const { return params_; }

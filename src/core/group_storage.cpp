@@ -86,15 +86,15 @@ void Group::issue_gather(Lane& lane, PendingGather& g, at::Tensor& block, bool o
   if (!custom_gather_ && layout_.into_places_possible) {
     auto pieces = pieces_to_send(layout_, params_, g.send);
     if (lane.gathers_into_places(pieces)) {
-      block = own ? take_full_block()
-                  : ctx_->pool.acquire(layout_.full_block_numel, layout_.gather_dtype,
-                                       layout_.device);
+      block =
+          own ? take_full_block()
+              : ctx_->pool.acquire(layout_.full_block_numel, layout_.gather_dtype, layout_.device);
       g.work = lane.all_gather_into(c, places_in(layout_, params_, block), std::move(pieces));
       return;
     }
   }
-  g.recv = ctx_->pool.acquire(lane.size() * layout_.wire_numel(), layout_.wire_dtype(),
-                              layout_.device);
+  g.recv =
+      ctx_->pool.acquire(lane.size() * layout_.wire_numel(), layout_.wire_dtype(), layout_.device);
   g.wire = layout_.transformed;
   g.work = lane.all_gather(c, g.recv, g.send, custom_gather_.get());
 }

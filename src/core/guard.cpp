@@ -9,8 +9,8 @@
 
 #include "compat.h"
 #include "compat/interception.h"
-#include "core/deferred_init.h"
 #include "core/binding.h"
+#include "core/deferred_init.h"
 #include "core/group.h"
 #include "core/root.h"
 #include "util/mutex.h"

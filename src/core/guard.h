@@ -39,8 +39,7 @@ void set_active(const at::Tensor& param, bool on);
 // on the full parameters then fails naming the parameter and the fix, instead of silently skipping
 // a parameter without gradient. Zeroing it (Module::zero_grad, Optimizer::zero_grad) is allowed and
 // does nothing. The group clears it before the parameter's next forward.
-at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Binding> binding,
-                             size_t index);
+at::Tensor moved_grad_marker(const at::Tensor& param, std::weak_ptr<Binding> binding, size_t index);
 void forget_marker(const at::Tensor& t);  // its group is gone
 
 // While one is installed on a thread, every operator that reaches the Python key on that thread

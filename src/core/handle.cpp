@@ -8,8 +8,8 @@
 #include <utility>
 
 #include "core/binding.h"
-#include "core/group.h"
 #include "core/explicit_collective.h"
+#include "core/group.h"
 #include "core/root.h"
 
 namespace fsdp {

@@ -62,8 +62,8 @@ struct BindingRef : torch::CustomClassHolder {
   std::weak_ptr<Binding> binding;
 };
 struct InputViewBackward : torch::autograd::Function<InputViewBackward> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx,
-                            c10::intrusive_ptr<BindingRef> b, const at::Tensor& x) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<BindingRef> b,
+                            const at::Tensor& x) {
     ctx->saved_data["binding"] = c10::IValue::make_capsule(std::move(b));
     ctx->set_materialize_grads(false);
     return x.view_as(x);

@@ -1,8 +1,8 @@
 // Lane: one communicator on which a root's collectives of one kind travel (the all-gathers, the
 // reduce-scatters, HSDP's all-reduces across replicas), and the observers that check what is
 // issued on it, as c10d's ProcessGroupWrapper does: the algorithm issues, the observers watch
-// (the Agreed log, core/agreed.h; verified collectives, core/verified.h). A group's custom collectives
-// (fsdp/custom_collectives.h) are issued here too, so the observers see them alike.
+// (the Agreed log, core/agreed.h; verified collectives, core/verified.h). A group's custom
+// collectives (fsdp/custom_collectives.h) are issued here too, so the observers see them alike.
 // Thread-safety: used by the root's one training thread (the backward's hooks run on it on CPU).
 #pragma once
 
@@ -77,8 +77,8 @@ class Lane {
   bool gathers_into_places(const std::vector<at::Tensor>& pieces) const;
   Work all_gather_into(const Collective& c, std::vector<std::vector<at::Tensor>> places,
                        std::vector<at::Tensor> pieces);
-  Work reduce_scatter(const Collective& c, const at::Tensor& out, const at::Tensor& in,
-                      ReduceOp op, ReduceScatter* custom = nullptr);
+  Work reduce_scatter(const Collective& c, const at::Tensor& out, const at::Tensor& in, ReduceOp op,
+                      ReduceScatter* custom = nullptr);
   Work all_reduce(const at::Tensor& t, ReduceOp op);  // HSDP across replicas (observed as is)
 
  private:

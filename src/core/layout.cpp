@@ -22,7 +22,8 @@ GroupLayout GroupLayout::of(const std::vector<ParamState>& params, int world, in
   }
   // The full parameters are in their compute dtypes already: param_dtype, or their own where
   // param_dtype_override_fn kept it. The gather and the full block use the widest of these.
-  for (const auto& p : params) l.gather_dtype = at::promote_types(l.gather_dtype, p.param().scalar_type());
+  for (const auto& p : params)
+    l.gather_dtype = at::promote_types(l.gather_dtype, p.param().scalar_type());
   for (const auto& t : transforms) l.transformed = l.transformed || t != nullptr;
   size_t full = 0;
   int64_t wire = 0;
@@ -43,8 +44,8 @@ GroupLayout GroupLayout::of(const std::vector<ParamState>& params, int world, in
     wire = static_cast<int64_t>(aligned(static_cast<size_t>(wire)));
     place.wire_offset = wire;
     wire += place.wire_bytes;
-    l.into_places_possible = l.into_places_possible && p.dim() == 0 &&
-                             p.param().scalar_type() == l.gather_dtype;
+    l.into_places_possible =
+        l.into_places_possible && p.dim() == 0 && p.param().scalar_type() == l.gather_dtype;
     l.places.push_back(std::move(place));
   }
   l.into_places_possible = l.into_places_possible && !l.transformed;

@@ -22,18 +22,18 @@
 namespace fsdp::detail {
 
 struct ParamPlace {
-  int64_t flat_offset = 0;   // into the flat shard, a send buffer, a row of (world, S)
-  size_t full_offset = 0;    // byte offset of the full parameter in the full block
-  int64_t wire_offset = 0;   // byte offset of its part of the wire
-  int64_t wire_bytes = 0;    // bytes of it per rank on the wire
+  int64_t flat_offset = 0;  // into the flat shard, a send buffer, a row of (world, S)
+  size_t full_offset = 0;   // byte offset of the full parameter in the full block
+  int64_t wire_offset = 0;  // byte offset of its part of the wire
+  int64_t wire_bytes = 0;   // bytes of it per rank on the wire
   std::shared_ptr<GatherTransform> transform;  // null: its padded rows as they are
 };
 
 struct GroupLayout {
   int world = 1, rank = 0;
-  int64_t flat_numel = 0;        // S
-  int64_t full_block_numel = 0;  // elements of gather_dtype
-  int64_t wire_bytes = 0;        // per rank
+  int64_t flat_numel = 0;                    // S
+  int64_t full_block_numel = 0;              // elements of gather_dtype
+  int64_t wire_bytes = 0;                    // per rank
   at::ScalarType gather_dtype = at::kFloat;  // the widest full parameter's: the full block's
   at::ScalarType shard_dtype = at::kFloat;   // every shard's
   at::Device device = at::kCPU;              // the full parameters'

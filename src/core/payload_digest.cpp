@@ -85,7 +85,8 @@ uint64_t digest_bytes(const std::vector<at::Tensor>& pieces, Part bytes) {
     const int64_t from = std::max(bytes.lo, at), to = std::min(bytes.hi, at + n);
     if (from < to) {
       const at::Tensor p = on_host(piece);
-      h.update(static_cast<const char*>(p.data_ptr()) + (from - at), static_cast<size_t>(to - from));
+      h.update(static_cast<const char*>(p.data_ptr()) + (from - at),
+               static_cast<size_t>(to - from));
     }
     at += n;
     if (at >= bytes.hi) break;
@@ -98,7 +99,8 @@ uint64_t digest_bytes(const at::Tensor& t, Part bytes) {
 }
 
 Sketch sketch_values(const at::Tensor& t, Part elements, uint64_t seed) {
-  FSDP_CHECK(t.dim() == 1 && t.is_contiguous(), "internal: a sketch needs a flat contiguous tensor");
+  FSDP_CHECK(t.dim() == 1 && t.is_contiguous(),
+             "internal: a sketch needs a flat contiguous tensor");
   const int64_t lo = std::max<int64_t>(elements.lo, 0), hi = std::min(elements.hi, t.numel());
   if (lo >= hi) return Sketch{};
   const at::Tensor x = on_host(t);

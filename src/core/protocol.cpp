@@ -60,7 +60,8 @@ std::vector<int64_t> serialize(const Message& m, size_t groups) {
   const size_t w = words_for(groups);
   std::vector<int64_t> out{static_cast<int64_t>(m.kind), m.who, m.rank, m.digest};
   for (const Bits* bits : {&m.need, &m.prefetch, &m.changed, &m.held, &m.chunks})
-    for (size_t i = 0; i < w; ++i) out.push_back(i < bits->size() ? static_cast<int64_t>((*bits)[i]) : 0);
+    for (size_t i = 0; i < w; ++i)
+      out.push_back(i < bits->size() ? static_cast<int64_t>((*bits)[i]) : 0);
   FSDP_CHECK(m.plan.size() <= groups && m.reverse.size() <= groups,
              "internal error: a backward message lists more groups than the root has");
   out.push_back(static_cast<int64_t>(m.plan.size()));
@@ -115,10 +116,10 @@ std::optional<std::pair<Message, Message>> first_clash(const std::vector<Message
 }
 
 std::string describe(const Message& m, const std::vector<std::string>& groups) {
-  const std::string who = m.kind != Kind::kExplicit && m.who >= 0 &&
-                                  static_cast<size_t>(m.who) < groups.size()
-                              ? groups[m.who]
-                              : "?";
+  const std::string who =
+      m.kind != Kind::kExplicit && m.who >= 0 && static_cast<size_t>(m.who) < groups.size()
+          ? groups[m.who]
+          : "?";
   switch (m.kind) {
     case Kind::kStart:
       return "began a top-level forward of '" + who + "'";
@@ -139,7 +140,8 @@ std::string describe(const Message& m, const std::vector<std::string>& groups) {
   return cat("sent an unknown message (kind ", static_cast<int64_t>(m.kind), ")");
 }
 
-std::string clash_error(const Message& a, const Message& b, const std::vector<std::string>& groups) {
+std::string clash_error(const Message& a, const Message& b,
+                        const std::vector<std::string>& groups) {
   const std::string both = cat("rank ", a.rank, " ", describe(a, groups), " while rank ", b.rank,
                                " ", describe(b, groups));
   if (a.kind == b.kind && (a.kind == Kind::kBackward || a.kind == Kind::kFinalize))
@@ -188,7 +190,8 @@ std::vector<Gather> gathers_of_round(const Message& mine, const std::vector<Mess
 }
 
 bool all_done(const std::vector<Message>& all) {
-  return std::all_of(all.begin(), all.end(), [](const Message& m) { return m.kind == Kind::kDone; });
+  return std::all_of(all.begin(), all.end(),
+                     [](const Message& m) { return m.kind == Kind::kDone; });
 }
 
 std::vector<bool> stale(const Message& mine, const std::vector<Message>& all, size_t groups) {

@@ -33,7 +33,7 @@ using Bits = std::vector<uint64_t>;
 size_t words_for(size_t groups);
 void set_bit(Bits& bits, size_t k);
 bool test_bit(const Bits& bits, size_t k);
-Bits bits_of(const std::vector<bool>& v);                 // words_for(v.size()) words
+Bits bits_of(const std::vector<bool>& v);                // words_for(v.size()) words
 std::vector<bool> bools_of(const Bits& bits, size_t n);  // the first n
 
 enum class Kind : int64_t {
@@ -60,15 +60,15 @@ const char* name_of(Explicit what);
 // one size, whatever kinds meet in it); unused ones stay empty.
 struct Message {
   Kind kind = Kind::kStart;
-  int64_t who = -1;   // see Kind; -1: none
-  int64_t rank = 0;   // the rank's number in the whole mesh (errors name it)
+  int64_t who = -1;    // see Kind; -1: none
+  int64_t rank = 0;    // the rank's number in the whole mesh (errors name it)
   int64_t digest = 0;  // kBackward, kFinalize: of `need`; kStart: of the declarations
-  Bits need;          // kCall, kUnshard: to gather now; kBackward, kFinalize: the groups reduced
-  Bits prefetch;      // kCall: to prefetch
-  Bits changed;       // kStart: held groups whose shards changed since their gather
-  Bits held;          // kStart: groups held gathered from an earlier epoch; kBackward, kFinalize:
-                      // groups this rank may have something to reduce for
-  Bits chunks;        // kBackward: the groups whose post-forward chunk this rank holds
+  Bits need;           // kCall, kUnshard: to gather now; kBackward, kFinalize: the groups reduced
+  Bits prefetch;       // kCall: to prefetch
+  Bits changed;        // kStart: held groups whose shards changed since their gather
+  Bits held;           // kStart: groups held gathered from an earlier epoch; kBackward, kFinalize:
+                       // groups this rank may have something to reduce for
+  Bits chunks;         // kBackward: the groups whose post-forward chunk this rank holds
   std::vector<int64_t> plan;     // kBackward: this rank's gather plan (registration indices)
   std::vector<int64_t> reverse;  // kBackward: its reverse first-forward order
 };

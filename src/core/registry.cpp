@@ -154,7 +154,8 @@ std::shared_ptr<Root> Registry::absorb_children(const ModulePaths& paths,
   }
   // Every binding of an absorbed root now reaches the new one.
   for (auto& [m, weak] : modules_)
-    if (auto b = weak.lock(); b && std::find(absorbed.begin(), absorbed.end(), b->root) != absorbed.end())
+    if (auto b = weak.lock();
+        b && std::find(absorbed.begin(), absorbed.end(), b->root) != absorbed.end())
       b->root = root;
   return root;
 }

@@ -14,8 +14,7 @@
 
 namespace fsdp::detail {
 
-Root::Root(std::shared_ptr<Communicator> comm, std::shared_ptr<Communicator> replicate,
-           bool audit)
+Root::Root(std::shared_ptr<Communicator> comm, std::shared_ptr<Communicator> replicate, bool audit)
     : ctx_(std::move(comm), std::move(replicate)) {
   audit_.enabled = audit || env_flag("FSDP_AUDIT");
   ctx_.gather.add_observer(&agreed_);
@@ -102,8 +101,8 @@ void Root::check_agreement() {
 
 std::vector<uint64_t> Root::check_agreement_and_settle() {
   verified_.begin_check(/*backward=*/true);
-  auto any_rank = agreed_.check(*ctx_.agree, ctx_.replicate_agree.get(),
-                                [this] { return names(); }, contribution_bits());
+  auto any_rank = agreed_.check(
+      *ctx_.agree, ctx_.replicate_agree.get(), [this] { return names(); }, contribution_bits());
   settle_shard_grads(any_rank);
   return any_rank;
 }

@@ -1,6 +1,6 @@
-// Root: the backward's entries. The first output hook of a GraphTask builds its pass (core/backward.h)
-// after the pass's opening round; later events go to the pass; the engine's final callback
-// finalises it, checks Agreed (settling the shards' gradients) and runs the audit.
+// Root: the backward's entries. The first output hook of a GraphTask builds its pass
+// (core/backward.h) after the pass's opening round; later events go to the pass; the engine's final
+// callback finalises it, checks Agreed (settling the shards' gradients) and runs the audit.
 #include <fsdp/error.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -23,13 +23,13 @@ void claim(const void* key, const Root& mine, const Group& g) {
   const Root* other = Registry::instance().claim_backward(key, &mine);
   if (!other) return;
   const Group* theirs = other->root_group();
-  throw Error(cat(
-      "one backward runs through two separately sharded models: '", g.type_name(), "' and '",
-      theirs ? theirs->type_name() : std::string("?"),
-      "' each have their own root, because no fully_shard call covers both. This happens when "
-      "fully_shard is applied to a model's blocks but not to the model itself (whose own "
-      "parameters would then train without gradient synchronisation). Fix: after sharding the "
-      "blocks, call fully_shard on the module that holds them all (the model's root)"));
+  throw Error(
+      cat("one backward runs through two separately sharded models: '", g.type_name(), "' and '",
+          theirs ? theirs->type_name() : std::string("?"),
+          "' each have their own root, because no fully_shard call covers both. This happens when "
+          "fully_shard is applied to a model's blocks but not to the model itself (whose own "
+          "parameters would then train without gradient synchronisation). Fix: after sharding the "
+          "blocks, call fully_shard on the module that holds them all (the model's root)"));
 }
 
 }  // namespace

@@ -52,11 +52,12 @@ void Root::finalize_backward() {
              "returned, before the optimizer step");
   std::vector<bool> syncing, holdings;
   for (Group* g : order_) {
-    syncing.push_back(protocol::reduces(true, g->requires_gradient_sync(), g->has_trainable(), true));
+    syncing.push_back(
+        protocol::reduces(true, g->requires_gradient_sync(), g->has_trainable(), true));
     holdings.push_back(syncing.back() && g->holds_gradients());
   }
-  protocol::Message m = message(protocol::Kind::kFinalize,
-                                std::count(syncing.begin(), syncing.end(), true));
+  protocol::Message m =
+      message(protocol::Kind::kFinalize, std::count(syncing.begin(), syncing.end(), true));
   m.need = protocol::bits_of(syncing);
   m.digest = protocol::digest_of(m.need);
   m.held = protocol::bits_of(holdings);

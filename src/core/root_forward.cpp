@@ -45,8 +45,7 @@ void Root::pre_forward(Group& g) {
     }
     // A module whose forward's calls may differ begins its region before its own gather: what
     // each rank prefetches with it comes from that rank's own last iteration inside the region.
-    if (g.calls_may_differ() && !in_backward() && rounds_.active() && !g.is_list())
-      ++region_depth_;
+    if (g.calls_may_differ() && !in_backward() && rounds_.active() && !g.is_list()) ++region_depth_;
     gather_for_call(g);
     g.wait_for_unshard();
   } catch (...) {
@@ -224,7 +223,8 @@ void Root::post_forward(Group& g, const std::vector<at::Tensor>& outs,
   g.leave_forward();
   const bool outermost = g.training_state() == TrainingState::kIdle;  // not inside a backward
   // A module list waits for the end of the top-level forward (below): its other modules may come.
-  if (g.resolved_reshard_after_forward() && outermost && !g.is_list()) g.reshard_after_forward(grad);
+  if (g.resolved_reshard_after_forward() && outermost && !g.is_list())
+    g.reshard_after_forward(grad);
   // Elements gathered in a forward without grad mode have no backward to wait for.
   if (g.is_root() && !grad)
     for (Group* e : order_)

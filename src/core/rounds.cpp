@@ -19,7 +19,9 @@ std::vector<std::vector<int64_t>> gather_rows(Communicator& c, const std::vector
 
 bool Rounds::active() const { return ctx_.gather.size() > 1; }
 
-bool Rounds::has_replicas() const { return ctx_.replicate_agree && ctx_.replicate_agree->size() > 1; }
+bool Rounds::has_replicas() const {
+  return ctx_.replicate_agree && ctx_.replicate_agree->size() > 1;
+}
 
 int64_t Rounds::mesh_rank() const {
   const auto& peers = ctx_.gather.comm().peers();

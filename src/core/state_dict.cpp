@@ -8,8 +8,8 @@
 #include <map>
 #include <set>
 
-#include "core/buffers.h"
 #include "core/binding.h"
+#include "core/buffers.h"
 #include "core/explicit_collective.h"
 #include "core/group.h"
 
@@ -139,6 +139,5 @@ std::optional<std::string> check_buffers_agree(const FSDPModule& root, const std
         "buffers are broadcast at each forward, as DDP does)"));
   return diff->name;
 }
-
 
 }  // namespace fsdp

@@ -101,7 +101,8 @@ class VerifiedCollectives final : public LaneObserver, public AgreedRider {
   // What one rank folded since the previous check: the row it contributes, and its collectives.
   struct Window {
     explicit Window(int n = 0);
-    std::vector<uint64_t> sent, received, wire_sent, wire_received;  // by peer: sums of H(k, digest)
+    std::vector<uint64_t> sent, received, wire_sent,
+        wire_received;                     // by peer: sums of H(k, digest)
     std::vector<double> sketch, var, abs;  // of the blocks sent to each rank
     double out_sketch = 0, out_var = 0, out_abs = 0;
     int64_t sketched = 0, max_terms = 0, unchecked = 0;

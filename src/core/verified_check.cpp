@@ -82,8 +82,8 @@ SumCheck check_sum(const std::vector<double>& sketches, const std::vector<double
   if (!std::isfinite(sum) || !std::isfinite(var) || !std::isfinite(abs)) return c;
   c.checked = true;
   c.difference = std::abs(sum - out_sketch);
-  c.bound = kTail * std::sqrt(var) +
-            fp64_gamma(terms + static_cast<int64_t>(sketches.size()) + 2) * abs;
+  c.bound =
+      kTail * std::sqrt(var) + fp64_gamma(terms + static_cast<int64_t>(sketches.size()) + 2) * abs;
   c.differs = !std::isfinite(out_sketch) || c.difference > c.bound;
   return c;
 }
@@ -222,7 +222,8 @@ std::vector<int64_t> serialize(const VerifiedCollectives::Window& w, int n) {
   for (const auto& r : w.reduces) {
     out.insert(out.end(), {r.group, r.numel, r.custom});
     for (const auto* v : {&r.sketch, &r.var, &r.abs})
-      for (int j = 0; j < n; ++j) out.push_back(bits_of(j < static_cast<int>(v->size()) ? (*v)[j] : 0));
+      for (int j = 0; j < n; ++j)
+        out.push_back(bits_of(j < static_cast<int>(v->size()) ? (*v)[j] : 0));
     out.insert(out.end(), {bits_of(r.out_sketch), bits_of(r.out_var), bits_of(r.out_abs)});
     for (const auto* v : {&r.wire_sent, &r.wire_received})
       for (int j = 0; j < n; ++j)
@@ -254,7 +255,7 @@ void VerifiedCollectives::report(const std::vector<const int64_t*>& rows) {
   const auto names = names_();
   auto module = [&](int64_t g) {
     return g >= 0 && g < static_cast<int64_t>(names.size()) ? "'" + names[g] + "'"
-                                                             : std::string("<unknown>");
+                                                            : std::string("<unknown>");
   };
   const int period = settings().period;
   const std::string part =
@@ -268,14 +269,13 @@ void VerifiedCollectives::report(const std::vector<const int64_t*>& rows) {
         const auto sent = static_cast<uint64_t>(word(s, 2 + s)),
                    got = static_cast<uint64_t>(word(x, 2 + s));
         if (x == s || sent == 0 || got == 0 || sent == got) continue;
-        throw Error(cat("Verified collectives: all-gather #", t + 1, " of ", when, ", of module ",
-                        module(word(s, 0)), " (", word(s, 1), " bytes per rank", part,
-                        "): the bytes rank ", s, " sent arrived different on rank ", x, " (XXH3 ",
-                        hex(sent), " sent, ", hex(got),
-                        " received). They were corrupted between the ranks (transport, memory "
-                        "or device), so rank ", x,
-                        " would compute with wrong parameters; every rank stops here. ",
-                        kHowToTurnOff));
+        throw Error(
+            cat("Verified collectives: all-gather #", t + 1, " of ", when, ", of module ",
+                module(word(s, 0)), " (", word(s, 1), " bytes per rank", part, "): the bytes rank ",
+                s, " sent arrived different on rank ", x, " (XXH3 ", hex(sent), " sent, ", hex(got),
+                " received). They were corrupted between the ranks (transport, memory "
+                "or device), so rank ",
+                x, " would compute with wrong parameters; every rank stops here. ", kHowToTurnOff));
       }
   }
   // Reductions: a custom collective's wire, else the senders' sketches against the receiver's.
@@ -294,7 +294,8 @@ void VerifiedCollectives::report(const std::vector<const int64_t*>& rows) {
                         ", of module ", module(group), " (", numel, " elements per rank",
                         custom ? ", a custom collective" : "", "): the bytes rank ", s,
                         " sent to rank ", x, " arrived different (XXH3 ", hex(sent), " sent, ",
-                        hex(got), " received, before the sum). They were corrupted between the "
+                        hex(got),
+                        " received, before the sum). They were corrupted between the "
                         "ranks (transport, memory or device), so the optimizer would step on a "
                         "wrong gradient; every rank stops here. ",
                         kHowToTurnOff));
@@ -307,12 +308,12 @@ void VerifiedCollectives::report(const std::vector<const int64_t*>& rows) {
         v.push_back(double_of(word(r, 3 + n + j)));
         a.push_back(double_of(word(r, 3 + 2 * n + j)));
       }
-      const auto c = check_sum(s, v, a, double_of(word(j, 3 + 3 * n)),
-                               double_of(word(j, 4 + 3 * n)), double_of(word(j, 5 + 3 * n)),
-                               64 + numel / 64 + 2);
+      const auto c =
+          check_sum(s, v, a, double_of(word(j, 3 + 3 * n)), double_of(word(j, 4 + 3 * n)),
+                    double_of(word(j, 5 + 3 * n)), 64 + numel / 64 + 2);
       if (!c.differs) continue;
-      throw Error(cat("Verified collectives: reduce-scatter #", t + 1, " of ", when,
-                      ", of module ", module(group), " (", numel, " elements per rank", part,
+      throw Error(cat("Verified collectives: reduce-scatter #", t + 1, " of ", when, ", of module ",
+                      module(group), " (", numel, " elements per rank", part,
                       "): the reduced gradient shard on rank ", j,
                       " differs from the sum of the blocks the ranks sent it by ", c.difference,
                       " in a random projection, where the rounding of the sum allows at most ",
@@ -327,8 +328,8 @@ void VerifiedCollectives::report(const std::vector<const int64_t*>& rows) {
   for (int x = 0; x < n; ++x)
     for (int r = 0; r < n; ++r) {
       if (r != x && rows[x][at.received() + r] != rows[r][at.sent() + x])
-        throw Error(cat("Verified collectives: in the all-gathers of ", when,
-                        ", the bytes rank ", r, " sent arrived different on rank ", x,
+        throw Error(cat("Verified collectives: in the all-gathers of ", when, ", the bytes rank ",
+                        r, " sent arrived different on rank ", x,
                         ". They were corrupted between the ranks; every rank stops here. ",
                         kHowToTurnOff));
       if (r != x && rows[x][at.wire_received() + r] != rows[r][at.wire_sent() + x])

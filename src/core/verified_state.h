@@ -33,8 +33,8 @@ struct VerifiedCollectives::State {
     int64_t numel = 0;       // elements per rank (the output's)
   };
 
-  void fold_gather(int64_t position, int64_t group, int first,
-                   const std::vector<uint64_t>& digests, int64_t bytes) FSDP_REQUIRES(mu);
+  void fold_gather(int64_t position, int64_t group, int first, const std::vector<uint64_t>& digests,
+                   int64_t bytes) FSDP_REQUIRES(mu);
   void fold_wire(const Issuing& is, const Work::Digests* d) FSDP_REQUIRES(mu);
   void fold_output(const Issuing& is, const at::Tensor& out) FSDP_REQUIRES(mu);
 

@@ -33,8 +33,8 @@ int64_t quantized_bytes(int64_t numel, Quantization q, at::ScalarType dtype, int
 QuantizedGather::QuantizedGather(Quantization q, at::ScalarType shard_dtype, int block)
     : q_(q), dtype_(shard_dtype), block_(block) {
   quant::check_block(block);
-  FSDP_CHECK(at::isFloatingType(shard_dtype), "QuantizedGather: a parameter of dtype ",
-             shard_dtype, " cannot be quantized; give quantized gathers floating-point ones only");
+  FSDP_CHECK(at::isFloatingType(shard_dtype), "QuantizedGather: a parameter of dtype ", shard_dtype,
+             " cannot be quantized; give quantized gathers floating-point ones only");
 }
 
 int64_t QuantizedGather::wire_bytes(int64_t padded_numel) const {

@@ -69,9 +69,10 @@ void add_training_options(CLI::App& app, TrainConfig& c) {
                  "norm before clipping is logged as grad_norm")
       ->group("Optimisation");
 
-  app.add_option("--data", c.data,
-                 "text (one byte per token), or tokens: .bin/.u16 of uint16, .u32 of uint32 (empty: "
-                 "the shipped corpus)")
+  app.add_option(
+         "--data", c.data,
+         "text (one byte per token), or tokens: .bin/.u16 of uint16, .u32 of uint32 (empty: "
+         "the shipped corpus)")
       ->group("Data");
   app.add_option("--val-fraction", c.val_fraction,
                  "last fraction of the data held out for the validation loss (0: none)")

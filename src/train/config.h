@@ -99,12 +99,12 @@ struct TrainConfig {
   double peak_tflops = 0;  // peak FLOP/s per rank for MFU (TFLOP/s); 0 = measured at start
   std::string tokenizer;   // tokenizer.json: the closing sample of token data shown as text
   // ---- checkpoints (issue 6) ----
-  int64_t save_every = 0;  // 0 = never
-  int64_t keep_last = 0;   // keep the newest k checkpoints, remove older ones; 0 = keep all
+  int64_t save_every = 0;   // 0 = never
+  int64_t keep_last = 0;    // keep the newest k checkpoints, remove older ones; 0 = keep all
   bool async_save = false;  // write checkpoints in the background (checkpoint::AsyncSaver)
-  std::string resume;      // RUN_DIR (its latest checkpoint), RUN_DIR/step_K (that one), or
-                           // "auto" (--run-dir's latest checkpoint if it has one, else start)
-  std::string init_from;   // full safetensors file to initialise the model from
+  std::string resume;       // RUN_DIR (its latest checkpoint), RUN_DIR/step_K (that one), or
+                            // "auto" (--run-dir's latest checkpoint if it has one, else start)
+  std::string init_from;    // full safetensors file to initialise the model from
   // ---- bookkeeping ----
   std::string config_file;                 // --config, for the record
   std::vector<std::string> explicit_keys;  // keys given by flag or file (not defaults)

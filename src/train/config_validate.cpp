@@ -106,9 +106,9 @@ void check_policies(const TrainConfig& c) {
              c.custom_collectives,
              " replaces the sharded model's collectives, but --no-shard trains the plain model "
              "without any; drop one of the two");
-  for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{
-                                         "--quantize-gather", c.quantize_gather},
-                                     {"--quantize-reduce", c.quantize_reduce}}) {
+  for (const auto& [flag, value] :
+       {std::pair<const char*, const std::string&>{"--quantize-gather", c.quantize_gather},
+        {"--quantize-reduce", c.quantize_reduce}}) {
     FSDP_CHECK(value == "none" || value == "bf16" || value == "int8", flag, " is '", value,
                "'; expected none, bf16 or int8");
     FSDP_CHECK(value == "none" || !c.no_shard, flag, " ", value,

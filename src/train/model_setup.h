@@ -22,7 +22,7 @@ namespace fsdp::train {
 struct TrainModel {
   fsdp::Sharded<models::GPT> gpt{nullptr};      // --model gpt
   fsdp::Sharded<models::Llama> llama{nullptr};  // --model llama (gpt is null then)
-  FSDPModule root;                   // undefined when built without a communicator
+  FSDPModule root;                              // undefined when built without a communicator
   DeviceMesh mesh;                   // --hsdp's layout; mesh.shard = the world for plain FSDP
   std::vector<at::Tensor> decay;     // 2-D weights (local shards when sharded): weight decay
   std::vector<at::Tensor> no_decay;  // biases and LayerNorm parameters

@@ -166,8 +166,8 @@ std::string with_fallback_hint(const std::string& what, const std::string& resum
                                const std::string& run_dir) {
   std::string m = what.rfind("fsdp: ", 0) == 0 ? what.substr(6) : what;
   if (resume == "auto") return m;
-  return detail::cat(m, "\n--resume ", resume,
-                     " stops here; --resume auto --run-dir ", resume_run_dir(resume, run_dir),
+  return detail::cat(m, "\n--resume ", resume, " stops here; --resume auto --run-dir ",
+                     resume_run_dir(resume, run_dir),
                      " reads every checkpoint against its checksums first and falls back to the "
                      "newest one that is whole, naming each one it skips");
 }

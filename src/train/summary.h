@@ -28,7 +28,7 @@ struct Summary {
   std::vector<double> peak_rss_mb;  // per rank
   std::string sample;
   std::string sample_prompt;  // how the prompt is shown; empty: cfg.prompt, text before the sample
-  std::string checkpoints;  // the checkpoints' line ("  checkpoints   ...\n"), or empty
+  std::string checkpoints;    // the checkpoints' line ("  checkpoints   ...\n"), or empty
 };
 
 // "GPT 4 layers x 128 wide, 4 heads, seq 64, vocab 256, 0.83M params" (a Llama also names its

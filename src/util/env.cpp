@@ -85,8 +85,9 @@ std::string env_choice(const char* name, std::initializer_list<std::string_view>
 VerifyCollectivesEnv verify_collectives_env() {
   static const VerifyCollectivesEnv value = [] {
     const std::string v = env_choice("FSDP_VERIFY_COLLECTIVES", {"0", "1", "full"}, "1");
-    return v == "0" ? VerifyCollectivesEnv::kOff
-                    : v == "full" ? VerifyCollectivesEnv::kFull : VerifyCollectivesEnv::kAsOptions;
+    return v == "0"      ? VerifyCollectivesEnv::kOff
+           : v == "full" ? VerifyCollectivesEnv::kFull
+                         : VerifyCollectivesEnv::kAsOptions;
   }();
   return value;
 }

@@ -223,8 +223,7 @@ decltype(auto) call_sharded(const std::shared_ptr<Binding>& binding,
     if (scope.checkpointed())
       return scope.finish(
           checkpointed_call(scope, impl, method, wrap_input(scope, std::forward<Args>(args))...));
-    return scope.finish(
-        std::invoke(method, *impl, wrap_input(scope, std::forward<Args>(args))...));
+    return scope.finish(std::invoke(method, *impl, wrap_input(scope, std::forward<Args>(args))...));
   }
 }
 
