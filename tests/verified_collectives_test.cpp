@@ -10,6 +10,7 @@
 #include <fsdp/quantized.h>
 
 #include "core/content_faults.h"
+#include "core/payload_digest.h"
 #include "core/verified.h"
 #include "fsdp_test_util.h"
 #include "tiny_gpt.h"
@@ -221,6 +222,57 @@ TEST(VerifiedCollectives, AFlipIsCaughtOnEveryRankInItsStep) {
             expect_same_on_every_rank(*r.world(), e);
           }
   });
+}
+
+// The default's rotating part: in one iteration the wire digests of a reduce-scatter cover one
+// eighth of each block, the slice the sketch covers. Of eight flips of the lowest bit of a received
+// value, one in the middle of each eighth of block 0's reduction, exactly one is caught in that
+// step; with the full check (period 1) all eight are. (Whether every slice comes round within 8
+// iterations is the next test's.)
+TEST(VerifiedCollectives, TheDefaultChecksOneEighthOfEachReductionsWirePerIteration) {
+  run_ranks(2, [](Rank& r) {
+    for (int period : {8, 1}) {
+      int caught = 0;
+      for (int slice = 0; slice < 8; ++slice) {
+        SCOPED_TRACE("period " + std::to_string(period) + ", slice " + std::to_string(slice));
+        Config c{"shm"};
+        c.period = period;
+        auto m = build(r, c);
+        // Reduction #1 of step 1 is block 0's: its block, the padded shards of its parameters.
+        int64_t n = 0;
+        for (const auto& s : m->groups[0].shards())
+          n += s.rows_per_rank * (s.shard.numel() / std::max<int64_t>(s.shard.size(0), 1));
+        ASSERT_GT(n, 64);
+        detail::content_faults::inject(
+            Fault{Where::kReceivedBlock, 1, 1, slice * n / 8 + n / 16, 0});
+        try {
+          step(*m, 0, r.rank);
+        } catch (const fsdp::Error& e) {
+          EXPECT_HAS(e.what(), "the bytes rank 1 sent to rank 0 arrived different");
+          ++caught;
+        }
+        detail::content_faults::inject(Fault{});
+      }
+      EXPECT_EQ(caught, period == 8 ? 1 : 8);
+    }
+  });
+}
+
+// Any `period` consecutive iterations check every unit of every group's payload exactly once.
+TEST(VerifiedCollectives, TheRotatingPartCoversEveryByteWithinThePeriod) {
+  for (int period : {1, 3, 8})
+    for (int64_t units : {1, 7, 64, 1001})
+      for (int64_t group : {0, 5})
+        for (int64_t first : {0, 13}) {
+          std::vector<int> seen(static_cast<size_t>(units), 0);
+          for (int64_t step = first; step < first + period; ++step) {
+            const auto part = detail::rotating_part(units, step, group, period);
+            for (int64_t u = part.lo; u < part.hi; ++u) ++seen[static_cast<size_t>(u)];
+          }
+          for (int64_t u = 0; u < units; ++u)
+            EXPECT_EQ(seen[static_cast<size_t>(u)], 1)
+                << "unit " << u << " of " << units << ", period " << period;
+        }
 }
 
 // One ulp of one reduced value is below the sum's rounding bound: not caught, and the flip is

@@ -7,6 +7,7 @@
 #include <fsdp/communicator.h>
 #include <fsdp/error.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -199,18 +200,26 @@ struct WireTimer {
 // rank sends, digested when issued; each peer's block fed chunk by chunk, in order, as it arrives
 // (the exchange's thread, or the waiting thread on the collective transport).
 struct WireTap {
-  WireTap(int ws, int me, detail::ReceivedChunkHook hook)
-      : me(me), on_received(std::move(hook)), digests(std::make_shared<Work::Digests>()) {
+  WireTap(int ws, int me, detail::ReceivedChunkHook hook, detail::WireSpan span)
+      : me(me),
+        on_received(std::move(hook)),
+        span(span),
+        digests(std::make_shared<Work::Digests>()) {
     digests->sent.assign(ws, 0);
     digests->received.assign(ws, 0);
     for (int r = 0; r < ws; ++r) streams.push_back(std::make_unique<detail::StreamingChecksum>());
   }
+  // The span's elements of a block of n.
+  int64_t lo(int64_t n) const { return std::min(span.lo, n); }
+  int64_t hi(int64_t n) const { return span.hi < 0 ? n : std::clamp(span.hi, lo(n), n); }
   void send(const at::Tensor& in, int64_t n) {
     WireTimer timer;
+    block = n;
     for (int j = 0; j < static_cast<int>(digests->sent.size()); ++j)
       if (j != me)
-        digests->sent[j] = detail::checksum_bytes(in.narrow(0, j * n, n).data_ptr(),
-                                                  static_cast<size_t>(n * in.element_size()));
+        digests->sent[j] =
+            detail::checksum_bytes(in.narrow(0, j * n + lo(n), hi(n) - lo(n)).data_ptr(),
+                                   static_cast<size_t>((hi(n) - lo(n)) * in.element_size()));
   }
   // rows[r]: rank r's chunk, `offset` elements into its block; returns the rows to sum (copies
   // where the test seam may change them).
@@ -223,7 +232,12 @@ struct WireTap {
         out[r] = rows[r].clone();
         on_received(r, offset, out[r]);
       }
-      const at::Tensor host = out[r].is_cpu() ? out[r] : out[r].cpu();
+      // The chunk's elements inside the span.
+      const int64_t from = std::max(offset, lo(block)),
+                    to = std::min(offset + out[r].numel(), hi(block));
+      if (from >= to) continue;
+      const at::Tensor part = out[r].view({-1}).narrow(0, from - offset, to - from);
+      const at::Tensor host = part.is_cpu() ? part : part.cpu();
       streams[r]->update(host.data_ptr(), static_cast<size_t>(host.nbytes()));
     }
     return out;
@@ -234,6 +248,8 @@ struct WireTap {
   }
   const int me;
   const detail::ReceivedChunkHook on_received;
+  const detail::WireSpan span;
+  int64_t block = 0;  // elements per block, set by send()
   std::shared_ptr<Work::Digests> digests;
   std::vector<std::unique_ptr<detail::StreamingChecksum>> streams;
 };
@@ -303,9 +319,9 @@ double detail::wire_digest_seconds() { return static_cast<double>(g_wire_digest_
 
 Work detail::reduce_scatter_digested(Communicator& c, const at::Tensor& output,
                                      const at::Tensor& input, ReduceOp op,
-                                     ReceivedChunkHook on_received) {
+                                     ReceivedChunkHook on_received, WireSpan span) {
   Communicator::Impl& m = c.impl();
-  auto tap = std::make_shared<WireTap>(m.size, m.rank, std::move(on_received));
+  auto tap = std::make_shared<WireTap>(m.size, m.rank, std::move(on_received), span);
   return issue_reduce_scatter(m, output, input, op, tap).with_digests(tap->digests);
 }
 

@@ -83,10 +83,15 @@ Work all_gather_into(Communicator& c, std::vector<std::vector<at::Tensor>> outpu
 // digested chunk by chunk before it is summed (so a byte changed between the two is caught
 // exactly, whatever the sum's rounding). `on_received`, when set, is a test seam
 // (core/content_faults.h): it gets each chunk of a peer's block, a copy it may change, before
-// the chunk is digested and summed.
+// the chunk is digested and summed. `span`: the elements of every block the digests cover,
+// [lo, hi) (verified collectives' rotating part); the default, every element.
 using ReceivedChunkHook = std::function<void(int from, int64_t offset, const at::Tensor& chunk)>;
+struct WireSpan {
+  int64_t lo = 0, hi = -1;  // hi < 0: to the block's end
+};
 Work reduce_scatter_digested(Communicator& c, const at::Tensor& output, const at::Tensor& input,
-                             ReduceOp op, ReceivedChunkHook on_received = nullptr);
+                             ReduceOp op, ReceivedChunkHook on_received = nullptr,
+                             WireSpan span = {});
 // Seconds this process spent digesting reduce-scatters' wires (any thread; fsdp-bench adds it to
 // verified collectives' own time).
 double wire_digest_seconds();

@@ -35,10 +35,11 @@ Work Lane::reduce_scatter(const Collective& c, const at::Tensor& out, const at::
   for (auto* o : observers_) o->issuing_reduce_scatter(c, out, in, op, custom);
   bool digested = false;
   ReceivedChunkHook hook;
+  WireSpan span;
   if (!custom)
-    for (auto* o : observers_) digested |= o->digests_reduce_scatter(c, &hook);
+    for (auto* o : observers_) digested |= o->digests_reduce_scatter(c, &hook, &span);
   Work w = custom     ? (*custom)(out, in, op, *comm_)
-           : digested ? detail::reduce_scatter_digested(*comm_, out, in, op, std::move(hook))
+           : digested ? detail::reduce_scatter_digested(*comm_, out, in, op, std::move(hook), span)
                       : comm_->reduce_scatter(out, in, op);
   for (auto* o : observers_) w = o->issued_reduce_scatter(c, out, in, std::move(w));
   return w;

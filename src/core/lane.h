@@ -48,9 +48,11 @@ class LaneObserver {
                                       const at::Tensor& /*in*/, ReduceOp /*op*/,
                                       const ReduceScatter* /*custom*/) {}
   // Asked after issuing_reduce_scatter, for the communicator's reduce-scatter (not a custom one):
-  // whether to issue it with the digests of its wire attached (detail::reduce_scatter_digested);
-  // `hook` may be set to a test seam that changes the chunks as they arrive.
-  virtual bool digests_reduce_scatter(const Collective&, ReceivedChunkHook* /*hook*/) {
+  // whether to issue it with the digests of its wire attached (detail::reduce_scatter_digested),
+  // over `span` of every block (left as it is: all of it); `hook` may be set to a test seam that
+  // changes the chunks as they arrive.
+  virtual bool digests_reduce_scatter(const Collective&, ReceivedChunkHook* /*hook*/,
+                                      WireSpan* /*span*/) {
     return false;
   }
   virtual Work issued_reduce_scatter(const Collective&, const at::Tensor& /*out*/,

@@ -295,10 +295,13 @@ void State::fold_output(const Issuing& is, const at::Tensor& out) {
   }
 }
 
-bool VerifiedCollectives::digests_reduce_scatter(const Collective&, ReceivedChunkHook* hook) {
+bool VerifiedCollectives::digests_reduce_scatter(const Collective&, ReceivedChunkHook* hook,
+                                                 WireSpan* span) {
   MutexLock lock(state_->mu);
   const State::Issuing is = state_->issuing;
   if (!state_->active || !is.sketched) return false;
+  // The wire's digests cover the rotating part the sketches cover (every element at period 1).
+  *span = WireSpan{is.lo, is.hi};
   // The test fault: a bit of the block from its rank, as it arrives on the next rank.
   const auto& f = content_faults::active();
   if (f.where == content_faults::Where::kReceivedBlock && f.collective == is.total &&

@@ -61,7 +61,8 @@ class VerifiedCollectives final : public LaneObserver, public AgreedRider {
                               const std::vector<at::Tensor>& pieces, Work work) override;
   void issuing_reduce_scatter(const Collective& c, const at::Tensor& out, const at::Tensor& in,
                               ReduceOp op, const ReduceScatter* custom) override;
-  bool digests_reduce_scatter(const Collective& c, ReceivedChunkHook* hook) override;
+  bool digests_reduce_scatter(const Collective& c, ReceivedChunkHook* hook,
+                              WireSpan* span) override;
   Work issued_reduce_scatter(const Collective& c, const at::Tensor& out, const at::Tensor& in,
                              Work work) override;
 
