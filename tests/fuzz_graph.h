@@ -28,6 +28,7 @@
 #pragma once
 
 #include <fsdp/fsdp.h>
+#include <fsdp/quantized.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -261,6 +262,11 @@ struct Program {
   // of the parameters to travel through an exact GatherTransform (the shard's own bytes on a byte
   // wire, decoded and cast as the plain gather casts).
   uint32_t transform = 0;
+  // Quantized collectives (fsdp/quantized.h) for every group: quantized_gather and
+  // set_quantized_reduce_scatter (the groups with a handle: holders and the root), each none, bf16
+  // or int8. The reference puts the same values through the same wire (tests'
+  // guarantee_fuzz_test.cpp), so the sharded side must still equal it at fp64's rounding.
+  Quantization quant_gather = Quantization::kNone, quant_reduce = Quantization::kNone;
   std::vector<Iteration> iterations;
 
   // Some forward (a micro-batch or an extra one) gives some rank calls of its own.
@@ -283,6 +289,19 @@ struct Program {
   }
   // Whether mixed precision keeps parameter `name` in fp64.
   bool keeps(const std::string& name) const { return keep && salted(keep, name) % 3 == 0; }
+  // The group parameter `name` (the model's name) is sharded in: "b<k>" for holder block k (the
+  // first block's of a listed pair for both), "on<k>" for block k sharded on use, "root" for the
+  // root's own parameters and the blocks left in it.
+  std::string group_of(const std::string& name) const {
+    for (size_t b = 0; b < kinds.size(); ++b) {
+      if (name.rfind("b" + std::to_string(b) + ".", 0) != 0) continue;
+      if (modes[b] == BlockMode::kOnUse) return "on" + std::to_string(b);
+      if (modes[b] == BlockMode::kInRoot) return "root";
+      const size_t first = b > 0 && b - 1 < listed.size() && listed[b - 1] ? b - 1 : b;
+      return "b" + std::to_string(first);
+    }
+    return "root";
+  }
   static uint32_t salted(uint32_t salt, const std::string& name) {
     uint32_t h = 2166136261u ^ (salt * 2654435761u);  // FNV-1a over the salted name
     for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 16777619u;
@@ -352,6 +371,12 @@ struct Program {
         (broadcast_buffers ? ", broadcast buffers" : "") +
         (checkpoint ? ", checkpoint round trip" : "") + (declares() ? ", calls_may_differ" : "") +
         (transform ? ", gather transforms " + std::to_string(transform) : "") +
+        (quant_gather != Quantization::kNone
+             ? std::string(", quantized gathers ") + fsdp::to_string(quant_gather)
+             : "") +
+        (quant_reduce != Quantization::kNone
+             ? std::string(", quantized reductions ") + fsdp::to_string(quant_reduce)
+             : "") +
         (verify_period == 0 ? ", verify off" : ", verify period " + std::to_string(verify_period)) +
         ", audit " + (audit ? "on" : "off") + ", max_unsharded_groups " +
         std::to_string(max_unsharded_groups) + ", " +
@@ -624,6 +649,28 @@ inline Program make_program(uint64_t seed, int world) {
   if (d.chance(6)) p.transform = 1 + static_cast<uint32_t>(d.pick(1 << 20));
   // Then verified collectives: the full check, the default's rotating part, or off.
   p.verify_period = d.chance(3) ? 1 : d.chance(4) ? 0 : 8;
+  // Then quantized collectives, where the reference's model of the wire holds: plain FSDP on
+  // parameters in fp64 sharded on dim 0, no other gather transform or custom collective in the
+  // way; quantized gathers with the backward gathering over the whole group (no hpZ), quantized
+  // reductions once per iteration (a wire per micro-batch rounds each micro-batch's part alone,
+  // which the reference's one accumulated gradient per rank cannot show).
+  if (d.chance(4) && p.replicas == 1 && !p.mixed) {
+    p.quant_gather = static_cast<Quantization>(d.pick(3));
+    p.quant_reduce = static_cast<Quantization>(d.pick(3));
+    if (p.quant_gather != Quantization::kNone || p.quant_reduce != Quantization::kNone) {
+      p.placement = 0;
+      p.transform = 0;
+    }
+    const int custom_bits = (p.quant_gather != Quantization::kNone ? 1 : 0) |
+                            (p.quant_reduce != Quantization::kNone ? 2 : 0);
+    for (auto& c : p.custom) c = static_cast<char>(c & ~custom_bits);
+    if (p.quant_gather != Quantization::kNone) {
+      p.root_reshard = std::min(p.root_reshard, 1);
+      for (auto& k : p.child_reshard) k = std::min(k, 1);
+    }
+    if (p.quant_reduce != Quantization::kNone && p.accumulate == Accumulate::kSyncEvery)
+      p.accumulate = Accumulate::kSyncLast;
+  }
   return p;
 }
 

@@ -11,6 +11,7 @@
 // FSDP_FUZZ_SEEDS (seeds per launch) and FSDP_FUZZ_FIRST_SEED.
 #include <fsdp/checkpoint.h>
 #include <fsdp/gather_transform.h>
+#include <fsdp/quantized.h>
 #include <fsdp/safetensors_torch.h>
 #include <unistd.h>
 
@@ -52,15 +53,70 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Program& p,
       params, torch::optim::AdamWOptions(p.lr).weight_decay(p.weight_decay));
 }
 
-// The unsharded side: one model that runs every rank's micro-batches. With ignored parameters,
-// one model per rank instead, each running its rank's micro-batches: the ignored parameters are
-// each rank's own (its own gradient, its own steps), the others stay equal across the models.
+// What a gather on quantized wire `q` delivers of parameter `t` at world size `world`: each
+// rank's rows, padded to ceil(rows / world), encoded and decoded as one part of the wire, cast
+// back to the parameter's dtype.
+at::Tensor gathered_through_wire(const at::Tensor& t, int world, Quantization q) {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  const at::Tensor full = t.reshape({rows, -1});
+  const int64_t chunk = (rows + world - 1) / world, cols = full.size(1);
+  auto padded = torch::zeros({world * chunk, cols}, t.options());
+  padded.narrow(0, 0, rows).copy_(full);
+  auto out = torch::empty({world * chunk, cols}, torch::kFloat);
+  for (int r = 0; r < world; ++r)
+    out.narrow(0, r * chunk, chunk)
+        .copy_(quantize_round_trip(padded.narrow(0, r * chunk, chunk), q).view({chunk, cols}));
+  return out.narrow(0, 0, rows).to(t.scalar_type()).reshape(t.sizes());
+}
+
+// What the quantized reduce-scatter's wire makes of one rank's gradients of a group (`grads` in
+// the group's order, undefined: zeros): the group's send buffer (each parameter's rows padded to
+// ceil(rows / world), one block per destination rank, the parameters in order within a block),
+// every block encoded and decoded as a whole, back in each parameter's shape and dtype.
+std::vector<at::Tensor> reduced_through_wire(const std::vector<at::Tensor>& params,
+                                             const std::vector<at::Tensor>& grads, int world,
+                                             Quantization q) {
+  std::vector<at::Tensor> padded, decoded;
+  std::vector<int64_t> chunks, sizes;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t rows = params[i].dim() == 0 ? 1 : params[i].size(0);
+    const int64_t chunk = (rows + world - 1) / world;
+    auto g = torch::zeros({world * chunk, params[i].numel() / std::max<int64_t>(rows, 1)},
+                          params[i].options());
+    if (grads[i].defined()) g.narrow(0, 0, rows).copy_(grads[i].reshape({rows, -1}));
+    chunks.push_back(chunk);
+    sizes.push_back(chunk * g.size(1));
+    decoded.push_back(torch::empty(g.sizes(), torch::kFloat));
+    padded.push_back(std::move(g));
+  }
+  for (int j = 0; j < world; ++j) {
+    std::vector<at::Tensor> parts;
+    for (size_t i = 0; i < params.size(); ++i)
+      parts.push_back(padded[i].narrow(0, j * chunks[i], chunks[i]).reshape({-1}));
+    const auto block = quantize_round_trip(torch::cat(parts), q).split_with_sizes(sizes);
+    for (size_t i = 0; i < params.size(); ++i)
+      decoded[i].narrow(0, j * chunks[i], chunks[i]).view({-1}).copy_(block[i]);
+  }
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t rows = params[i].dim() == 0 ? 1 : params[i].size(0);
+    out.push_back(
+        decoded[i].narrow(0, 0, rows).to(params[i].scalar_type()).reshape(params[i].sizes()));
+  }
+  return out;
+}
+
+// The unsharded side: one model that runs every rank's micro-batches. With ignored parameters or
+// quantized reductions, one model per rank instead, each running its rank's micro-batches: the
+// ignored parameters are each rank's own (its own gradient, its own steps), a quantized wire
+// rounds each rank's gradient on its own; the other parameters stay equal across the models.
 struct Reference {
   std::vector<Net> nets;
   std::vector<std::unique_ptr<torch::optim::Optimizer>> opts;
+  std::vector<std::vector<at::Tensor>> master;  // the weights, while the wire's are in the models
 
   explicit Reference(const Program& p) {
-    const int copies = p.ignore ? p.world : 1;
+    const int copies = p.ignore || p.quant_reduce != Quantization::kNone ? p.world : 1;
     for (int k = 0; k < copies; ++k) {
       nets.push_back(Net(p));
       if (k > 0) {
@@ -91,6 +147,7 @@ struct Reference {
     GradMap out;
     std::vector<torch::OrderedDict<std::string, torch::Tensor>> named;
     for (auto& n : nets) named.push_back(n->named_parameters());
+    const auto wired = through_reduce_wire(p, named);
     for (size_t i = 0; i < named[0].size(); ++i) {
       const std::string& name = named[0][i].key();
       if (!named[0][i].value().requires_grad()) continue;
@@ -101,9 +158,9 @@ struct Reference {
       }
       auto sum = torch::zeros_like(named[0][i].value());
       bool any = false;
-      for (auto& d : named)
-        if (d[i].value().grad().defined()) {
-          sum.add_(d[i].value().grad());
+      for (size_t k = 0; k < named.size(); ++k)
+        if (named[k][i].value().grad().defined()) {
+          sum.add_(wired.count(name) ? wired.at(name)[k] : named[k][i].value().grad());
           any = true;
         }
       // set_reduce_scatter_unused_params: the reduction of zeros, a defined gradient.
@@ -113,6 +170,55 @@ struct Reference {
       out[name] = sum;
     }
     return out;
+  }
+  // Program::quant_reduce: per parameter of a group with the quantized reduce-scatter (holders
+  // and the root), what each model's (rank's) gradient is after the wire; empty without.
+  std::map<std::string, std::vector<at::Tensor>> through_reduce_wire(
+      const Program& p, const std::vector<torch::OrderedDict<std::string, torch::Tensor>>& named) {
+    std::map<std::string, std::vector<at::Tensor>> out;
+    if (p.quant_reduce == Quantization::kNone) return out;
+    std::map<std::string, std::vector<size_t>> groups;  // group -> its parameters, in order
+    for (size_t i = 0; i < named[0].size(); ++i) {
+      const std::string& name = named[0][i].key();
+      const std::string g = p.group_of(name);
+      if (!p.ignores(name) && g.rfind("on", 0) != 0) groups[g].push_back(i);
+    }
+    for (const auto& [group, members] : groups) {
+      std::vector<at::Tensor> params;
+      for (size_t i : members) params.push_back(named[0][i].value());
+      for (const auto& model : named) {
+        std::vector<at::Tensor> grads;
+        for (size_t i : members) grads.push_back(model[i].value().grad());
+        const auto wired = reduced_through_wire(params, grads, p.world, p.quant_reduce);
+        for (size_t m = 0; m < members.size(); ++m)
+          out[named[0][members[m]].key()].push_back(wired[m]);
+      }
+    }
+    return out;
+  }
+  // Program::quant_gather: the models compute with what the gathers' wire delivers (every
+  // parameter but the ignored ones) from here to use_master_weights, which puts the weights
+  // back for the optimizer.
+  void use_wire_weights(const Program& p) {
+    if (p.quant_gather == Quantization::kNone) return;
+    torch::NoGradGuard no_grad;
+    master.clear();
+    for (auto& n : nets) {
+      master.emplace_back();
+      for (auto& item : n->named_parameters()) {
+        master.back().push_back(item.value().detach().clone());
+        if (!p.ignores(item.key()))
+          item.value().copy_(gathered_through_wire(master.back().back(), p.world, p.quant_gather));
+      }
+    }
+  }
+  void use_master_weights() {
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < master.size(); ++k) {
+      auto params = nets[k]->parameters();
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(master[k][i]);
+    }
+    master.clear();
   }
   // As fsdp::clip_grad_norm_: the norm of the reduced gradients, the ignored ones left out.
   double clip(const Program& p, double max_norm) {
@@ -247,6 +353,13 @@ struct ShardedSide {
     if (!p.keep_storage.empty() && p.keep_storage.back()) root.set_keep_unsharded_storage(true);
     if (p.custom.size() > p.kinds.size()) set_custom(root, p.custom.back());
     if (p.reduce_unused) root.set_reduce_scatter_unused_params(true);
+    if (p.quant_reduce != Quantization::kNone) {
+      std::vector<FSDPModule> groups;
+      for (size_t b = 0; b < model->blocks.size(); ++b)
+        if (p.modes[b] == BlockMode::kHolder) groups.push_back(blocks[b]);
+      groups.push_back(root);
+      set_quantized_reduce_scatter(groups, p.quant_reduce);
+    }
     opt = make_optimizer(p, root.parameters());
   }
   // The parameters of block b that the program ignores.
@@ -311,7 +424,9 @@ struct ShardedSide {
       o.shard_placement_fn = [placement = p.placement](const std::string& n, const at::Tensor& t) {
         return shard_dim(placement, n, t);
       };
-    if (p.transform)  // names relative to the module: look up the model's
+    if (p.quant_gather != Quantization::kNone)
+      o.gather_transform_fn = quantized_gather(p.quant_gather);
+    else if (p.transform)  // names relative to the module: look up the model's
       o.gather_transform_fn = [&p, names = model_names](
                                   const std::string&,
                                   const at::Tensor& t) -> std::shared_ptr<GatherTransform> {
@@ -361,6 +476,7 @@ void run_extras(const Program& p, Rank& r, ShardedSide& s, Reference& ref, int i
 void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, int it) {
   const Iteration& iter = p.iterations[it];
   const int micro = static_cast<int>(iter.micro.size());
+  ref.use_wire_weights(p);
   for (int m = 0; m < micro; ++m) {
     SCOPED_TRACE("iteration " + std::to_string(it) + " micro-batch " + std::to_string(m));
     run_extras(p, r, s, ref, it, m);
@@ -394,10 +510,13 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
     expect_close(p, fsdp::clip_grad_norm_(s.root, iter.clip), ref.clip(p, iter.clip),
                  "clip_grad_norm_'s total norm");
   s.opt->step();
+  ref.use_master_weights();
   ref.step(p, iter.zero);
   s.zero_grad(iter.zero);
   expect_shards_equal(s.root, *ref.net(r.rank), p.rtol(), p.atol(), p.mixed != 0);
+  ref.use_wire_weights(p);
   run_extras(p, r, s, ref, it, micro + 1);
+  ref.use_master_weights();
 }
 
 // The reference and this rank's sharded side, each built right after seeding torch with `seed`
