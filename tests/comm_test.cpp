@@ -17,6 +17,7 @@
 #include "comm/communicator_impl.h"
 #include "comm_data.h"
 #include "harness.h"
+#include "util/checksum.h"
 
 // A namespace of its own: the unity build compiles this file in one unit with others.
 namespace fsdp::testing::comm_test {
@@ -188,6 +189,58 @@ TEST_P(PipelinedReduceScatterTest, ChunkedSumsAreExactOnEveryTransport) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSize, PipelinedReduceScatterTest, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return "ws" + std::to_string(info.param); });
+
+// detail::reduce_scatter_digested over a span of each block (verified collectives' rotating
+// part): blocks of 300001 elements in several chunks, spans that start and end inside chunks, one
+// element, none, and one past the block's end (clamped). Every digest a sender reports is the
+// XXH3 of exactly the span's bytes of the block it sent, every receiver's equals its sender's,
+// and the sums are the plain reduce-scatter's, on every transport, fp32 and bf16.
+TEST(CommTest, WireDigestsOfASpanCoverTheSameBytesOnBothSidesAcrossChunks) {
+  run_ranks(3, [](Rank& r) {
+    for (auto c : {r.world(), r.lane_over("tcp"), r.lane_over("collective")}) {
+      const int ws = c->size(), me = c->rank();
+      const int64_t n = 300001;
+      for (at::ScalarType t : {at::kFloat, at::kBFloat16})
+        for (auto [lo, hi] : std::vector<std::pair<int64_t, int64_t>>{
+                 {0, -1}, {100000, 262145}, {262143, 262145}, {7, 7}, {299999, 400000}}) {
+          SCOPED_TRACE(std::string(to_string(c->transport())) + " " +
+                       std::string(c10::toString(t)) + " span [" + std::to_string(lo) + ", " +
+                       std::to_string(hi) + ")");
+          auto in = exact_sum_values(ws * n, seed_of(20, t, me, n), t);
+          auto out = at::empty({n}, at::TensorOptions(t));
+          auto plain = at::empty({n}, at::TensorOptions(t));
+          Work w = detail::reduce_scatter_digested(*c, out, in, ReduceOp::kSum, nullptr,
+                                                   detail::WireSpan{lo, hi});
+          w.wait();
+          c->reduce_scatter(plain, in.clone(), ReduceOp::kSum).wait();
+          EXPECT_TRUE(bit_equal(out, plain));
+          const auto d = w.digests();
+          ASSERT_TRUE(d);
+          const int64_t from = std::min(lo, n), to = hi < 0 ? n : std::clamp(hi, from, n);
+          auto sent = at::zeros({ws}, at::kLong), received = at::zeros({ws}, at::kLong);
+          for (int j = 0; j < ws; ++j) {
+            if (j == me) continue;
+            const auto part = in.narrow(0, j * n + from, to - from);
+            EXPECT_EQ(d->sent[j],
+                      detail::checksum_bytes(part.data_ptr(), static_cast<size_t>(part.nbytes())))
+                << "to rank " << j;
+            sent[j] = static_cast<int64_t>(d->sent[j]);
+            received[j] = static_cast<int64_t>(d->received[j]);
+          }
+          // Rank q's received[p] must equal rank p's sent[q].
+          auto all_sent = at::empty({ws * ws}, at::kLong), all_received = at::empty_like(all_sent);
+          c->all_gather(all_sent, sent).wait();
+          c->all_gather(all_received, received).wait();
+          for (int p = 0; p < ws; ++p)
+            for (int q = 0; q < ws; ++q)
+              if (p != q)
+                EXPECT_EQ(all_received[q * ws + p].item<int64_t>(),
+                          all_sent[p * ws + q].item<int64_t>())
+                    << "rank " << p << " to rank " << q;
+        }
+    }
+  });
+}
 
 // all_gather_into: random pieces whose sizes differ between pieces and ranks (some empty, as a
 // trailing rank's rows of a small parameter), landing in random, disjoint places of one block,

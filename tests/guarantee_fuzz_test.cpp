@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <set>
 #include <string>
 
 #include "fsdp_test_util.h"
@@ -178,10 +179,13 @@ struct Reference {
     std::map<std::string, std::vector<at::Tensor>> out;
     if (p.quant_reduce == Quantization::kNone) return out;
     std::map<std::string, std::vector<size_t>> groups;  // group -> its parameters, in order
+    std::set<const void*> seen;  // a tensor registered twice is one parameter of its group
     for (size_t i = 0; i < named[0].size(); ++i) {
       const std::string& name = named[0][i].key();
       const std::string g = p.group_of(name);
-      if (!p.ignores(name) && g.rfind("on", 0) != 0) groups[g].push_back(i);
+      if (!p.ignores(name) && g.rfind("on", 0) != 0 &&
+          seen.insert(named[0][i].value().unsafeGetTensorImpl()).second)
+        groups[g].push_back(i);
     }
     for (const auto& [group, members] : groups) {
       std::vector<at::Tensor> params;
@@ -205,9 +209,10 @@ struct Reference {
     master.clear();
     for (auto& n : nets) {
       master.emplace_back();
+      std::set<const void*> seen;  // a tensor registered twice goes through the wire once
       for (auto& item : n->named_parameters()) {
         master.back().push_back(item.value().detach().clone());
-        if (!p.ignores(item.key()))
+        if (!p.ignores(item.key()) && seen.insert(item.value().unsafeGetTensorImpl()).second)
           item.value().copy_(gathered_through_wire(master.back().back(), p.world, p.quant_gather));
       }
     }
@@ -216,7 +221,7 @@ struct Reference {
     torch::NoGradGuard no_grad;
     for (size_t k = 0; k < master.size(); ++k) {
       auto params = nets[k]->parameters();
-      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(master[k][i]);
+      for (size_t i = params.size(); i-- > 0;) params[i].copy_(master[k][i]);  // first copy last
     }
     master.clear();
   }

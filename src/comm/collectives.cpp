@@ -215,11 +215,14 @@ struct WireTap {
   void send(const at::Tensor& in, int64_t n) {
     WireTimer timer;
     block = n;
-    for (int j = 0; j < static_cast<int>(digests->sent.size()); ++j)
-      if (j != me)
-        digests->sent[j] =
-            detail::checksum_bytes(in.narrow(0, j * n + lo(n), hi(n) - lo(n)).data_ptr(),
-                                   static_cast<size_t>((hi(n) - lo(n)) * in.element_size()));
+    for (int j = 0; j < static_cast<int>(digests->sent.size()); ++j) {
+      if (j == me) continue;
+      // Only the span travels to the host from a device.
+      const at::Tensor part = in.narrow(0, j * n + lo(n), hi(n) - lo(n));
+      const at::Tensor host = part.is_cpu() ? part : part.cpu();
+      digests->sent[j] =
+          detail::checksum_bytes(host.data_ptr(), static_cast<size_t>(host.nbytes()));
+    }
   }
   // rows[r]: rank r's chunk, `offset` elements into its block; returns the rows to sum (copies
   // where the test seam may change them).
@@ -281,7 +284,7 @@ Work issue_reduce_scatter(Communicator::Impl& m, const at::Tensor& output, const
     sum_blocks(in);
     return m.make_work({}, "reduce_scatter", nbytes(input), nullptr);
   }
-  if (tap) tap->send(in.is_cpu() ? in : in.cpu(), n);
+  if (tap) tap->send(in, n);
   m.stats->bytes_sent += nbytes(output) * (ws - 1);
   if (m.uses_exchange(input)) {
     // The sums run on the exchange's thread as the chunks arrive, overlapping the transfer.

@@ -7,12 +7,12 @@
 // GatherTransforms' wire): each rank digests (XXH3) its own block of the result and the block
 // from each peer; every check compares, for every pair of ranks, what one sent with what the
 // other received, exactly. Reduce-scatters (the communicator's): the XXH3 of every block as it
-// was sent and as it arrived, before the sum (detail::reduce_scatter_digested: exact, every
-// byte), and a linear sketch (a pseudo-random +-1 projection in fp64) of each block a rank sends
-// and of the reduced shard it receives, whose senders' sketches must sum to the receiver's within
-// a rounding bound derived in the note (the sum itself, and the sender's buffer before the wire).
-// A custom reduce-scatter is checked by the digests of its wire it attaches to its Work
-// (Work::with_digests, as fsdp/quantized.h's do), or counted as unchecked.
+// was sent and as it arrived, before the sum (detail::reduce_scatter_digested: exact, over the
+// iteration's slice of each block), and a linear sketch (a pseudo-random +-1 projection in fp64) of
+// each block a rank sends and of the reduced shard it receives, whose senders' sketches must sum to
+// the receiver's within a rounding bound derived in the note (the sum itself, and the sender's
+// buffer before the wire). A custom reduce-scatter is checked by the digests of its wire it
+// attaches to its Work (Work::with_digests, as fsdp/quantized.h's do), or counted as unchecked.
 //
 // A window is the collectives since the previous check; its row has a fixed size (7N + 10 words
 // for N ranks), whatever the number of collectives. Only when a check fails are the collectives'
