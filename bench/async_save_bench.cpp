@@ -74,14 +74,14 @@ class Job {
 };
 
 struct Round {
-  std::vector<double> base_s;     // steps with no save near them
+  std::vector<double> base_s;        // steps with no save near them
   std::vector<double> sync_after_s;  // the steps right after the synchronous save
-  double sync_s = 0;              // checkpoint::save
-  double blocked_s = 0;           // save_async
-  std::vector<double> overlap_s;  // steps that began while the background write ran
-  std::vector<double> after_s;    // steps after save_async whose start found the write done
-  double write_s = 0;             // the background write
-  double next_wait_s = 0;         // a second save_async right after one: its wait
+  double sync_s = 0;                 // checkpoint::save
+  double blocked_s = 0;              // save_async
+  std::vector<double> overlap_s;     // steps that began while the background write ran
+  std::vector<double> after_s;       // steps after save_async whose start found the write done
+  double write_s = 0;                // the background write
+  double next_wait_s = 0;            // a second save_async right after one: its wait
 };
 
 // The largest of every rank's `v` (one all-reduce).
@@ -143,8 +143,9 @@ nlohmann::ordered_json round_json(const Round& r, int index) {
   return j;
 }
 
-nlohmann::ordered_json summary_json(const std::vector<Round>& rounds, const AsyncSaveBenchOptions& o,
-                                    int world, int64_t params, uint64_t staging_bytes) {
+nlohmann::ordered_json summary_json(const std::vector<Round>& rounds,
+                                    const AsyncSaveBenchOptions& o, int world, int64_t params,
+                                    uint64_t staging_bytes) {
   std::vector<double> base, sync, blocked, overlap, write, wait, ratios, base_ratios;
   for (const auto& r : rounds) {
     base.insert(base.end(), r.base_s.begin(), r.base_s.end());
@@ -157,9 +158,10 @@ nlohmann::ordered_json summary_json(const std::vector<Round>& rounds, const Asyn
     // against the same steps after the synchronous save: the first steps after either save share
     // what a save leaves behind (caches that held the checkpoint's bytes).
     if (!r.overlap_s.empty()) {
-      const std::vector<double> same(r.sync_after_s.begin(),
-                                     r.sync_after_s.begin() + static_cast<std::ptrdiff_t>(std::min(
-                                         r.overlap_s.size(), r.sync_after_s.size())));
+      const std::vector<double> same(
+          r.sync_after_s.begin(),
+          r.sync_after_s.begin() +
+              static_cast<std::ptrdiff_t>(std::min(r.overlap_s.size(), r.sync_after_s.size())));
       ratios.push_back(median(r.overlap_s) / median(same));
       base_ratios.push_back(median(r.overlap_s) / median(r.base_s));
     }
@@ -205,7 +207,8 @@ int run_async_save_bench(const AsyncSaveBenchOptions& o) {
   auto world = init_process_group();
   std::string dir = o.save_dir;
   if (dir.empty())
-    dir = (std::filesystem::temp_directory_path() / ("fsdp-bench-async-" + std::to_string(::getpid())))
+    dir = (std::filesystem::temp_directory_path() /
+           ("fsdp-bench-async-" + std::to_string(::getpid())))
               .string();
   dir = detail::broadcast_string(*world, dir);  // rank 0's
   Job job(o.train, world);

@@ -22,8 +22,8 @@ namespace fsdp::bench {
 struct AsyncSaveBenchOptions {
   TrainBenchOptions train;  // sizes (preset), threads, seed, lr, warmup, steps (baseline steps)
   int rounds = 3;
-  std::string save_dir;       // where the checkpoints go; empty: a temporary directory
-  bool low_priority = true;   // AsyncSaveOptions::low_priority of the writer thread
+  std::string save_dir;      // where the checkpoints go; empty: a temporary directory
+  bool low_priority = true;  // AsyncSaveOptions::low_priority of the writer thread
 };
 
 // Runs under a launcher (fsdp-bench re-executes itself under fsdp-run for --nproc).

@@ -50,8 +50,8 @@ struct Trainee {
       for (auto& b : model->blocks) fully_shard(b, mesh);
       root = fully_shard(model, mesh);
     }
-    optim = std::make_unique<torch::optim::AdamW>(root.parameters(),
-                                                  torch::optim::AdamWOptions(1e-2));
+    optim =
+        std::make_unique<torch::optim::AdamW>(root.parameters(), torch::optim::AdamWOptions(1e-2));
   }
   void train(int rank, int from, int steps) {
     const auto cfg = tiny_gpt();
@@ -94,7 +94,8 @@ std::string test_dir() {
   auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string name = std::string(info->test_suite_name()) + "_" + info->name();
   for (char& c : name) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
-  fs::path d = fs::temp_directory_path() / ("fsdp_async_" + name + "_" + std::to_string(::getpid()));
+  fs::path d =
+      fs::temp_directory_path() / ("fsdp_async_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(d);
   fs::create_directories(d);
   return d.string();
@@ -141,7 +142,8 @@ TEST(CheckpointAsync, FilesEqualASynchronousSaveByteForByte) {
       },
       with_dir(dir));
   if (in_rank_process()) return;
-  for (const char* f : {"index.json", "rank0.safetensors", "rank1.safetensors", "rank2.safetensors"}) {
+  for (const char* f :
+       {"index.json", "rank0.safetensors", "rank1.safetensors", "rank2.safetensors"}) {
     const auto a = bytes_of(dir + "/sync/step_00000002/" + f);
     ASSERT_FALSE(a.empty()) << f;
     EXPECT_EQ(a, bytes_of(dir + "/async/step_00000002/" + f)) << f << " differs";
@@ -201,8 +203,10 @@ TEST(CheckpointAsync, ABackgroundFailureIsRaisedByWaitOrTheNextSaveOnEveryRank) 
         hooks::fail_next_save_after_files(1);
         saver.save_async(dir, t.root, t.optim.get(), at_step(2));  // returns: it fails later
         expect_error([&] { saver.wait(); },
-                     {"asynchronous checkpoint save of '" + dir + "/step_00000002' failed in the "
-                      "background", "interrupted by the test hook",
+                     {"asynchronous checkpoint save of '" + dir +
+                          "/step_00000002' failed in the "
+                          "background",
+                      "interrupted by the test hook",
                       "the previous complete checkpoint is still the latest"});
         saver.wait();  // raised once
         EXPECT_EQ(*ck::latest(dir, [](const std::string&) {}), dir + "/step_00000001");
@@ -343,14 +347,13 @@ TEST_P(CheckpointAsyncCrash, LeavesTheLastCompleteCheckpointLoadable) {
   fs::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Points, CheckpointAsyncCrash,
-    ::testing::Values(Crash{hooks::SavePoint::kBeforeFiles, 1},
-                      Crash{hooks::SavePoint::kFileInPlace, 0},
-                      Crash{hooks::SavePoint::kFileInPlace, 1},
-                      Crash{hooks::SavePoint::kBeforeIndex, 0},
-                      Crash{hooks::SavePoint::kAfterCommit, 1}),
-    crash_name);
+INSTANTIATE_TEST_SUITE_P(Points, CheckpointAsyncCrash,
+                         ::testing::Values(Crash{hooks::SavePoint::kBeforeFiles, 1},
+                                           Crash{hooks::SavePoint::kFileInPlace, 0},
+                                           Crash{hooks::SavePoint::kFileInPlace, 1},
+                                           Crash{hooks::SavePoint::kBeforeIndex, 0},
+                                           Crash{hooks::SavePoint::kAfterCommit, 1}),
+                         crash_name);
 
 }  // namespace
 }  // namespace fsdp::testing::checkpoint_async_test

@@ -58,10 +58,32 @@ std::string scratch_dir(const std::string& name) {
 
 // A small model (two blocks of width 64), one thread per rank so that runs repeat bitwise.
 std::vector<std::string> small(const std::string& run_dir, int steps) {
-  return {fsdp::testing::bin_dir() + "/fsdp-train", "--threads", "1", "--layers", "2", "--heads",
-          "2", "--width", "64", "--seq", "16", "--batch", "6", "--steps", std::to_string(steps),
-          "--warmup", "2", "--lr", "1e-2", "--sample-tokens", "0", "--eval-every", "0",
-          "--quiet", "--run-dir", run_dir};
+  return {fsdp::testing::bin_dir() + "/fsdp-train",
+          "--threads",
+          "1",
+          "--layers",
+          "2",
+          "--heads",
+          "2",
+          "--width",
+          "64",
+          "--seq",
+          "16",
+          "--batch",
+          "6",
+          "--steps",
+          std::to_string(steps),
+          "--warmup",
+          "2",
+          "--lr",
+          "1e-2",
+          "--sample-tokens",
+          "0",
+          "--eval-every",
+          "0",
+          "--quiet",
+          "--run-dir",
+          run_dir};
 }
 
 std::vector<std::string> with(std::vector<std::string> argv, const std::vector<std::string>& more) {
@@ -160,13 +182,13 @@ TEST(TrainResilience, AsyncSaveWritesTheSameCheckpointsAsSynchronousSaves) {
   EXPECT_EQ(kept, (std::vector<std::string>{"step_00000006", "step_00000008"}));
   for (const auto& step : kept)
     for (const char* f : {"rank0.safetensors", "rank1.safetensors"})
-      EXPECT_EQ(read_all(async_dir + "/" + step + "/" + f), read_all(sync_dir + "/" + step + "/" + f))
+      EXPECT_EQ(read_all(async_dir + "/" + step + "/" + f),
+                read_all(sync_dir + "/" + step + "/" + f))
           << step << "/" << f;
   // --async-save without checkpoints is refused before any rank starts.
   r = run(with(small(scratch_dir("async_alone"), 2), {"--async-save"}));
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("--async-save writes the checkpoints of --save-every"),
-            std::string::npos)
+  EXPECT_NE(r.output.find("--async-save writes the checkpoints of --save-every"), std::string::npos)
       << r.output;
 }
 
@@ -183,8 +205,8 @@ TEST(TrainResilience, AsyncSaveKilledAtRandomMomentsResumesExactly) {
   std::mt19937 rng(std::random_device{}());
   for (int trial = 0; trial < 4; ++trial) {
     const auto dir = scratch_dir("kill" + std::to_string(trial));
-    const auto argv = with(small(dir, steps), {"--nproc", "2", "--save-every", "1",
-                                               "--async-save", "--resume", "auto"});
+    const auto argv = with(small(dir, steps), {"--nproc", "2", "--save-every", "1", "--async-save",
+                                               "--resume", "auto"});
     const pid_t pid = spawn_logged(argv, dir + ".log");
     ASSERT_GT(pid, 0);
     // After a random number of recorded steps and a random fraction of a step, kill.
@@ -268,8 +290,9 @@ TEST(TrainResilience, ResumeAutoFallsBackOverACheckpointDamagedInside) {
       << r.output;
   r = run({fsdp::testing::bin_dir() + "/fsdp-train", "--resume", "auto", "--run-dir", dir});
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto skip = r.output.find("skipping " + dir + "/step_00000006 is damaged: safetensors file '" +
-                                  victim + "': checksum mismatch");
+  const auto skip =
+      r.output.find("skipping " + dir + "/step_00000006 is damaged: safetensors file '" + victim +
+                    "': checksum mismatch");
   const auto resume = r.output.find("resuming from " + dir + "/step_00000004 at step 4");
   ASSERT_NE(skip, std::string::npos) << r.output;
   ASSERT_NE(resume, std::string::npos) << r.output;
@@ -291,9 +314,9 @@ TEST(TrainResilience, KilledTorchrunLeavesNoOrphans) {
   const auto dir = scratch_dir("orphans");
   const int port = fsdp::testing::free_port();
   ASSERT_GT(port, 0);
-  auto argv = fsdp::testing::torchrun_command({"--nproc_per_node", "2", "--master_addr",
-                                               "127.0.0.1", "--master_port",
-                                               std::to_string(port), "--no-python"});
+  auto argv =
+      fsdp::testing::torchrun_command({"--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                                       "--master_port", std::to_string(port), "--no-python"});
   for (const auto& a : small(dir, 1000000)) argv.push_back(a);
   const pid_t torchrun = spawn_logged(argv, dir + ".log");
   ASSERT_GT(torchrun, 0);
@@ -325,8 +348,7 @@ TEST(TrainResilience, KilledTorchrunLeavesNoOrphans) {
   EXPECT_LT(took, 10.0);
   const std::string log = read_all(dir + ".log");
   for (int rank : {0, 1})
-    EXPECT_NE(log.find("fsdp: rank " + std::to_string(rank) + " (pid "), std::string::npos)
-        << log;
+    EXPECT_NE(log.find("fsdp: rank " + std::to_string(rank) + " (pid "), std::string::npos) << log;
   EXPECT_NE(log.find("the launcher that started it, torchrun's elastic agent (pid " +
                      std::to_string(torchrun)),
             std::string::npos)

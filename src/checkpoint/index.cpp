@@ -310,7 +310,8 @@ void check_index_step(const Index& index, const std::string& ckpt_dir) {
              " says step ", index.state.step, ", but the directory is named for step ", *named,
              ": the index was edited or the directory renamed, so the step of these weights is "
              "unknown (a resumed run would continue them as step ",
-             index.state.step, "). Restore the original index, or rename the directory to "
+             index.state.step,
+             "). Restore the original index, or rename the directory to "
              "match it if the index is right");
 }
 

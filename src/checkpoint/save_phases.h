@@ -54,8 +54,7 @@ struct RankFile {
 // `staging` every tensor is copied into it, so that the model and the optimizer may change while
 // the file is written; without, host tensors may be the shards themselves (CPU), which the caller
 // must not change before commit_files() returns.
-RankFile collect(const FSDPModule& root, torch::optim::Optimizer* opt, int rank,
-                 Staging* staging);
+RankFile collect(const FSDPModule& root, torch::optim::Optimizer* opt, int rank, Staging* staging);
 
 // Phases 1-3 of [Note: checkpoint atomicity] over `comm`: rank 0 prepares DIR/step_<step>, every
 // rank writes its file, rank 0 writes the index last; each phase ends in an agreement, so a

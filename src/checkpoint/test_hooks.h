@@ -15,10 +15,10 @@ void fail_next_save_after_files(int n);
 
 // Points of a save's commit (commit_files) at which kill_next_save_at() ends the process.
 enum class SavePoint {
-  kBeforeFiles,   // the step directory is prepared; no rank file written yet
-  kFileInPlace,   // this rank's file is renamed into place; the other ranks' may not be
-  kBeforeIndex,   // every rank file is in place; the index is not written (rank 0 decides)
-  kAfterCommit,   // the index is in place: the checkpoint is complete
+  kBeforeFiles,  // the step directory is prepared; no rank file written yet
+  kFileInPlace,  // this rank's file is renamed into place; the other ranks' may not be
+  kBeforeIndex,  // every rank file is in place; the index is not written (rank 0 decides)
+  kAfterCommit,  // the index is in place: the checkpoint is complete
 };
 // The next save (save() or save_async()) in this process raises SIGKILL on itself at `point`, on
 // whichever thread commits: a crash at that moment, for the crash tests. Set it on the ranks that

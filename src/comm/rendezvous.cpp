@@ -69,10 +69,11 @@ void claim_rank(c10d::Store& store, const RendezvousInfo& info) {
     return s.substr(0, s.find('\n'));
   };
   const std::string where = detail::cat(info.master_addr, ":", info.master_port);
-  const std::string fix = detail::cat(
-      "; the store at ", where,
-      " belongs to another job (or this rank was started twice): give each job its own "
-      "MASTER_PORT (", info.master_port_from, "), e.g. a free port");
+  const std::string fix =
+      detail::cat("; the store at ", where,
+                  " belongs to another job (or this rank was started twice): give each job its own "
+                  "MASTER_PORT (",
+                  info.master_port_from, "), e.g. a free port");
   if (held != mine) {
     throw CommError(detail::cat("rendezvous failed for rank ", info.rank, " of ", info.world_size,
                                 " at ", where, ": rank ", info.rank,
@@ -251,7 +252,8 @@ std::shared_ptr<Communicator> init_process_group(const InitOptions& options) {
       std::string what = e.what();
       if (o.isServer && (what.find("ddress already in use") != std::string::npos ||
                          what.find("EADDRINUSE") != std::string::npos))
-        what = detail::cat("port ", info.master_port, " is already in use on this host (another "
+        what = detail::cat("port ", info.master_port,
+                           " is already in use on this host (another "
                            "job, or a process that has not exited yet): give this job its own "
                            "MASTER_PORT");
       throw CommError(rendezvous_error(info, timeout, "connecting to the store", what));

@@ -16,8 +16,8 @@
 namespace fsdp::detail {
 
 struct Census {
-  bool complete = false;     // the store answered: `absent` is exact
-  std::vector<int> absent;   // ranks of the communicator that did not report within the grace
+  bool complete = false;    // the store answered: `absent` is exact
+  std::vector<int> absent;  // ranks of the communicator that did not report within the grace
 };
 
 // This rank (`rank` of `size`) reports under "fsdp/census/<key>/" and reads the others' reports

@@ -17,14 +17,13 @@ RunCheckpoints::RunCheckpoints(const TrainConfig& cfg, const LrSchedule& schedul
   if (rank == 0 && cfg.keep_last > 0) {
     const std::string run_dir = cfg.run_dir;
     const int64_t keep = cfg.keep_last;
-    saver_->set_on_commit([run_dir, keep](const std::string&) {
-      remove_old_checkpoints(run_dir, keep);
-    });
+    saver_->set_on_commit(
+        [run_dir, keep](const std::string&) { remove_old_checkpoints(run_dir, keep); });
   }
 }
 
-void RunCheckpoints::save(int64_t steps_taken, const FSDPModule& root,
-                          torch::optim::Optimizer* opt, Communicator& shard_group) {
+void RunCheckpoints::save(int64_t steps_taken, const FSDPModule& root, torch::optim::Optimizer* opt,
+                          Communicator& shard_group) {
   checkpoint::TrainState state;
   state.step = steps_taken;
   state.data_position = steps_taken;
@@ -57,14 +56,15 @@ std::string RunCheckpoints::summary_line() const {
     return buf;
   }
   const auto& s = saver_->stats();
-  std::snprintf(buf, sizeof buf,
-                "  checkpoints   %lld saved asynchronously (rank 0): the step held %.1f ms per save "
-                "on average (%.1f ms waiting for the previous save), written in the background in "
-                "%.0f ms on average; %.0f MiB of staging\n",
-                static_cast<long long>(s.saves), 1e3 * s.blocked_s / std::max<int64_t>(1, s.saves),
-                1e3 * s.waited_s / std::max<int64_t>(1, s.saves),
-                1e3 * s.write_s / std::max<int64_t>(1, s.committed),
-                static_cast<double>(s.staging_bytes) / (1 << 20));
+  std::snprintf(
+      buf, sizeof buf,
+      "  checkpoints   %lld saved asynchronously (rank 0): the step held %.1f ms per save "
+      "on average (%.1f ms waiting for the previous save), written in the background in "
+      "%.0f ms on average; %.0f MiB of staging\n",
+      static_cast<long long>(s.saves), 1e3 * s.blocked_s / std::max<int64_t>(1, s.saves),
+      1e3 * s.waited_s / std::max<int64_t>(1, s.saves),
+      1e3 * s.write_s / std::max<int64_t>(1, s.committed),
+      static_cast<double>(s.staging_bytes) / (1 << 20));
   return buf;
 }
 
