@@ -89,17 +89,7 @@ void expect_same(const std::vector<torch::Tensor>& a, const std::vector<torch::T
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "tensor " << i;
 }
 
-std::string test_dir() {
-  if (const char* d = std::getenv(kDirEnv)) return d;
-  auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::string name = std::string(info->test_suite_name()) + "_" + info->name();
-  for (char& c : name) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
-  fs::path d =
-      fs::temp_directory_path() / ("fsdp_async_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d.string();
-}
+std::string test_dir() { return test_scratch_dir(kDirEnv, "fsdp_async_"); }
 
 RunOptions with_dir(const std::string& dir) {
   RunOptions o;

@@ -21,15 +21,7 @@ namespace fs = std::filesystem;
 namespace ck = fsdp::checkpoint;
 
 constexpr const char* kDirEnv = "FSDP_TEST_BUFFERS_DIR";
-std::string run_dir() {
-  if (const char* d = std::getenv(kDirEnv)) return d;
-  auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  fs::path d = fs::temp_directory_path() /
-               (std::string("fsdp_ckbuf_") + info->name() + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d.string();
-}
+std::string run_dir() { return test_scratch_dir(kDirEnv, "fsdp_ckbuf_"); }
 RunOptions with_dir(const std::string& dir) {
   RunOptions o;
   o.env[kDirEnv] = dir;

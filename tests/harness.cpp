@@ -11,7 +11,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -84,6 +86,18 @@ std::shared_ptr<Communicator> Rank::lane_over(const std::string& transport) {
 }
 
 bool in_rank_process() { return std::getenv("FSDP_TEST_RANK") != nullptr; }
+
+std::string test_scratch_dir(const char* env, const std::string& prefix) {
+  if (const char* d = std::getenv(env)) return d;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string name = std::string(info->test_suite_name()) + "_" + info->name();
+  for (char& c : name) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  const std::filesystem::path d =
+      std::filesystem::temp_directory_path() / (prefix + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d.string();
+}
 
 int free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -73,6 +73,12 @@ RunResult run_ranks(int world_size, const std::function<void(Rank&)>& body,
 // True inside a rank process spawned by run_ranks.
 bool in_rank_process();
 
+// A directory for the current test that its rank processes share. In a rank process: the value of
+// the environment variable `env` (pass the directory to the ranks with RunOptions::env[env]).
+// Otherwise: made fresh and empty under the system's temporary directory, named `prefix`, the
+// test's suite and name, and the process id.
+std::string test_scratch_dir(const char* env, const std::string& prefix);
+
 // Runs `prog args...` to completion with a timeout; returns exit code (128+sig when killed) and
 // the combined output.
 struct ProcResult {

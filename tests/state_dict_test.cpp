@@ -18,15 +18,7 @@ namespace fs = std::filesystem;
 
 // A directory every rank of the run shares: made by the parent, passed through the environment.
 constexpr const char* kSharedDirEnv = "FSDP_TEST_SHARED_DIR";
-std::string shared_dir() {
-  if (const char* d = std::getenv(kSharedDirEnv)) return d;
-  auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  fs::path d = fs::temp_directory_path() /
-               (std::string("fsdp_sd_") + info->name() + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d.string();
-}
+std::string shared_dir() { return test_scratch_dir(kSharedDirEnv, "fsdp_sd_"); }
 RunOptions in_dir(const std::string& dir) {
   RunOptions o;
   o.env[kSharedDirEnv] = dir;
