@@ -1,7 +1,7 @@
 # fully_shard: the post-backward guarantee, parity with unsharded training, errors and memory.
 fsdp_model_tests(LABEL guarantee
                  SOURCES guarantee_test.cpp guarantee_fuzz_test.cpp guarantee_paths_test.cpp
-                         verified_collectives_test.cpp)
+                         verified_collectives_test.cpp copies_test.cpp)
 fsdp_model_tests(LABEL parity SOURCES parity_test.cpp attention_test.cpp optim_test.cpp
                  quantized_test.cpp)
 fsdp_model_tests(LABEL fsdp SOURCES fully_shard_test.cpp)

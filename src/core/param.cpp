@@ -4,6 +4,8 @@
 #include <fsdp/error.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cstring>
+
 #include "compat.h"
 #include "core/deferred_init.h"
 #include "core/guard.h"
@@ -12,6 +14,34 @@
 namespace fsdp::detail {
 
 namespace {
+// [Note: plain host copies] The copies between a group's flat buffers and its parameters run per
+// parameter and rank on every gather and reduction. Where both sides are dense, contiguous host
+// tensors of one real dtype they are moved with memmove / memset (all-zero bytes are +0.0 in every
+// floating dtype), not as an operator per piece: on small blocks the dispatcher's cost per
+// operator (narrow, view, copy_, zero_) was most of each group's copy time. Anything else (a
+// device, a cast, a strided dimension) goes through ATen as before. The buffers written are the
+// group's own (send buffers, the pooled block of full parameters), whose version counters no
+// autograd graph reads, so skipping the operator's version bump changes nothing.
+bool plain_host(const at::Tensor& t) {
+  return t.layout() == at::kStrided && t.device().is_cpu() && !t.is_complex() && t.is_contiguous();
+}
+bool plain_host_pair(const at::Tensor& a, const at::Tensor& b) {
+  return plain_host(a) && plain_host(b) && a.scalar_type() == b.scalar_type();
+}
+// The address of element `i` of a contiguous tensor (its storage offset included).
+char* address_of(const at::Tensor& t, int64_t i) {
+  return static_cast<char*>(t.data_ptr()) + i * static_cast<int64_t>(t.element_size());
+}
+void copy_elements(const at::Tensor& dst, int64_t dst_at, const at::Tensor& src, int64_t src_at,
+                   int64_t n) {
+  if (n > 0)  // memmove: a shard that already lives in its slot is its own source
+    std::memmove(address_of(dst, dst_at), address_of(src, src_at),
+                 static_cast<size_t>(n) * dst.element_size());
+}
+void zero_elements(const at::Tensor& dst, int64_t at, int64_t n) {
+  if (n > 0) std::memset(address_of(dst, at), 0, static_cast<size_t>(n) * dst.element_size());
+}
+
 // Contiguous, from the start of a storage that holds nothing else.
 bool owns_contiguous_storage(const at::Tensor& t) {
   return t.is_contiguous() && t.storage_offset() == 0 &&
@@ -74,7 +104,11 @@ void ParamState::materialize(const at::Tensor& full) {
 
 at::Tensor ParamState::rows_in(const at::Tensor& full, int r) const {
   const at::Tensor t = full.dim() == 0 ? full.reshape({1}) : full;
-  return t.narrow(dim_, std::min<int64_t>(r * chunk_, rows_), rows_of(r));
+  return t.narrow(dim_, row_offset_of(r), rows_of(r));
+}
+
+int64_t ParamState::row_offset_of(int rank) const {
+  return std::min<int64_t>(rank * chunk_, rows_);
 }
 
 at::Tensor ParamState::full_in(const at::Tensor& block, size_t byte_offset) const {
@@ -118,6 +152,11 @@ void ParamState::copy_in_shard(const at::Tensor& dst) {
   // From pinned host memory (CPUOffloadPolicy) the copy to the device runs asynchronously on the
   // current stream, ahead of the all-gather that reads it.
   const bool async = dst.device() != shard_.device() && shard_.is_pinned();
+  if (plain_host_pair(dst, shard_)) {  // [Note: plain host copies]
+    copy_elements(dst, 0, shard_, 0, n);
+    zero_elements(dst, n, padded_numel() - n);
+    return;
+  }
   if (n > 0) dst.narrow(0, 0, n).copy_(shard_.detach().reshape({-1}), async);
   if (n < padded_numel()) dst.narrow(0, n, padded_numel() - n).zero_();
 }
@@ -157,6 +196,13 @@ void ParamState::copy_out(const at::Tensor& gathered, int64_t offset, const at::
                           size_t byte_offset) {
   bind_full(block, byte_offset);
   const at::Tensor full = full_in(block, byte_offset);
+  if (dim_ == 0 && plain_host_pair(full, gathered)) {  // [Note: plain host copies]
+    const int64_t row_length = gathered.size(1);       // S, or the wire's per-rank width
+    for (int r = 0; r < world_; ++r)
+      copy_elements(full, row_offset_of(r) * row_numel_, gathered, r * row_length + offset,
+                    rows_of(r) * row_numel_);
+    return;
+  }
   for (int r = 0; r < world_; ++r) {
     at::Tensor place = rows_in(full, r);
     if (place.numel() > 0)
@@ -180,6 +226,16 @@ void ParamState::pack_grad(const at::Tensor& send, int64_t offset) {
   // gradient's rows, zeros for padding, all zeros when there is no gradient (frozen or unused).
   const at::Tensor g = take_unsharded_grad();
   if (g.defined()) contributed_ = true;
+  if (dim_ == 0 && plain_host(send) &&
+      (!g.defined() || plain_host_pair(g, send))) {  // [Note: plain host copies]
+    const int64_t row_length = send.size(1);
+    for (int r = 0; r < world_; ++r) {
+      const int64_t n = g.defined() ? rows_of(r) * row_numel_ : 0;
+      copy_elements(send, r * row_length + offset, g, row_offset_of(r) * row_numel_, n);
+      zero_elements(send, r * row_length + offset + n, padded_numel() - n);
+    }
+    return;
+  }
   for (int r = 0; r < world_; ++r) {
     const int64_t n = g.defined() ? rows_of(r) * row_numel_ : 0;
     if (n > 0) {
@@ -276,6 +332,7 @@ void ParamState::settle_shard_grad(bool any_rank) {
 }
 
 void ParamState::add_shard_grad(const at::Tensor& reduced_flat, int64_t offset) {
+  if (add_shard_grad_on_host(reduced_flat, offset)) return;
   at::Tensor g = reduced_flat.narrow(0, offset, shard_.numel()).view(shard_.sizes());
   if (g.device() != shard_.device()) g = g.to(shard_.device());  // CPUOffloadPolicy: to the host
   at::Tensor& slot = shard_.mutable_grad();
@@ -286,6 +343,37 @@ void ParamState::add_shard_grad(const at::Tensor& reduced_flat, int64_t offset) 
     // A copy, never a view (optimizers detach_() gradients in zero_grad), in the shard's dtype.
     slot = g.to(shard_.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   }
+}
+
+bool ParamState::add_shard_grad_on_host(const at::Tensor& reduced_flat, int64_t offset) {
+  // [Note: plain host copies] `slot.add_(g)` adds one IEEE sum per element (ATen's fused
+  // multiply-add by an alpha of 1 rounds the same), so the loop below gives the same bits.
+  if (!plain_host_pair(reduced_flat, shard_)) return false;
+  at::Tensor& slot = shard_.mutable_grad();
+  const int64_t n = shard_.numel();
+  if (!slot.defined()) {
+    slot = at::empty(shard_.sizes(), shard_.options().requires_grad(false));
+    copy_elements(slot, 0, reduced_flat, offset, n);
+    shard_grad_created_ = true;
+    return true;
+  }
+  if (!plain_host_pair(slot, shard_)) return false;
+  const auto add = [&](auto* dst, const auto* src) {
+    for (int64_t k = 0; k < n; ++k) dst[k] += src[k];
+  };
+  switch (shard_.scalar_type()) {
+    case at::kFloat:
+      add(slot.data_ptr<float>(), reduced_flat.data_ptr<float>() + offset);
+      break;
+    case at::kDouble:
+      add(slot.data_ptr<double>(), reduced_flat.data_ptr<double>() + offset);
+      break;
+    default:
+      return false;  // bf16, half: ATen's kernel (it accumulates in float)
+  }
+  slot.unsafeGetTensorImpl()->bump_version();  // as add_ would
+  shard_grad_created_ = false;
+  return true;
 }
 
 }  // namespace fsdp::detail

@@ -53,7 +53,8 @@ class ParamState {
   int64_t chunk() const { return chunk_; }          // rows per rank, ceil(rows / world)
   int64_t rows_of(int rank) const;                  // rows rank holds (0 for trailing ranks)
   int64_t padded_numel() const { return chunk_ * row_numel_; }
-  int64_t row_offset() const { return std::min<int64_t>(rank_ * chunk_, rows_); }
+  int64_t row_offset_of(int rank) const;  // rank's first row
+  int64_t row_offset() const { return row_offset_of(rank_); }
   int64_t full_bytes() const {
     return param_.numel() * static_cast<int64_t>(param_.element_size());
   }
@@ -151,6 +152,9 @@ class ParamState {
   uintptr_t hook_key() const { return hook_key_; }
 
  private:
+  // add_shard_grad where the reduction and the shard are plain host tensors of one dtype
+  // ([Note: plain host copies]); false: nothing done, ATen's path applies.
+  bool add_shard_grad_on_host(const at::Tensor& reduced_flat, int64_t offset);
   std::string name_;
   at::Tensor param_;
   at::Tensor shard_;
