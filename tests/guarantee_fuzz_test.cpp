@@ -776,6 +776,27 @@ TEST(GuaranteeFindings, AGroupSpanningChildrenStaysGatheredUntilItsLastNodeRan) 
   expect_program_passes(p);
 }
 
+// Found by fuzz seed 500994 (N = 2): the same for a group whose module holds trainable ignored
+// parameters. b1, left in the root's group, is called twice; its second call's frozen branch reads
+// b1.wb and leads only to the ignored b1.wa and b1.ba (through the first call's output): that node
+// runs after every gradient the root's group tracks, and the group was resharded before it (the
+// guard's "whose full storage is freed"). Such groups now reshard in the final callback too.
+TEST(GuaranteeFindings, AGroupWithTrainableIgnoredParametersStaysGatheredUntilItsLastNodeRan) {
+  Program p = base_program(2, {BlockKind::kTied, BlockKind::kFrozenTied});
+  p.modes = {BlockMode::kInRoot, BlockMode::kInRoot};
+  for (p.ignore = 1; !(p.ignores("b1.wa") && p.ignores("b1.ba") && !p.ignores("b1.wb") &&
+                       !p.ignores("root_scale") && !p.ignores("root_bias"));)
+    ++p.ignore;
+  Iteration iter;
+  // Value 1 is b1's first output (from the ignored weights), value 5 its second call's frozen
+  // branch on it; the root's input projection is not used, so no input-side node bounds the pass.
+  Pass pass = same_pass(2, {{1, 0}, {1, 1}}, {5});
+  for (auto& rc : pass.ranks) rc.use_root_w = false;
+  iter.micro.push_back(pass);
+  p.iterations = {iter, iter};
+  expect_program_passes(p);
+}
+
 // Finding 5: ranks calling different blocks of equal size, audit off, exchanged the wrong groups'
 // bytes (relative error 2-4); then every rank stopped with an error. Now they train exactly.
 TEST(GuaranteeFindings, RanksCallingDifferentModulesTrainExactlyWithTheAuditOff) {

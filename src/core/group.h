@@ -100,6 +100,8 @@ class Group {
   std::vector<ParamState>& params() { return params_; }
   // ShardOptions::ignored_params: left whole and unmanaged; held so that their identity stays.
   const std::vector<at::Tensor>& ignored() const { return options_.ignored_params; }
+  // Some of them get gradients ([Note: resharding during backward]).
+  bool holds_trainable_ignored() const;
   Communicator& comm() const { return *comm_; }
   const ShardOptions& options() const { return options_; }
   const GroupLayout& layout() const { return layout_; }
