@@ -33,6 +33,8 @@
 #include <string>
 #include <vector>
 
+#include "util/free_port.h"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -62,22 +64,12 @@ void write_all(int fd, const std::string& s) {
   }
 }
 
-// A free TCP port on the loopback interface (bound, read back and released).
+// A free TCP port on the loopback interface, below the ephemeral range (util/free_port.h).
 int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) die(std::string("socket(): ") + std::strerror(errno));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+  const int port = fsdp::detail::free_loopback_port();
+  if (port == 0)
     die(std::string("cannot find a free port on 127.0.0.1: ") + std::strerror(errno) +
         "; pass one with --master-port");
-  }
-  const int port = ntohs(a.sin_port);
-  ::close(fd);
   return port;
 }
 

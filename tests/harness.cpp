@@ -19,6 +19,8 @@
 #include <sstream>
 #include <thread>
 
+#include "util/free_port.h"
+
 extern char** environ;
 
 namespace fsdp::testing {
@@ -99,20 +101,7 @@ std::string test_scratch_dir(const char* env, const std::string& prefix) {
   return d.string();
 }
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ::close(fd);
-    return 0;
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+int free_port() { return detail::free_loopback_port(); }
 
 std::string bin_dir() { return FSDP_BIN_DIR; }
 

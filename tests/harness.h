@@ -93,8 +93,8 @@ ProcResult run_process(const std::vector<std::string>& argv, std::chrono::second
 // The directory holding the built programs (build/bin).
 std::string bin_dir();
 
-// A free TCP port on loopback (bound and released; the program under test binds it right after);
-// 0 when none could be had.
+// A free TCP port on loopback, below the ephemeral range (util/free_port.h; the program under
+// test binds it right after); 0 when none could be had.
 int free_port();
 
 // torchrun of the torch the build uses (the venv's, or Debian's python3-torch), as users type it,

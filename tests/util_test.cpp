@@ -1,15 +1,23 @@
 // The internal helpers every area shares: environment variables (src/util/env.h), the byte
-// checksum (src/util/checksum.h) and the pure part of cross-rank agreement
-// (src/comm/rank_agreement.h; its collectives run in the fully_shard and checkpoint tests).
+// checksum (src/util/checksum.h), the pure part of cross-rank agreement
+// (src/comm/rank_agreement.h; its collectives run in the fully_shard and checkpoint tests) and the
+// free port (src/util/free_port.h).
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <fstream>
 #include <map>
+#include <set>
 #include <string>
 
 #include "comm/rank_agreement.h"
 #include "harness.h"
 #include "util/checksum.h"
 #include "util/env.h"
+#include "util/free_port.h"
 
 namespace fsdp::testing::util_test {
 namespace {
@@ -105,6 +113,34 @@ TEST(RankAgreement, FirstDifferenceFromRank0) {
   d = detail::first_difference_from_rank0(V{{1, 2}, {1}});
   ASSERT_TRUE(d);
   EXPECT_EQ(d->index, 1u);
+}
+
+// Ports come from below the kernel's ephemeral range, where no outgoing connection takes its
+// source port between the choice and the listener's bind (two test suites side by side lost a
+// store's port that way), and a listener can take them.
+TEST(FreePort, IsBelowTheEphemeralRangeAndCanBeListenedOn) {
+  std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 0, high = 0;
+  ASSERT_TRUE(range >> low >> high);
+  std::set<int> seen;
+  for (int i = 0; i < 20; ++i) {
+    const int port = detail::free_loopback_port();
+    ASSERT_GT(port, 0);
+    if (low > 11000) {
+      EXPECT_GE(port, 10000);
+      EXPECT_LT(port, low) << "a port of the ephemeral range " << low << "-" << high;
+    }
+    seen.insert(port);
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0) << port;
+    EXPECT_EQ(::listen(fd, 1), 0) << port;
+    ::close(fd);
+  }
+  EXPECT_GT(seen.size(), 10u) << "drawn at random, not one port for every caller";
 }
 
 }  // namespace
