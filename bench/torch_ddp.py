@@ -30,6 +30,7 @@ collectives), so those keys are absent.
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -53,11 +54,33 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def free_loopback_port():
+    """A free loopback port drawn at random below the kernel's ephemeral range.
+
+    A port from bind(("127.0.0.1", 0)) comes from the range the kernel also hands out as source
+    ports of outgoing connections: another process's connection could take it before rank 0's
+    store binds it. Below that range only an explicit bind can (fsdp-run draws its ports alike).
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    candidates = [rng.randint(10000, low - 1) for _ in range(64)] if low - 1 > 11000 else []
+    for port in candidates + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise SystemExit("torch_ddp.py: no free loopback port")
+
+
 def launch(args, argv):
     """Starts args.nproc ranks of this script; passes rank 0's stdout through."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_loopback_port()
     child_argv = [a for i, a in enumerate(argv)
                   if a != "--nproc" and not a.startswith("--nproc=") and
                   (i == 0 or argv[i - 1] != "--nproc")]
