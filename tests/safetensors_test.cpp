@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <system_error>
+#include <vector>
 
 namespace fs = std::filesystem;
 namespace st = fsdp::safetensors;
@@ -20,12 +22,23 @@ using fsdp::testing::expect_error;
 
 namespace {
 
+// The directories temp_dir made, removed when the test program exits.
+struct MadeDirs {
+  std::vector<fs::path> dirs;
+  ~MadeDirs() {
+    std::error_code ignored;
+    for (const auto& d : dirs) fs::remove_all(d, ignored);
+  }
+};
+
 std::string temp_dir() {
+  static MadeDirs made;
   auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   fs::path d = fs::temp_directory_path() /
                (std::string("fsdp_st_") + info->name() + "_" + std::to_string(::getpid()));
   fs::remove_all(d);
   fs::create_directories(d);
+  made.dirs.push_back(d);
   return d.string();
 }
 
