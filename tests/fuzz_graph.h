@@ -9,12 +9,14 @@
 //
 // A training program is 3-4 iterations; each is 1-3 micro-batches (gradient sync only on the
 // last, on every one, or under HSDP the all-reduce only on the last), then optionally
-// clip_grad_norm_, then an SGD (momentum, weight decay) or AdamW step on the
-// shards, then zero_grad one of three ways. Every forward draws its own pass: which block is called
-// on which earlier value (blocks called several times or never), and per rank which values enter
-// the loss, which block inputs are detached and whether the root's parameters are used. Extra
-// forwards, evaluation (no grad) or grad mode without backward, come at random places: before,
-// between and after the micro-batches, and after the step.
+// clip_grad_norm_, then an SGD (momentum, weight decay), Adam or AdamW step on the shards
+// (LibTorch's, or fsdp::optim's fused SGD and AdamW), then zero_grad one of three ways. Every
+// forward draws its own pass: which block is called on which earlier value (blocks called several
+// times or never), and per rank which values enter the loss, which block inputs are detached and
+// whether the root's parameters are used. Extra forwards, evaluation (no grad) or grad mode without
+// backward, come at random places: before, between and after the micro-batches, and after the
+// step; so do the user's writes to parameters outside autograd (through .data() or in place under
+// NoGradGuard).
 //
 // FSDP2's settings vary too: a gradient divide factor per group, unshard(async) on a block before
 // an iteration (waited or not, called by the pass or not), set_unshard_in_backward(false) on
@@ -163,6 +165,18 @@ enum class Extra { kEval, kGrad };  // a forward without backward: no grad / gra
 enum class Accumulate { kSyncLast, kSyncEvery, kAllReduceLast, kFinalize };
 const char* const kAccumulateNames[] = {"sync-last", "sync-every", "all-reduce-last", "finalize"};
 
+// A write to the sharded parameters by the user, outside autograd: at a forward's boundary (`at`
+// as ExtraForward's), each parameter Program::writes_to picks becomes a * p + b elementwise, the
+// same on the shards and the reference's full tensors. kData writes through `.data()` (no version
+// bump: what LibTorch 1.13's optimizers and hand-written updates do), kNoGrad in place under
+// NoGradGuard (a version bump).
+enum class WriteKind { kData, kNoGrad };
+struct Write {
+  int at;
+  WriteKind kind;
+  double a, b;
+};
+
 struct ExtraForward {
   int at;  // before micro-batch `at`; == micro-batches: after the last, before the step; +1: after
   Extra kind;
@@ -171,6 +185,7 @@ struct ExtraForward {
 struct Iteration {
   std::vector<Pass> micro;  // the last one syncs gradients
   std::vector<ExtraForward> extras;
+  std::vector<Write> writes;
   double clip = 0;  // max norm for clip_grad_norm_; 0: no clipping
   ZeroGrad zero = ZeroGrad::kSetToNone;
   // Before the first micro-batch: unshard(/*async_op=*/true) on this holder block (-1: none),
@@ -196,6 +211,11 @@ struct Program {
   int verify_period = 8;
   bool input_requires_grad = false;
   Optim optim = Optim::kSGD;
+  // The sharded side steps with fsdp::optim's fused SGD / AdamW (flat runs over the shards'
+  // storage, raw writes) instead of LibTorch's; the reference keeps LibTorch's.
+  bool fused = false;
+  // Iteration::writes: 0 none, else a salt that picks about half of the parameters written.
+  uint32_t write = 0;
   double lr = 0.1, momentum = 0, weight_decay = 0;
   bool swapped = false;  // one forward in which ranks call other blocks of equal size
   // The first call's first output enters every loss (so that the loss needs grad). Hand-written
@@ -283,6 +303,8 @@ struct Program {
 
   // Whether parameter `name` (the model's name, e.g. "b1.wa") is one of the ignored ones.
   bool ignores(const std::string& name) const { return ignore && salted(ignore, name) % 4 == 0; }
+  // Whether the user's writes (Iteration::writes) change parameter `name`.
+  bool writes_to(const std::string& name) const { return write && salted(write, name) % 2 == 0; }
   // Whether parameter `name` travels through the exact gather transform.
   bool transforms(const std::string& name) const {
     return transform && salted(transform, name) % 2 == 0;
@@ -383,7 +405,8 @@ struct Program {
         (optim == Optim::kSGD    ? "SGD momentum " + std::to_string(momentum)
          : optim == Optim::kAdam ? std::string("Adam")
                                  : std::string("AdamW")) +
-        " wd " + std::to_string(weight_decay) + (swapped ? ", SWAPPED CALLS" : "") +
+        " wd " + std::to_string(weight_decay) + (fused ? " fused" : "") +
+        (write ? ", writes " + std::to_string(write) : "") + (swapped ? ", SWAPPED CALLS" : "") +
         (transport.empty() ? "" : ", transport " + transport) + ", " +
         kAccumulateNames[static_cast<int>(accumulate)];
     for (size_t b = 0; b < divide.size(); ++b)
@@ -402,6 +425,9 @@ struct Program {
       for (const auto& e : it.extras)
         s += std::string(", ") + (e.kind == Extra::kEval ? "eval" : "grad") + "@" +
              std::to_string(e.at);
+      for (const auto& w : it.writes)
+        s += std::string(", write ") + (w.kind == WriteKind::kData ? "data" : "no-grad") + "@" +
+             std::to_string(w.at);
       if (it.clip > 0) s += ", clip " + std::to_string(it.clip);
       if (it.async_unshard >= 0)
         s += ", unshard(async) b" + std::to_string(it.async_unshard) +
@@ -477,6 +503,24 @@ inline std::string draw_transport(Drawer& d) {
 }
 
 // FSDP2's FSDPModule settings, drawn after the transport (the earlier draws stay as they were).
+// Drawn after every other setting (the earlier draws stay as they were): the fused optimizers on
+// the sharded side, and the user's writes to parameters between forwards: before a micro-batch,
+// after the backwards (before the step) or after the step, where a group may still be gathered
+// (reshard_after_forward false, an extra forward before the step, kept storage).
+inline void draw_writes(Drawer& d, Program& p) {
+  if (p.optim != Optim::kAdam) p.fused = d.chance(3);
+  if (!d.chance(3)) return;
+  p.write = 1 + static_cast<uint32_t>(d.pick(1 << 20));
+  for (auto& it : p.iterations) {
+    const int micro = static_cast<int>(it.micro.size());
+    const int n = d.pick(3);
+    for (int w = 0; w < n; ++w)
+      it.writes.push_back(Write{d.pick(micro + 2),
+                                d.chance(2) ? WriteKind::kData : WriteKind::kNoGrad,
+                                d.uniform(0.8, 1.1), d.uniform(-0.05, 0.05)});
+  }
+}
+
 inline void draw_fsdp2_settings(Drawer& d, Program& p) {
   const int blocks = static_cast<int>(p.kinds.size());
   if (d.chance(3))
@@ -671,6 +715,7 @@ inline Program make_program(uint64_t seed, int world) {
     if (p.quant_reduce != Quantization::kNone && p.accumulate == Accumulate::kSyncEvery)
       p.accumulate = Accumulate::kSyncLast;
   }
+  draw_writes(d, p);
   return p;
 }
 

@@ -11,6 +11,7 @@
 // FSDP_FUZZ_SEEDS (seeds per launch) and FSDP_FUZZ_FIRST_SEED.
 #include <fsdp/checkpoint.h>
 #include <fsdp/gather_transform.h>
+#include <fsdp/optim.h>
 #include <fsdp/quantized.h>
 #include <fsdp/safetensors_torch.h>
 #include <unistd.h>
@@ -42,16 +43,22 @@ void expect_close(const Program& p, double got, double want, const std::string& 
   EXPECT_NEAR(got, want, p.rtol() * (1 + std::abs(want)) + p.atol()) << what;
 }
 
+// LibTorch's optimizer of the program, or (`fused`: the sharded side of Program::fused) the fused
+// one of fsdp::optim with the same options.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Program& p,
-                                                        std::vector<torch::Tensor> params) {
-  if (p.optim == Optim::kSGD)
-    return std::make_unique<torch::optim::SGD>(
-        params, torch::optim::SGDOptions(p.lr).momentum(p.momentum).weight_decay(p.weight_decay));
+                                                        std::vector<torch::Tensor> params,
+                                                        bool fused = false) {
+  if (p.optim == Optim::kSGD) {
+    auto o = torch::optim::SGDOptions(p.lr).momentum(p.momentum).weight_decay(p.weight_decay);
+    if (fused) return std::make_unique<fsdp::optim::SGD>(params, o);
+    return std::make_unique<torch::optim::SGD>(params, o);
+  }
   if (p.optim == Optim::kAdam)
     return std::make_unique<torch::optim::Adam>(
         params, torch::optim::AdamOptions(p.lr).weight_decay(p.weight_decay));
-  return std::make_unique<torch::optim::AdamW>(
-      params, torch::optim::AdamWOptions(p.lr).weight_decay(p.weight_decay));
+  auto o = torch::optim::AdamWOptions(p.lr).weight_decay(p.weight_decay);
+  if (fused) return std::make_unique<fsdp::optim::AdamW>(params, o);
+  return std::make_unique<torch::optim::AdamW>(params, o);
 }
 
 // What a gather on quantized wire `q` delivers of parameter `t` at world size `world`: each
@@ -365,7 +372,7 @@ struct ShardedSide {
       groups.push_back(root);
       set_quantized_reduce_scatter(groups, p.quant_reduce);
     }
-    opt = make_optimizer(p, root.parameters());
+    opt = make_optimizer(p, root.parameters(), p.fused);
   }
   // The parameters of block b that the program ignores.
   std::vector<at::Tensor> ignored_in(const Program& p, size_t b) {
@@ -460,6 +467,39 @@ struct ShardedSide {
   }
 };
 
+// w.a * t + w.b in place, outside autograd, as the write asks.
+void write_to(const at::Tensor& t, const Write& w) {
+  if (w.kind == WriteKind::kData) {
+    t.data().mul_(w.a).add_(w.b);
+  } else {
+    torch::NoGradGuard no_grad;
+    t.mul_(w.a).add_(w.b);
+  }
+}
+
+// The user's writes of iteration `it` at position `at`: each shard of a parameter the program
+// writes to, and that parameter's full tensor in every reference model (an elementwise map: the
+// shard's rows of the written full tensor are the written shard). The reference writes its
+// weights, not what a quantized wire made of them.
+void run_writes(const Program& p, ShardedSide& s, Reference& ref, int it, int at) {
+  bool any = false;
+  for (const auto& w : p.iterations[it].writes) any = any || w.at == at;
+  if (!any) return;
+  const bool wired = !ref.master.empty();
+  ref.use_master_weights();
+  for (const auto& w : p.iterations[it].writes) {
+    if (w.at != at) continue;
+    for (const auto& shard : s.root.shards())
+      if (p.writes_to(shard.name)) write_to(shard.shard, w);
+    for (auto& n : ref.nets) {
+      auto named = n->named_parameters();
+      for (const auto& shard : s.root.shards())
+        if (p.writes_to(shard.name)) write_to(named[shard.name], w);
+    }
+  }
+  if (wired) ref.use_wire_weights(p);
+}
+
 // The extra forwards of iteration `it` at position `at`, on both sides.
 void run_extras(const Program& p, Rank& r, ShardedSide& s, Reference& ref, int it, int at) {
   const auto& extras = p.iterations[it].extras;
@@ -484,6 +524,7 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
   ref.use_wire_weights(p);
   for (int m = 0; m < micro; ++m) {
     SCOPED_TRACE("iteration " + std::to_string(it) + " micro-batch " + std::to_string(m));
+    run_writes(p, s, ref, it, m);
     run_extras(p, r, s, ref, it, m);
     const bool last = m == micro - 1;
     const bool sync = p.accumulate == Accumulate::kSyncLast   ? last
@@ -505,6 +546,7 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
     s.root.finalize_backward();
   }
   EXPECT_EQ(s.root.memory_stats().unsharded_bytes, 0) << "gathered after backward";
+  run_writes(p, s, ref, it, micro);
   run_extras(p, r, s, ref, it, micro);
   SCOPED_TRACE("iteration " + std::to_string(it) + " after its micro-batches");
   auto mean = ref.mean_grads(p, r.rank);
@@ -518,6 +560,7 @@ void run_iteration(const Program& p, Rank& r, ShardedSide& s, Reference& ref, in
   ref.use_master_weights();
   ref.step(p, iter.zero);
   s.zero_grad(iter.zero);
+  run_writes(p, s, ref, it, micro + 1);
   expect_shards_equal(s.root, *ref.net(r.rank), p.rtol(), p.atol(), p.mixed != 0);
   ref.use_wire_weights(p);
   run_extras(p, r, s, ref, it, micro + 1);
