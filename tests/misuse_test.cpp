@@ -72,6 +72,29 @@ TEST(Misuse, BlocksShardedWithoutARootFailByMessage) {
   });
 }
 
+// LibTorch's mutable_grad() takes a gradient of any shape; the reduction would add the reduced
+// rows past the end of one too small (or broadcast them into one too large), so a gradient of
+// another shape than its shard's is refused by name, on the host copies' path and ATen's.
+TEST(Misuse, AShardGradientOfAnotherShapeFailsByMessage) {
+  for (const bool bf16_reduction : {false, true}) {  // host copies / ATen's add_
+    run_ranks(2, [bf16_reduction](Rank& r) {
+      auto model = build();
+      ShardOptions o;
+      if (bf16_reduction) o.mixed_precision.reduce_dtype = torch::kBFloat16;
+      auto root = fsdp::models::shard_gpt(model, r.world(), o, o);
+      auto [x, y] = batch(r.rank);
+      model(x, y).backward();
+      const auto shards = root.shards();
+      const auto& s = shards[0];
+      ASSERT_GT(s.shard.numel(), 1);
+      s.shard.mutable_grad() = torch::zeros({1}, s.shard.options());  // every rank alike
+      expect_error([&] { model(x, y).backward(); },
+                   {"the gradient of shard '" + s.name + "' has shape [1]",
+                    "a gradient of the tensor's own shape"});
+    });
+  }
+}
+
 // Two models, each with its own root, trained in one process (a backward per model) is fine.
 TEST(Misuse, TwoRootedModelsInOneProcessTrainSeparately) {
   run_ranks(2, [](Rank& r) {

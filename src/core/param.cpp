@@ -28,6 +28,15 @@ bool plain_host(const at::Tensor& t) {
 bool plain_host_pair(const at::Tensor& a, const at::Tensor& b) {
   return plain_host(a) && plain_host(b) && a.scalar_type() == b.scalar_type();
 }
+// A gradient assigned through mutable_grad() is not checked by LibTorch; one of another shape
+// would be read or added out of its bounds by the copies below, so it is refused by name.
+void check_grad_shape(const at::Tensor& grad, const at::Tensor& of, const std::string& name,
+                      const char* what) {
+  FSDP_CHECK(grad.sizes() == of.sizes(), "the gradient of ", what, " '", name, "' has shape ",
+             grad.sizes(), " but the ", what, " has shape ", of.sizes(),
+             ": assign a gradient of the tensor's own shape (or none)");
+}
+
 // The address of element `i` of a contiguous tensor (its storage offset included).
 char* address_of(const at::Tensor& t, int64_t i) {
   return static_cast<char*>(t.data_ptr()) + i * static_cast<int64_t>(t.element_size());
@@ -251,6 +260,7 @@ at::Tensor ParamState::take_unsharded_grad() {
   // The marker means the last gradient was handed over already and nothing accumulated since
   // (the parameter got no gradient in this backward), like an undefined gradient.
   at::Tensor g = grad_is_marker() ? at::Tensor() : param_.grad();
+  if (g.defined()) check_grad_shape(g, param_, name_, "parameter");
   if (g.defined()) param_.mutable_grad() = moved_grad_;
   if (!accumulated_grad_.defined()) return g;
   at::Tensor sum = std::move(accumulated_grad_);
@@ -298,6 +308,7 @@ void ParamState::move_grad_to_shard(at::ScalarType reduce_dtype,
                                     const std::optional<double>& divide_by) {
   if (!trainable()) return;
   at::Tensor& slot = shard_.mutable_grad();
+  if (slot.defined()) check_grad_shape(slot, shard_, name_, "shard");
   at::Tensor g = take_unsharded_grad();
   if (!g.defined()) {
     // No gradient in this backward: zeros, as the reduction of zeros would give (settled by
@@ -336,6 +347,7 @@ void ParamState::add_shard_grad(const at::Tensor& reduced_flat, int64_t offset) 
   at::Tensor g = reduced_flat.narrow(0, offset, shard_.numel()).view(shard_.sizes());
   if (g.device() != shard_.device()) g = g.to(shard_.device());  // CPUOffloadPolicy: to the host
   at::Tensor& slot = shard_.mutable_grad();
+  if (slot.defined()) check_grad_shape(slot, shard_, name_, "shard");
   shard_grad_created_ = !slot.defined();
   if (slot.defined()) {
     slot.add_(g);  // add_ casts a low-precision reduction up to the shard's dtype
@@ -351,6 +363,7 @@ bool ParamState::add_shard_grad_on_host(const at::Tensor& reduced_flat, int64_t 
   if (!plain_host_pair(reduced_flat, shard_)) return false;
   at::Tensor& slot = shard_.mutable_grad();
   const int64_t n = shard_.numel();
+  if (slot.defined()) check_grad_shape(slot, shard_, name_, "shard");
   if (!slot.defined()) {
     slot = at::empty(shard_.sizes(), shard_.options().requires_grad(false));
     copy_elements(slot, 0, reduced_flat, offset, n);
