@@ -205,6 +205,80 @@ TEST(IgnoredParams, ContainerElementsTakeTheirOwn) {
   });
 }
 
+// A module holding one trainable weight w, shared by two sharded siblings: `keep` lists w among
+// its ignored_params, `user` holds the module too (its own claim skips w, another group's ignored
+// parameter), a frozen weight f applied to w and a bias b. Called twice, the second call on the
+// first's output (the first on a tensor without grad, so no input-side node of the first call):
+// the node of the first call that reads f leads only to w's gradient and runs after b's gradient,
+// the last event of `user`'s own.
+// `user` must stay gathered until the final callback ([Note: resharding during backward]).
+struct WeightImpl : torch::nn::Module {
+  WeightImpl() { w = register_parameter("w", torch::randn({3, 5}, torch::kDouble)); }
+  at::Tensor w;
+};
+TORCH_MODULE(Weight);
+struct KeepImpl : torch::nn::Module {
+  explicit KeepImpl(Weight shared) {
+    weight = register_module("weight", shared);
+    lin = register_module("lin", torch::nn::Linear(5, 5));
+    lin->to(torch::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) { return lin(x) + weight->w.sum(0); }
+  Weight weight{nullptr};
+  torch::nn::Linear lin{nullptr};
+};
+TORCH_MODULE(Keep);
+struct UserImpl : torch::nn::Module {
+  explicit UserImpl(Weight shared) {
+    weight = register_module("weight", shared);
+    f = register_parameter("f", torch::randn({5, 5}, torch::kDouble), /*requires_grad=*/false);
+    b = register_parameter("b", torch::randn({5}, torch::kDouble));
+  }
+  // The node reading f is made first: in the first call's backward b's gradient, the group's last
+  // event, comes before it.
+  at::Tensor forward(const at::Tensor& x) {
+    auto from_w = weight->w.matmul(f).sum(0);
+    return (x * 0.5 + b) + from_w;
+  }
+  Weight weight{nullptr};
+  at::Tensor f, b;
+};
+TORCH_MODULE(User);
+struct SiblingsImpl : torch::nn::Module {
+  SiblingsImpl() {
+    Weight shared;
+    keep = register_module("keep", fsdp::Sharded<Keep>{Keep(shared)});
+    user = register_module("user", fsdp::Sharded<User>{User(shared)});
+  }
+  at::Tensor forward(const at::Tensor& x) { return user(user(x)).pow(2).sum() + keep(x).sum(); }
+  fsdp::Sharded<Keep> keep{nullptr};
+  fsdp::Sharded<User> user{nullptr};
+};
+TORCH_MODULE(Siblings);
+
+TEST(IgnoredParams, AGroupSharingAnotherGroupsIgnoredWeightStaysGatheredForIt) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
+    fsdp::Sharded<Siblings> m{Siblings()};
+    torch::manual_seed(0);
+    Siblings ref;
+    ShardOptions keep = audited();
+    keep.ignored_params = {m->keep->weight->w};
+    fully_shard(m->keep, r.world(), keep);
+    fully_shard(m->user, r.world(), audited());
+    auto root = fully_shard(m, r.world(), audited());
+    for (int step = 0; step < 2; ++step) {
+      const auto x = batch(step, r.rank);  // no grad: the first call has no input-side node
+      m(x).backward();
+      ref(x).backward();
+      // w is ignored: this rank's own gradient, as the unsharded model's on this rank's batch.
+      EXPECT_TRUE(
+          torch::allclose(m->keep->weight->w.grad(), ref->keep->weight->w.grad(), 1e-12, 1e-12));
+      EXPECT_EQ(root.memory_stats().unsharded_bytes, 0);
+    }
+  });
+}
+
 TEST(IgnoredParamsErrors, NameTheTensorAndTheFix) {
   run_ranks(1, [](Rank& r) {
     fsdp::Sharded<Plain> m{Plain()};

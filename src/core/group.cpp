@@ -4,9 +4,11 @@
 #include <ATen/ATen.h>
 #include <fsdp/error.h>
 #include <fsdp/trace.h>
+#include <torch/nn/module.h>
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 
 #include "core/guard.h"
 
@@ -83,6 +85,12 @@ void Group::place(CommContext* ctx, int index, bool is_root, bool contains_group
   index_ = index;
   is_root_ = is_root;
   contains_groups_ = contains_groups_ || contains_groups;
+  std::set<const c10::TensorImpl*> mine;
+  for (const auto& p : params_) mine.insert(p.param().unsafeGetTensorImpl());
+  unmanaged_.clear();
+  for (const auto* m : members_)
+    for (const auto& t : m->parameters(/*recurse=*/true))
+      if (mine.insert(t.unsafeGetTensorImpl()).second) unmanaged_.push_back(t);
 }
 
 void Group::log(const std::string& event) const {

@@ -100,8 +100,9 @@ class Group {
   std::vector<ParamState>& params() { return params_; }
   // ShardOptions::ignored_params: left whole and unmanaged; held so that their identity stays.
   const std::vector<at::Tensor>& ignored() const { return options_.ignored_params; }
-  // Some of them get gradients ([Note: resharding during backward]).
-  bool holds_trainable_ignored() const;
+  // Its modules hold parameters that get gradients and that it does not manage: ignored here or
+  // by another group ([Note: resharding during backward]).
+  bool holds_trainable_unmanaged() const;
   Communicator& comm() const { return *comm_; }
   const ShardOptions& options() const { return options_; }
   const GroupLayout& layout() const { return layout_; }
@@ -289,6 +290,7 @@ class Group {
   std::vector<std::pair<size_t, std::string>> member_names_;  // per parameter: member, name
   std::string type_name_, name_, prefix_;
   std::vector<ParamState> params_;
+  std::vector<at::Tensor> unmanaged_;  // parameters of its modules not in params_; set by place()
   std::shared_ptr<Communicator> comm_;
   ShardOptions options_;
   GroupLayout layout_;

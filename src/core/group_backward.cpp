@@ -27,15 +27,16 @@ void Group::post_backward() {
   // contains other sharded modules has nodes that read its parameters (a frozen weight applied
   // to a child's output, say) and lead to the children's gradients, not to its own inputs or
   // gradients: they may run after every event of its own. So may the nodes of a group whose
-  // module holds trainable ignored parameters (a frozen weight applied to a value made from them
-  // leads only to their gradients, which no event of the group's tracks). For all three, only the
-  // final callback is known to come after all such nodes.
-  if (reshard_after_backward_ && !on_use_ && !contains_groups_ && !holds_trainable_ignored())
+  // modules hold trainable parameters it does not manage, ignored by it or by another group (a
+  // frozen weight applied to a value made from them leads only to their gradients, which no event
+  // of the group's tracks). For all three, only the final callback is known to come after all
+  // such nodes.
+  if (reshard_after_backward_ && !on_use_ && !contains_groups_ && !holds_trainable_unmanaged())
     reshard();
 }
 
-bool Group::holds_trainable_ignored() const {
-  return std::any_of(options_.ignored_params.begin(), options_.ignored_params.end(),
+bool Group::holds_trainable_unmanaged() const {
+  return std::any_of(unmanaged_.begin(), unmanaged_.end(),
                      [](const at::Tensor& t) { return t.requires_grad(); });
 }
 
