@@ -95,6 +95,73 @@ TEST(Misuse, AShardGradientOfAnotherShapeFailsByMessage) {
   }
 }
 
+// A forward that writes its own parameter in place (a weight constraint under NoGradGuard,
+// Embedding's max_norm) writes a gathered copy that resharding drops: refused by name when the
+// module reshards, after forward or (kept gathered) after backward; on one rank the full
+// parameter is the shard itself and the write persists, as unsharded.
+struct ClampedImpl : torch::nn::Module {
+  explicit ClampedImpl(bool embedding) {
+    if (embedding)
+      emb = register_module("emb",
+                            torch::nn::Embedding(torch::nn::EmbeddingOptions(6, 4).max_norm(0.5)));
+    else
+      w = register_parameter("w", torch::randn({4, 4}) * 3);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (emb) return emb(torch::tensor({0, 3, 5})) * x;
+    {
+      torch::NoGradGuard no_grad;
+      w.clamp_(-0.3, 0.3);
+    }
+    return x.matmul(w);
+  }
+  torch::nn::Embedding emb{nullptr};
+  torch::Tensor w;
+};
+TORCH_MODULE(Clamped);
+struct ClampedNetImpl : torch::nn::Module {
+  explicit ClampedNetImpl(bool embedding) {
+    block = register_module("block", fsdp::Sharded<Clamped>{Clamped(embedding)});
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return block(x).sum(); }
+  fsdp::Sharded<Clamped> block{nullptr};
+};
+TORCH_MODULE(ClampedNet);
+
+TEST(Misuse, AForwardWritingItsParameterInPlaceFailsByMessage) {
+  for (const bool embedding : {false, true})
+    for (const bool keep_gathered : {false, true})
+      run_ranks(2, [&](Rank& r) {
+        torch::manual_seed(0);
+        fsdp::Sharded<ClampedNet> model{ClampedNet(embedding)};
+        ShardOptions o;
+        o.reshard_after_forward = !keep_gathered;
+        fully_shard(model->block, r.world(), o);
+        fully_shard(model, r.world());
+        const auto x = torch::randn({3, 4});
+        const std::string param = embedding ? "emb.weight" : "w";
+        auto expect_refused = [&](auto&& fn) {
+          expect_error(fn, {"sharded module 'block'",
+                            "wrote its parameter '" + param + "' in place while it was gathered",
+                            "apply such writes to the shards"});
+        };
+        if (keep_gathered) {
+          auto loss = model(x);
+          expect_refused([&] { loss.backward(); });
+        } else {
+          expect_refused([&] { model(x); });
+        }
+      });
+  run_ranks(1, [](Rank& r) {
+    torch::manual_seed(0);
+    fsdp::Sharded<ClampedNet> model{ClampedNet(false)};
+    fully_shard(model->block, r.world());
+    auto root = fully_shard(model, r.world());
+    model(torch::randn({3, 4})).backward();
+    EXPECT_LE(root.parameters()[0].abs().max().item<float>(), 0.3f);  // the write persisted
+  });
+}
+
 // Two models, each with its own root, trained in one process (a backward per model) is fine.
 TEST(Misuse, TwoRootedModelsInOneProcessTrainSeparately) {
   run_ranks(2, [](Rank& r) {

@@ -103,6 +103,9 @@ class Group {
   // Its modules hold parameters that get gradients and that it does not manage: ignored here or
   // by another group ([Note: resharding during backward]).
   bool holds_trainable_unmanaged() const;
+  // Throws when a full parameter was written in place while gathered ([Note: writes to gathered
+  // parameters]).
+  void check_full_unwritten() const;
   Communicator& comm() const { return *comm_; }
   const ShardOptions& options() const { return options_; }
   const GroupLayout& layout() const { return layout_; }

@@ -178,9 +178,30 @@ void Group::reshard() {
 }
 
 void Group::reshard_after_forward(bool grad_mode) {
+  check_full_unwritten();
   // hpZ: a backward will gather it again, within the post-forward lane, from what stays here.
   if (grad_mode) keep_chunk();
   release_full();
+}
+
+// [Note: writes to gathered parameters] Unsharded, an in-place write to a parameter inside
+// forward (a weight constraint under NoGradGuard, torch::nn::Embedding's max_norm renormalising
+// the rows it looks up) persists. Sharded, it lands in the gathered copy, which resharding drops:
+// each rank keeps only its rows of the shard, and the ranks' writes need not even agree. Rather
+// than train on silently, the write is refused by name when the group reshards (the full
+// parameter's version counter moved since its gather; a write through .data() does not move it
+// and is not seen). A group whose full parameters are the shards' own bytes (one rank, no cast)
+// keeps such writes, as the unsharded model does.
+void Group::check_full_unwritten() const {
+  for (const auto& p : params_)
+    FSDP_CHECK(!p.written_while_gathered(), "sharded module '", name_, "' (", type_name_,
+               ") wrote its parameter '", p.name(),
+               "' in place while it was gathered (an in-place operation in its forward, e.g. a "
+               "weight constraint under NoGradGuard, or torch::nn::Embedding's max_norm); the "
+               "write would be lost when the module reshards, since each rank keeps only its "
+               "shard. Fix: apply such writes to the shards (FSDPModule::parameters(), under "
+               "torch::NoGradGuard, after optimizer.step()), or leave the parameter out of "
+               "sharding (ShardOptions::ignored_params; each rank then keeps its own copy)");
 }
 
 void Group::release_full() {
@@ -197,6 +218,7 @@ void Group::release_full() {
     return;
   }
   if (shard_state_ != ShardState::kUnsharded) return;
+  check_full_unwritten();
   for (auto& p : params_) p.free_full();
   // No parameter points into the block any more (free_full dropped their references). Borrowed
   // shards (gathers_locally) have no block.

@@ -189,6 +189,12 @@ bool ParamState::shard_changed_since_gather() const {
 void ParamState::bind_full(const at::Tensor& block, size_t byte_offset) {
   compat::borrow_storage(param_, block, byte_offset);
   guard::set_active(param_, false);
+  bound_version_ = param_._version();
+  bound_to_copy_ = true;
+}
+
+bool ParamState::written_while_gathered() const {
+  return bound_to_copy_ && param_._version() != bound_version_;
 }
 
 at::Tensor ParamState::rows_to_send(const at::Tensor& send, int64_t offset) const {
@@ -223,11 +229,13 @@ void ParamState::borrow_shard() {
   compat::borrow_storage(param_, shard_, shard_.storage_offset() * shard_.element_size());
   guard::set_active(param_, false);
   gathered_fingerprint_ = kNoFingerprint;
+  bound_to_copy_ = false;  // a write lands in the shard itself
 }
 
 void ParamState::free_full() {
   compat::free_storage(param_);
   guard::set_active(param_, param_.numel() > 0);
+  bound_to_copy_ = false;
 }
 
 void ParamState::pack_grad(const at::Tensor& send, int64_t offset) {

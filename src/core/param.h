@@ -102,6 +102,9 @@ class ParamState {
   // instead of a gathered copy; an optimizer step on the shard is seen by it at once.
   void borrow_shard();
   void free_full();  // frees the full storage and guards the parameter (core/guard.h)
+  // [Note: writes to gathered parameters] An in-place operation changed the full parameter since
+  // bind_full (its version counter moved): the write is in a gathered copy that resharding drops.
+  bool written_while_gathered() const;
 
   // Packs the unsharded gradient (zeros when undefined or frozen, and for padding) into `send`
   // (world, S) at `offset`, and drops it from the parameter (it has been handed to the reduction).
@@ -178,6 +181,8 @@ class ParamState {
   static constexpr uint64_t kNoFingerprint = 0;
   uint64_t shard_fingerprint() const;
   uint64_t gathered_fingerprint_ = kNoFingerprint;
+  int64_t bound_version_ = 0;  // the full parameter's version counter at bind_full
+  bool bound_to_copy_ = false;  // bound to a gathered copy (not the shard's own bytes)
   bool materialized_ = true;
 };
 
