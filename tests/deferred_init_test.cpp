@@ -349,6 +349,75 @@ TEST(DeferredInit, TrainingMatchesEagerInit) {
   });
 }
 
+// Parameters that are views (a transpose, a column slice of a wider tensor, two views into one
+// buffer) were bound to the gathered bytes in their recorded geometry: the forward computed with
+// wrong values, silently (or failed in borrow_storage for views into one buffer). Each layout,
+// deferred against eager, at two and three ranks.
+struct ViewsImpl : torch::nn::Module {
+  explicit ViewsImpl(int layout) {
+    at::Tensor a, b;
+    const auto f64 = torch::kDouble;
+    if (layout == 0) {
+      a = torch::randn({4, 6}, f64).narrow(1, 1, 4);
+      b = torch::randn({2, 4}, f64);
+    } else if (layout == 1) {
+      a = torch::randn({4, 4}, f64).t();
+      b = torch::randn({4, 2}, f64).t();
+    } else {
+      auto buf = torch::randn({26}, f64);
+      a = buf.narrow(0, 1, 16).view({4, 4});
+      b = buf.narrow(0, 17, 8).view({2, 4});
+    }
+    w = register_parameter("w", a);
+    u = register_parameter("u", b);
+  }
+  at::Tensor forward(const at::Tensor& x) { return torch::tanh(x.matmul(w)).matmul(u.t()); }
+  at::Tensor w, u;
+};
+TORCH_MODULE(Views);
+struct ViewsNetImpl : torch::nn::Module {
+  explicit ViewsNetImpl(int layout) {
+    block = register_module("block", fsdp::Sharded<Views>{Views(layout)});
+  }
+  at::Tensor forward(const at::Tensor& x) { return block(x).pow(2).sum(); }
+  fsdp::Sharded<Views> block{nullptr};
+};
+TORCH_MODULE(ViewsNet);
+
+void views_train_as_eager(Rank& r) {
+  for (int layout = 0; layout < 3; ++layout) {
+    SCOPED_TRACE("layout " + std::to_string(layout));
+    torch::manual_seed(5);
+    fsdp::Sharded<ViewsNet> eager{ViewsNet(layout)};
+    torch::manual_seed(5);
+    auto lazy = fsdp::deferred_init([&] { return fsdp::Sharded<ViewsNet>{ViewsNet(layout)}; });
+    std::vector<FSDPModule> roots;
+    for (auto* m : {&eager, &lazy}) {
+      fully_shard((*m)->block, r.world());
+      roots.push_back(fully_shard(*m, r.world()));
+    }
+    fsdp::materialize(lazy);
+    torch::optim::SGD opt_e(roots[0].parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt_l(roots[1].parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 2; ++step) {
+      torch::manual_seed(10 * step + r.rank);
+      const auto x = torch::randn({3, 4}, torch::kDouble);
+      auto loss_e = eager(x), loss_l = lazy(x);
+      EXPECT_EQ(loss_e.item<double>(), loss_l.item<double>()) << "step " << step;
+      loss_e.backward();
+      loss_l.backward();
+      opt_e.step();
+      opt_l.step();
+    }
+    const auto se = roots[0].named_parameters(), sl = roots[1].named_parameters();
+    ASSERT_EQ(se.size(), sl.size());
+    for (size_t i = 0; i < se.size(); ++i)
+      EXPECT_TRUE(torch::equal(se[i].second, sl[i].second)) << se[i].first;
+  }
+}
+TEST(DeferredInit, ViewParametersTrainAsEagerN2) { run_ranks(2, views_train_as_eager); }
+TEST(DeferredInit, ViewParametersTrainAsEagerN3) { run_ranks(3, views_train_as_eager); }
+
 // ---------------------------------------------------------------------------------------------
 // Memory
 // ---------------------------------------------------------------------------------------------

@@ -99,6 +99,13 @@ ParamState::ParamState(std::string name, at::Tensor param, int64_t dim, int rank
     // values come from the first gather (the shard holds them).
     at::NoGradGuard no_grad;
     param_.set_data(at::empty(param_.sizes(), param_.options()));
+  } else if (!materialized_) {
+    // Built under deferred_init: its recorded geometry may be such a view too (a transposed
+    // parameter, a slice, one of several views into one pending storage). It gets storage of its
+    // own, laid out contiguously and still without bytes: materialize finds it by its identity
+    // (the recording keeps it) and delivers its values to the shard; the first gather its bytes.
+    at::NoGradGuard no_grad;
+    param_.set_data(compat::storageless_like(param_));
   }
   if (param_.requires_grad()) acc_ = torch::autograd::impl::grad_accumulator(param_);
 }
