@@ -216,6 +216,10 @@ struct Program {
   bool fused = false;
   // Iteration::writes: 0 none, else a salt that picks about half of the parameters written.
   uint32_t write = 0;
+  // The sharded side's model is built under fsdp::deferred_init and materialised after
+  // fully_shard (the same values as the eager build; not with ignored parameters, which must
+  // have values when sharded).
+  bool deferred = false;
   double lr = 0.1, momentum = 0, weight_decay = 0;
   bool swapped = false;  // one forward in which ranks call other blocks of equal size
   // The first call's first output enters every loss (so that the loss needs grad). Hand-written
@@ -406,9 +410,9 @@ struct Program {
          : optim == Optim::kAdam ? std::string("Adam")
                                  : std::string("AdamW")) +
         " wd " + std::to_string(weight_decay) + (fused ? " fused" : "") +
-        (write ? ", writes " + std::to_string(write) : "") + (swapped ? ", SWAPPED CALLS" : "") +
-        (transport.empty() ? "" : ", transport " + transport) + ", " +
-        kAccumulateNames[static_cast<int>(accumulate)];
+        (write ? ", writes " + std::to_string(write) : "") + (deferred ? ", deferred_init" : "") +
+        (swapped ? ", SWAPPED CALLS" : "") + (transport.empty() ? "" : ", transport " + transport) +
+        ", " + kAccumulateNames[static_cast<int>(accumulate)];
     for (size_t b = 0; b < divide.size(); ++b)
       if (divide[b] > 0)
         s += ", divide " + (b + 1 < divide.size() ? "b" + std::to_string(b) : std::string("root")) +
@@ -716,6 +720,7 @@ inline Program make_program(uint64_t seed, int world) {
       p.accumulate = Accumulate::kSyncLast;
   }
   draw_writes(d, p);
+  p.deferred = !p.ignore && d.chance(4);
   return p;
 }
 

@@ -304,7 +304,8 @@ struct ShardedSide {
   // Over `over` when given (a subgroup: the program must then be plain FSDP over its ranks),
   // else over the program's transport.
   ShardedSide(const Program& p, Rank& r, std::shared_ptr<Communicator> over = nullptr)
-      : model(Net(p)) {
+      : model(p.deferred ? fsdp::deferred_init([&] { return fsdp::Sharded<Net>{Net(p)}; })
+                         : fsdp::Sharded<Net>{Net(p)}) {
     for (auto& item : model->named_parameters())
       (*model_names)[item.value().unsafeGetTensorImpl()] = item.key();
     auto comm = over ? over : communicator(r, p.transport);
@@ -372,6 +373,7 @@ struct ShardedSide {
       groups.push_back(root);
       set_quantized_reduce_scatter(groups, p.quant_reduce);
     }
+    if (p.deferred) fsdp::materialize(model);
     opt = make_optimizer(p, root.parameters(), p.fused);
   }
   // The parameters of block b that the program ignores.
