@@ -162,6 +162,30 @@ TEST(Misuse, AForwardWritingItsParameterInPlaceFailsByMessage) {
   });
 }
 
+// A sparse gradient (Embedding with sparse(true)) cannot be reduce-scattered by rows: refused by
+// name, with the fix, instead of LibTorch's "Cannot access storage of SparseTensorImpl".
+struct SparseNetImpl : torch::nn::Module {
+  SparseNetImpl() {
+    emb = register_module("emb", fsdp::Sharded<torch::nn::Embedding>{torch::nn::Embedding(
+                                     torch::nn::EmbeddingOptions(6, 4).sparse(true))});
+  }
+  torch::Tensor forward(const torch::Tensor& idx) { return emb(idx).sum(); }
+  fsdp::Sharded<torch::nn::Embedding> emb{nullptr};
+};
+TORCH_MODULE(SparseNet);
+
+TEST(Misuse, ASparseGradientFailsByMessage) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
+    fsdp::Sharded<SparseNet> model{SparseNet()};
+    fully_shard(model->emb, r.world());
+    fully_shard(model, r.world());
+    auto loss = model(torch::tensor({0, 3, 5}));
+    expect_error([&] { loss.backward(); },
+                 {"parameter 'weight' got a Sparse gradient", "sparse(false)", "ignored_params"});
+  });
+}
+
 // Two models, each with its own root, trained in one process (a backward per model) is fine.
 TEST(Misuse, TwoRootedModelsInOneProcessTrainSeparately) {
   run_ranks(2, [](Rank& r) {

@@ -275,6 +275,11 @@ at::Tensor ParamState::take_unsharded_grad() {
   // The marker means the last gradient was handed over already and nothing accumulated since
   // (the parameter got no gradient in this backward), like an undefined gradient.
   at::Tensor g = grad_is_marker() ? at::Tensor() : param_.grad();
+  FSDP_CHECK(!g.defined() || g.layout() == at::kStrided, "parameter '", name_, "' got a ",
+             g.defined() ? c10::str(g.layout()) : "", " gradient (torch::nn::Embedding with "
+             "sparse(true) makes one); a sharded parameter's gradient is reduce-scattered by "
+             "rows and must be dense. Fix: sparse(false), or leave the parameter out of sharding "
+             "(ShardOptions::ignored_params)");
   if (g.defined()) check_grad_shape(g, param_, name_, "parameter");
   if (g.defined()) param_.mutable_grad() = moved_grad_;
   if (!accumulated_grad_.defined()) return g;
@@ -311,7 +316,7 @@ void ParamState::end_backward() {
 bool ParamState::grad_is_marker() const {
   // The marker or a detached copy of it (Module::zero_grad assigns grad.detach() back).
   const at::Tensor& g = param_.grad();
-  return g.defined() && moved_grad_.defined() &&
+  return g.defined() && g.has_storage() && moved_grad_.defined() &&
          g.storage().unsafeGetStorageImpl() == moved_grad_.storage().unsafeGetStorageImpl();
 }
 
