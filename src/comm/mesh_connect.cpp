@@ -86,6 +86,30 @@ std::string mesh_connect_error(const RendezvousInfo& info, std::chrono::millisec
       "that no rank is stopped");
 }
 
+// Rank 0's process serves the store, held by the caller's reference (and the abandoned connect's,
+// which ends with Gloo's own timeout): once it throws, the store is gone, and a rank that reaches
+// its deadline a little later (it began later) could no longer read which ranks did not connect.
+// So every failing rank counts itself in once it has read them, and rank 0 waits, at most 3 s,
+// until the ranks that published an address (`readers`, itself included) have.
+void wait_for_census_readers(const c10::intrusive_ptr<c10d::Store>& store, int rank, int readers) {
+  const std::string key = "connect_failure_census_read";
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  auto count = [&store, &key](int64_t add) {
+    return run_until<int64_t>([store, key, add] { return store->add(key, add); },
+                              std::chrono::steady_clock::now() + std::chrono::seconds(1));
+  };
+  try {
+    if (!count(1) || rank != 0) return;
+    while (std::chrono::steady_clock::now() < until) {
+      const auto n = count(0);
+      if (!n || *n >= readers) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  } catch (const std::exception&) {
+    // The store is unreachable: nothing to wait for.
+  }
+}
+
 c10::intrusive_ptr<c10d::ProcessGroup> connect_mesh(
     const c10::intrusive_ptr<c10d::Store>& store, const RendezvousInfo& info,
     std::chrono::milliseconds timeout, std::chrono::steady_clock::time_point deadline,
@@ -119,6 +143,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> connect_mesh(
   } catch (const std::exception&) {
     // The store is gone too: Gloo's cause is all there is.
   }
+  wait_for_census_readers(store, rank, size - static_cast<int>(unpublished.size()));
   throw CommError(mesh_connect_error(info, timeout, peers, unpublished, cause));
 }
 
