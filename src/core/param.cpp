@@ -276,7 +276,8 @@ at::Tensor ParamState::take_unsharded_grad() {
   // (the parameter got no gradient in this backward), like an undefined gradient.
   at::Tensor g = grad_is_marker() ? at::Tensor() : param_.grad();
   FSDP_CHECK(!g.defined() || g.layout() == at::kStrided, "parameter '", name_, "' got a ",
-             g.defined() ? c10::str(g.layout()) : "", " gradient (torch::nn::Embedding with "
+             g.defined() ? c10::str(g.layout()) : "",
+             " gradient (torch::nn::Embedding with "
              "sparse(true) makes one); a sharded parameter's gradient is reduce-scattered by "
              "rows and must be dense. Fix: sparse(false), or leave the parameter out of sharding "
              "(ShardOptions::ignored_params)");

@@ -181,7 +181,7 @@ class ParamState {
   static constexpr uint64_t kNoFingerprint = 0;
   uint64_t shard_fingerprint() const;
   uint64_t gathered_fingerprint_ = kNoFingerprint;
-  int64_t bound_version_ = 0;  // the full parameter's version counter at bind_full
+  int64_t bound_version_ = 0;   // the full parameter's version counter at bind_full
   bool bound_to_copy_ = false;  // bound to a gathered copy (not the shard's own bytes)
   bool materialized_ = true;
 };
