@@ -279,6 +279,47 @@ TEST(IgnoredParams, AGroupSharingAnotherGroupsIgnoredWeightStaysGatheredForIt) {
   });
 }
 
+// Two parameters that are views of one buffer, one of them ignored: stepping the ignored one in
+// place moved the version counter the views share, and the other's group took it for a write to
+// its gathered parameter in forward (guarantee fuzz seed 700270). Each sharded parameter has a
+// counter of its own.
+struct TwoViewsImpl : torch::nn::Module {
+  TwoViewsImpl() {
+    auto buf = torch::randn({24}, torch::kDouble);
+    a = register_parameter("a", buf.narrow(0, 0, 16).view({4, 4}));
+    b = register_parameter("b", buf.narrow(0, 16, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x.matmul(a) + b; }
+  at::Tensor a, b;
+};
+TORCH_MODULE(TwoViews);
+struct TwoViewsNetImpl : torch::nn::Module {
+  TwoViewsNetImpl() { block = register_module("block", fsdp::Sharded<TwoViews>{TwoViews()}); }
+  at::Tensor forward(const at::Tensor& x) { return block(x).pow(2).sum(); }
+  fsdp::Sharded<TwoViews> block{nullptr};
+};
+TORCH_MODULE(TwoViewsNet);
+
+TEST(IgnoredParams, AViewOfTheSameBufferSteppedInPlaceIsNoWriteToTheOther) {
+  run_ranks(2, [](Rank& r) {
+    torch::manual_seed(0);
+    fsdp::Sharded<TwoViewsNet> m{TwoViewsNet()};
+    ShardOptions o = audited();
+    o.reshard_after_forward = false;
+    o.ignored_params = {m->block->b};
+    fully_shard(m->block, r.world(), o);
+    auto root = fully_shard(m, r.world(), audited());
+    torch::optim::AdamW opt(root.parameters(), torch::optim::AdamWOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      const auto x = batch(step, r.rank).narrow(1, 0, 4);
+      m(x).backward();
+      (void)m(x);  // a forward without backward: the block stays gathered across the step
+      opt.step();  // steps the ignored b in place
+      opt.zero_grad();
+    }
+  });
+}
+
 TEST(IgnoredParamsErrors, NameTheTensorAndTheFix) {
   run_ranks(1, [](Rank& r) {
     fsdp::Sharded<Plain> m{Plain()};

@@ -107,6 +107,11 @@ ParamState::ParamState(std::string name, at::Tensor param, int64_t dim, int rank
     at::NoGradGuard no_grad;
     param_.set_data(compat::storageless_like(param_));
   }
+  // A view shares its base's version counter, and set_data above keeps it: a parameter made from
+  // one buffer with another (left whole, say ignored and stepped in place) would see that one's
+  // writes as its own ([Note: writes to gathered parameters]). Its storage is its own now (or
+  // comes from the gathered block): so is its counter.
+  torch::autograd::impl::set_version_counter(param_, c10::VariableVersion(param_._version()));
   if (param_.requires_grad()) acc_ = torch::autograd::impl::grad_accumulator(param_);
 }
 
