@@ -62,6 +62,8 @@ class Work {
   std::shared_ptr<const Digests> digests() const;
   // This Work with `d` attached (the same completion).
   Work with_digests(std::shared_ptr<const Digests> d) const;
+  // Internal (src/comm): what this Work holds; null for an empty Work.
+  Impl* impl() const { return impl_.get(); }
 
  private:
   std::shared_ptr<Impl> impl_;

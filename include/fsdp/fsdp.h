@@ -7,6 +7,7 @@
 #include <fsdp/communicator.h>
 #include <fsdp/containers.h>
 #include <fsdp/deferred_init.h>
+#include <fsdp/elastic.h>
 #include <fsdp/error.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/init.h>

@@ -129,6 +129,10 @@ class FSDPModule {
   const std::string& name() const;
   Communicator& communicator() const;  // the ranks sharding the model (HSDP: mesh.shard)
   const std::shared_ptr<Communicator>& replicate_communicator() const;  // HSDP; else null
+  // HSDP: carries the all-reduces across replicas (and their checks) on `replicate` from now on,
+  // for every group of this module's model: an elastic job's new membership (fsdp/elastic.h).
+  // Collective over `replicate`'s ranks (it builds its lanes); between steps only.
+  void set_replicate_communicator(std::shared_ptr<Communicator> replicate);
   bool defined() const { return binding_ != nullptr; }
 
  private:

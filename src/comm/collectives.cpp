@@ -14,6 +14,7 @@
 
 #include "communicator_impl.h"
 #include "compat.h"
+#include "lane_loss.h"
 #include "rank_order_sum.h"
 #include "util/checksum.h"
 
@@ -74,8 +75,9 @@ at::Tensor empty_on_device(const at::Tensor& t) {
 // ---------------------------------------------------------------------------------------------
 // All-gather
 // ---------------------------------------------------------------------------------------------
-Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
-  Impl& m = *impl_;
+namespace {
+Work plain_all_gather(Communicator& self, const at::Tensor& output, const at::Tensor& input) {
+  Communicator::Impl& m = self.impl();
   check_supported(output, "all_gather", "output");
   check_supported(input, "all_gather", "input");
   check_same_dtype(output, input, "all_gather");
@@ -95,7 +97,7 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
     const int64_t n = in.numel();
     std::vector<std::vector<at::Tensor>> places(m.size);
     for (int r = 0; r < m.size; ++r) places[r].push_back(out.narrow(0, r * n, n));
-    return detail::all_gather_into(*this, std::move(places), {in});
+    return detail::all_gather_into(self, std::move(places), {in});
   }
   m.stats->bytes_sent += nbytes(input) * (m.size - 1);
   if (staged(m.backend, out)) {
@@ -106,6 +108,7 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
   return m.make_work({compat::all_gather_flat(*m.pg, out, in)}, "all_gather", nbytes(output),
                      nullptr);
 }
+}  // namespace
 
 bool detail::gathers_into_places(const Communicator& c, const std::vector<at::Tensor>& inputs) {
   if (inputs.empty() || inputs.size() > kMaxGatherPieces) return false;
@@ -315,6 +318,9 @@ Work issue_reduce_scatter(Communicator::Impl& m, const at::Tensor& output, const
 }  // namespace
 
 Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+  FSDP_CHECK(!impl_->loss, "reduce_scatter on communicator '", impl_->name,
+             "': an elastic job's replicate lane carries all-reduces, all-gathers, broadcasts and "
+             "barriers only");
   return issue_reduce_scatter(*impl_, output, input, op, nullptr);
 }
 
@@ -333,6 +339,9 @@ Work detail::reduce_scatter_digested(Communicator& c, const at::Tensor& output,
 // ---------------------------------------------------------------------------------------------
 Work Communicator::all_to_all(const at::Tensor& output, const at::Tensor& input) {
   Impl& m = *impl_;
+  FSDP_CHECK(!m.loss, "all_to_all on communicator '", m.name,
+             "': an elastic job's replicate lane carries all-reduces, all-gathers, broadcasts and "
+             "barriers only");
   check_supported(output, "all_to_all", "output");
   check_supported(input, "all_to_all", "input");
   check_same_dtype(output, input, "all_to_all");
@@ -374,8 +383,9 @@ Work Communicator::all_to_all(const at::Tensor& output, const at::Tensor& input)
 // ---------------------------------------------------------------------------------------------
 // All-reduce, broadcast, barrier: the backend's own
 // ---------------------------------------------------------------------------------------------
-Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
-  Impl& m = *impl_;
+namespace {
+Work plain_all_reduce(Communicator& self, const at::Tensor& tensor, ReduceOp op) {
+  Communicator::Impl& m = self.impl();
   check_supported(tensor, "all_reduce", "tensor");
   const int ws = m.size;
   if (ws == 1 || tensor.numel() == 0) return m.make_work({}, "all_reduce", nbytes(tensor), nullptr);
@@ -403,8 +413,8 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   });
 }
 
-Work Communicator::broadcast(const at::Tensor& tensor, int root) {
-  Impl& m = *impl_;
+Work plain_broadcast(Communicator& self, const at::Tensor& tensor, int root) {
+  Communicator::Impl& m = self.impl();
   check_supported(tensor, "broadcast", "tensor");
   FSDP_CHECK(root >= 0 && root < m.size, "broadcast: root rank ", root, " is outside 0..",
              m.size - 1);
@@ -423,10 +433,58 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
   return m.make_work({m.pg->broadcast(ts, opts)}, "broadcast", nbytes(tensor), nullptr);
 }
 
-Work Communicator::barrier() {
-  Impl& m = *impl_;
+Work plain_barrier(Communicator& self) {
+  Communicator::Impl& m = self.impl();
   if (m.size == 1) return m.make_work({}, "barrier", 0, nullptr);
   return m.make_work({m.pg->barrier()}, "barrier", 0, nullptr);
+}
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// The public entries: under a lane loss (lane_loss.h), on private copies with a stand-in
+// ---------------------------------------------------------------------------------------------
+Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
+  const auto& loss = impl_->loss;
+  if (!loss) return plain_all_gather(*this, output, input);
+  check_supported(output, "all_gather", "output");
+  auto stand_in = [output, input, n = impl_->size] {
+    output.view({n, -1}).copy_(input.reshape({1, -1}).expand({n, -1}));
+  };
+  if (loss->lost()) return detail::stood_in(stand_in);
+  const at::Tensor mine = at::empty_like(output);
+  return detail::tolerate(plain_all_gather(*this, mine, input), loss, stand_in,
+                          [output, mine] { output.copy_(mine); });
+}
+
+Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  const auto& loss = impl_->loss;
+  if (!loss) return plain_all_reduce(*this, tensor, op);
+  check_supported(tensor, "all_reduce", "tensor");
+  auto stand_in = [tensor, op, n = impl_->size] {
+    if (op == ReduceOp::kSum) tensor.mul_(n);
+  };
+  if (loss->lost()) return detail::stood_in(stand_in);
+  const at::Tensor mine = tensor.clone();
+  return detail::tolerate(plain_all_reduce(*this, mine, op), loss, stand_in,
+                          [tensor, mine] { tensor.copy_(mine); });
+}
+
+Work Communicator::broadcast(const at::Tensor& tensor, int root) {
+  const auto& loss = impl_->loss;
+  if (!loss) return plain_broadcast(*this, tensor, root);
+  check_supported(tensor, "broadcast", "tensor");
+  if (loss->lost()) return detail::stood_in([] {});
+  const at::Tensor mine = tensor.clone();
+  return detail::tolerate(
+      plain_broadcast(*this, mine, root), loss, [] {}, [tensor, mine] { tensor.copy_(mine); });
+}
+
+Work Communicator::barrier() {
+  const auto& loss = impl_->loss;
+  if (!loss) return plain_barrier(*this);
+  if (loss->lost()) return detail::stood_in([] {});
+  return detail::tolerate(
+      plain_barrier(*this), loss, [] {}, nullptr);
 }
 
 }  // namespace fsdp

@@ -230,6 +230,7 @@ std::shared_ptr<Communicator> Communicator::Impl::child(const std::string& label
   c->bind_host = bind_host;
   c->peers = std::make_shared<const std::vector<PeerInfo>>(std::move(sub));
   c->requested = want;
+  c->loss = loss;
   return std::make_shared<Communicator>(std::move(c));
 }
 

@@ -15,6 +15,9 @@
 #include "exchange_worker.h"
 
 namespace fsdp {
+namespace detail {
+class LaneLoss;
+}
 
 struct Communicator::Impl {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
@@ -45,6 +48,8 @@ struct Communicator::Impl {
   // Under shm and tcp: the all-gathers' worker and the reduce-scatters' (each with its own
   // exchange), so that gathers never queue behind reductions. Null under collective.
   std::unique_ptr<detail::ExchangeWorker> gathers, reductions;
+  // An elastic job's replicate lane (lane_loss.h), shared with every lane of it; null elsewhere.
+  std::shared_ptr<detail::LaneLoss> loss;
 
   // Connects the transport `requested` asks for (collective over the communicator's ranks).
   void connect_transport();

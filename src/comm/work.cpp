@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "failure.h"
+#include "lane_loss.h"
 #include "work_impl.h"
 
 namespace fsdp {
@@ -67,6 +68,13 @@ void Work::wait(std::chrono::milliseconds timeout) {
   detail::MutexLock lock(impl_->mu);
   if (!impl_->error.empty()) throw CommError(impl_->error);
   if (impl_->done) return;
+  // A lossy collective (lane_loss.h): the stand-in once its communicator is lost.
+  auto stand_in = [this](const std::string& why) {
+    impl_->loss->mark(why);
+    impl_->done = true;
+    if (impl_->stand_in) impl_->stand_in();
+  };
+  if (impl_->loss && impl_->loss->lost()) return stand_in(impl_->loss->reason());
   if (std::string first = detail::broken_reason(impl_->group); !first.empty()) {
     impl_->done = true;
     impl_->error =
@@ -88,6 +96,7 @@ void Work::wait(std::chrono::milliseconds timeout) {
     try {
       b.wait(timeout);
     } catch (const std::exception& e) {
+      if (impl_->loss) return stand_in(e.what());
       impl_->done = true;
       impl_->error = e.what();
       throw;
@@ -126,6 +135,7 @@ void Work::wait(std::chrono::milliseconds timeout) {
 
 bool Work::is_completed() const {
   if (!impl_) return true;
+  if (impl_->loss && impl_->loss->lost()) return true;
   for (auto& b : impl_->before)
     if (!b.is_completed()) return false;
   for (auto& w : impl_->works)

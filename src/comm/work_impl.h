@@ -18,6 +18,9 @@
 #include "util/mutex.h"
 
 namespace fsdp {
+namespace detail {
+class LaneLoss;
+}
 
 struct Work::Impl {
   std::vector<Work> before;  // waited first (Work::then)
@@ -39,6 +42,10 @@ struct Work::Impl {
   detail::Mutex mu;
   bool done FSDP_GUARDED_BY(mu) = false;
   std::string error FSDP_GUARDED_BY(mu);  // set by a failed wait; every later wait rethrows it
+  // A lossy communicator's collective (lane_loss.h): a failure marks `loss` and runs `stand_in`
+  // instead of throwing; once `loss` is marked, waiting runs `stand_in` at once.
+  std::shared_ptr<detail::LaneLoss> loss;
+  std::function<void()> stand_in;
 };
 
 namespace detail {

@@ -22,6 +22,17 @@ CommContext::CommContext(std::shared_ptr<Communicator> comm_in,
   debug = env_flag("FSDP_DEBUG");
 }
 
+void CommContext::rebind_replicate(std::shared_ptr<Communicator> r) {
+  FSDP_CHECK(replicate && r,
+             "set_replicate_communicator: only a model sharded over a mesh with replicas (HSDP) "
+             "can take another replicate communicator, and the new one must not be null");
+  auto reduce_lane = std::make_unique<Lane>(r->lane("fsdp.replicate"));
+  auto agree_lane = r->lane("fsdp.agree");
+  replicate = std::move(r);
+  replicate_reduce = std::move(reduce_lane);
+  replicate_agree = std::move(agree_lane);
+}
+
 void CommContext::log(const std::string& who, const std::string& event) const {
   if (!debug) return;
   std::cerr << "fsdp[rank " << comm->rank() << "] group '" << who << "' " << event << " | gathered "

@@ -70,6 +70,10 @@ struct CommContext {
   GatheredMemory memory;
   bool debug = false;  // FSDP_DEBUG: every event logged to stderr
 
+  // Replaces the replicate communicator and its lanes (an elastic job's new membership,
+  // fsdp/elastic.h): collective over the new one's ranks, between steps only.
+  void rebind_replicate(std::shared_ptr<Communicator> r);
+
   // hpZ's lane over `comm` (a post-forward subgroup of the shard group), watched by the gather
   // lane's observers: its all-gathers belong to the gather sequence.
   Lane& post_forward(const std::shared_ptr<Communicator>& comm);

@@ -251,6 +251,10 @@ const std::shared_ptr<Communicator>& FSDPModule::replicate_communicator() const 
   return checked(binding_).root->comm_context().replicate;
 }
 
+void FSDPModule::set_replicate_communicator(std::shared_ptr<Communicator> replicate) {
+  checked(binding_).root->rebind_replicate(std::move(replicate));
+}
+
 }  // namespace fsdp
 
 namespace fsdp::detail {

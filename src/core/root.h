@@ -88,6 +88,8 @@ class Root {
   // rank at once, naming both.
   void explicit_collective(protocol::Explicit what) FSDP_EXCLUDES(mu_);
   void finalize_backward() FSDP_EXCLUDES(mu_);  // FSDPModule::finalize_backward
+  // FSDPModule::set_replicate_communicator: between steps only.
+  void rebind_replicate(std::shared_ptr<Communicator> r) FSDP_EXCLUDES(mu_);
 
   // ---- memory ----
   void reset_peaks();

@@ -42,6 +42,15 @@ void Root::explicit_collective(protocol::Explicit what) {
 // holds any for is not reduced); then every reduced group reduce-scatters in registration order
 // (children first, the root last: the same on every rank and replica), the Agreed check settles
 // the shards' gradients ([Note: parameters that got no gradient]) and the groups reshard.
+void Root::rebind_replicate(std::shared_ptr<Communicator> r) {
+  EntryLock lock(mu_);
+  FSDP_CHECK(!in_forward() && passes_.empty() &&
+                 torch::autograd::get_current_graph_task_nodes_in_graph() == nullptr,
+             "set_replicate_communicator: called inside a forward or a backward; call it between "
+             "steps (after the optimizer step, or after the step's gradients were thrown away)");
+  ctx_.rebind_replicate(std::move(r));
+}
+
 void Root::finalize_backward() {
   explicit_collective(protocol::Explicit::kFinalizeBackward);
   EntryLock lock(mu_);

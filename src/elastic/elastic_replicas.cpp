@@ -1,0 +1,322 @@
+// ElasticReplicas: the replica's side of an elastic job (fsdp/elastic.h). The leader (rank 0)
+// speaks for the replica in the coordinator (membership.h) and shares each decision with its
+// ranks; every rank builds its own position's replicate lane for each membership.
+#include <ATen/ATen.h>
+#include <fsdp/elastic.h>
+#include <fsdp/error.h>
+#include <fsdp/state_dict.h>
+#include <torch/serialize.h>
+#include <unistd.h>
+
+#include <exception>
+#include <optional>
+#include <sstream>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "comm/communicator_impl.h"
+#include "comm/failure.h"
+#include "comm/lane_loss.h"
+#include "compat.h"
+#include "elastic/membership.h"
+#include "util/env.h"
+
+namespace fsdp {
+namespace detail {
+
+using Clock = std::chrono::steady_clock;
+
+struct ElasticState {
+  std::shared_ptr<Communicator> world;  // this replica's ranks
+  ElasticOptions options;
+  c10::intrusive_ptr<c10d::Store> coordinator;  // "fsdp.elastic/" keys of the coordinator
+  std::unique_ptr<Membership> membership;       // the leader's
+  int64_t ticket = 0;                           // this replica's, shared by its ranks
+  Decision current;                             // the membership now
+  int64_t attempt = 0;                          // votes taken in the current epoch
+  int64_t bound_epoch = 0;                      // whose lanes the model carries
+  bool is_new = true;                           // has not yet copied a member's state
+  std::shared_ptr<Communicator> solo, lane;
+  ElasticReplicas::Stats stats;
+};
+
+namespace {
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Rank 0's `s`, on every rank of `world`; `first` bounds the wait for rank 0 to have it.
+std::string share(Communicator& world, const std::string& s,
+                  std::optional<std::chrono::milliseconds> first = std::nullopt) {
+  auto len = at::tensor({static_cast<int64_t>(s.size())}, at::kLong);
+  world.broadcast(len, 0).wait(first.value_or(world.timeout()));
+  auto buf = at::empty({len.item<int64_t>()}, at::kByte);
+  if (world.rank() == 0 && !s.empty()) std::memcpy(buf.data_ptr(), s.data(), s.size());
+  world.broadcast(buf, 0).wait();
+  return {static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(buf.numel())};
+}
+
+// Communicators of lanes replaced after a loss: their abandoned collectives may still be finishing
+// on Gloo's threads, which destroying them would join (each waiting out its timeout). Kept for the
+// life of the process, reachable.
+std::vector<std::shared_ptr<Communicator>>& retired_lanes() {
+  static auto* lanes = new std::vector<std::shared_ptr<Communicator>>();
+  return *lanes;
+}
+
+std::shared_ptr<Communicator> lossy_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                                                 c10::intrusive_ptr<c10d::Store> store,
+                                                 const Communicator& world,
+                                                 const std::string& name) {
+  auto impl = std::make_unique<Communicator::Impl>();
+  impl->rank = pg->getRank();
+  impl->size = pg->getSize();
+  impl->pg = std::move(pg);
+  impl->store = std::move(store);
+  impl->backend = "gloo";
+  impl->timeout = world.timeout();
+  impl->name = name;
+  impl->bind_host = world.impl().bind_host;
+  impl->peers = std::make_shared<const std::vector<PeerInfo>>();
+  impl->requested = Transport::kCollective;  // the backend's collectives only (lane_loss.h)
+  impl->loss = std::make_shared<LaneLoss>();
+  return std::make_shared<Communicator>(std::move(impl));
+}
+
+// The lane of this rank's shard position over `d`'s members; null when it cannot be connected (a
+// member died since the decision): the caller stands in a lost one.
+std::shared_ptr<Communicator> connect_lane(const ElasticState& s, const Decision& d) {
+  const Communicator& w = *s.world;
+  auto store =
+      c10::make_intrusive<c10d::PrefixStore>(cat("e", d.epoch, "/p", w.rank()), s.coordinator);
+  try {
+    auto pg =
+        compat::make_process_group(store, d.index_of(s.ticket), static_cast<int>(d.members.size()),
+                                   w.timeout(), "gloo", w.impl().bind_host);
+    if (pg->getSize() > 1) pg->barrier()->wait(w.timeout());
+    return lossy_communicator(std::move(pg), store, w, cat("replicas.e", d.epoch));
+  } catch (const std::exception& e) {
+    std::cerr << cat("fsdp elastic: replica ", s.options.replica_id, " rank ", w.rank(),
+                     ": the lane of membership ", d.epoch, " did not connect (", e.what(),
+                     "); this step will be run again\n");
+    return nullptr;
+  }
+}
+
+std::shared_ptr<Communicator> solo_communicator(const Communicator& world, bool lost) {
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+  auto pg = compat::make_process_group(store, 0, 1, world.timeout(), "gloo", "127.0.0.1");
+  auto c = lossy_communicator(std::move(pg), store, world, "replicas.solo");
+  if (lost) c->impl().loss->mark("the lane of this membership did not connect");
+  return c;
+}
+
+std::string optimizer_bytes(torch::optim::Optimizer& opt) {
+  torch::serialize::OutputArchive archive;
+  opt.save(archive);
+  std::ostringstream os;
+  archive.save_to(os);
+  return os.str();
+}
+
+// The source's state onto every member at this position (the new ones keep it).
+void copy_state(ElasticState& s, FSDPModule& model, torch::optim::Optimizer& opt,
+                std::vector<int64_t>& user_state) {
+  Communicator& lane = *s.lane;
+  const int root = s.current.index_of(s.current.source);
+  const bool keep = s.is_new && s.current.source != s.ticket;
+  torch::NoGradGuard no_grad;
+  auto send = [&](const at::Tensor& t) {
+    at::Tensor c = t.contiguous();
+    lane.broadcast(c, root).wait();
+    if (keep && !c.is_same(t)) t.copy_(c);
+  };
+  for (const at::Tensor& p : model.parameters()) send(p);
+  for (const auto& [name, b] : named_buffers(model)) send(b);
+  auto sizes = at::tensor({static_cast<int64_t>(user_state.size())}, at::kLong);
+  lane.broadcast(sizes, root).wait();
+  FSDP_CHECK(sizes.item<int64_t>() == static_cast<int64_t>(user_state.size()),
+             "ElasticReplicas::sync: user_state has ", user_state.size(),
+             " values here but the replica copied from has ", sizes.item<int64_t>(),
+             "; every replica must pass the same state");
+  auto user = at::tensor(user_state, at::kLong);
+  send(user);
+  std::string bytes = lane.rank() == root ? optimizer_bytes(opt) : std::string();
+  auto len = at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong);
+  lane.broadcast(len, root).wait();
+  auto buf = at::empty({len.item<int64_t>()}, at::kByte);
+  if (lane.rank() == root) std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
+  send(buf);
+  if (!keep || lane.impl().loss->lost()) return;
+  user_state.assign(user.data_ptr<int64_t>(), user.data_ptr<int64_t>() + user.numel());
+  std::istringstream is(
+      std::string(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(buf.numel())));
+  torch::serialize::InputArchive archive;
+  archive.load_from(is);
+  opt.load(archive);
+}
+
+ReplicaProcesses processes_of(const Communicator& world) {
+  ReplicaProcesses p;
+  p.host = this_host();
+  for (const PeerInfo& peer : world.peers()) p.pids.push_back(peer.pid);
+  if (p.pids.empty()) p.pids.push_back(::getpid());
+  return p;
+}
+
+c10::intrusive_ptr<c10d::Store> connect_coordinator(const ElasticOptions& o,
+                                                    std::chrono::milliseconds timeout) {
+  const auto colon = o.coordinator.rfind(':');
+  FSDP_CHECK(colon != std::string::npos && colon > 0, "elastic: the coordinator address '",
+             o.coordinator, "' is not host:port (FSDP_ELASTIC_COORDINATOR)");
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(parse_env_int("FSDP_ELASTIC_COORDINATOR's port",
+                                                o.coordinator.c_str() + colon + 1, 1, 65535));
+  so.isServer = false;
+  so.waitWorkers = false;
+  so.timeout = timeout;
+  try {
+    auto store = compat::make_tcp_store(o.coordinator.substr(0, colon), so);
+    return c10::make_intrusive<c10d::PrefixStore>("fsdp.elastic", store);
+  } catch (const std::exception& e) {
+    throw CommError(cat("elastic: cannot reach the coordinator at ", o.coordinator, " (", e.what(),
+                        "); is fsdp-coordinator running there?"));
+  }
+}
+
+}  // namespace
+}  // namespace detail
+
+using detail::Decision;
+
+ElasticOptions ElasticOptions::from_env() {
+  ElasticOptions o;
+  const char* c = detail::env_value("FSDP_ELASTIC_COORDINATOR");
+  FSDP_CHECK(c,
+             "elastic: FSDP_ELASTIC_COORDINATOR is not set; start the replicas with "
+             "`fsdp-run --replicas R`, or set it to the host:port of fsdp-coordinator");
+  o.coordinator = c;
+  const char* id = detail::env_value("FSDP_REPLICA_ID");
+  FSDP_CHECK(id, "elastic: FSDP_REPLICA_ID is not set; give each replica its id, 0, 1, ...");
+  o.replica_id = static_cast<int>(detail::parse_env_int("FSDP_REPLICA_ID", id, 0, 1 << 20));
+  if (const char* m = detail::env_value("FSDP_MIN_REPLICAS"))
+    o.min_replicas = static_cast<int>(detail::parse_env_int("FSDP_MIN_REPLICAS", m, 1, 1 << 20));
+  if (auto s = detail::env_positive("FSDP_ELASTIC_JOIN_TIMEOUT_S", "seconds"))
+    o.join_timeout = std::chrono::milliseconds(static_cast<int64_t>(*s * 1000));
+  return o;
+}
+
+bool ElasticOptions::requested() {
+  return detail::env_value("FSDP_ELASTIC_COORDINATOR") != nullptr;
+}
+
+ElasticReplicas::ElasticReplicas(std::shared_ptr<Communicator> replica, ElasticOptions options)
+    : state_(std::make_unique<detail::ElasticState>()) {
+  auto& s = *state_;
+  FSDP_CHECK(replica, "ElasticReplicas: the replica's communicator is null");
+  FSDP_CHECK(replica->backend() == "gloo", "ElasticReplicas: the replica's communicator uses ",
+             replica->backend(), "; elastic replicas run on the gloo backend (CPU) for now");
+  FSDP_CHECK(options.replica_id >= 0, "ElasticReplicas: replica_id must be set (>= 0)");
+  s.world = std::move(replica);
+  s.options = std::move(options);
+  s.coordinator = detail::connect_coordinator(s.options, s.world->timeout());
+  std::string text;
+  if (s.world->rank() == 0) {
+    s.membership = std::make_unique<detail::Membership>(
+        s.coordinator, s.options.replica_id, detail::processes_of(*s.world), s.world->timeout());
+    const Decision d = s.membership->join(s.options.min_replicas, s.options.join_timeout);
+    text = detail::cat(s.membership->ticket(), " ", d.format());
+  }
+  text = detail::share(*s.world, text, s.options.join_timeout + s.world->timeout());
+  const auto space = text.find(' ');
+  s.ticket = std::stoll(text.substr(0, space));
+  s.current = Decision::parse(text.substr(space + 1));
+  s.solo = detail::solo_communicator(*s.world, false);
+  s.stats.memberships = 1;
+}
+
+ElasticReplicas::~ElasticReplicas() {
+  // A replica that ends normally (its training done) ends the job: replicas still waiting to join
+  // are told so instead of waiting out their join timeout.
+  auto& s = *state_;
+  if (s.membership && std::uncaught_exceptions() == 0) {
+    try {
+      s.membership->finish();
+    } catch (const std::exception&) {
+      // The coordinator is gone already: nobody is left to tell.
+    }
+  }
+}
+
+DeviceMesh ElasticReplicas::mesh() const {
+  DeviceMesh m;
+  m.world = state_->world;
+  m.shard = state_->world;
+  m.replicate = state_->solo;
+  return m;
+}
+
+void ElasticReplicas::sync(FSDPModule& model, torch::optim::Optimizer& optimizer,
+                           std::vector<int64_t>& user_state) {
+  auto& s = *state_;
+  if (s.bound_epoch == s.current.epoch) return;
+  const auto start = detail::Clock::now();
+  if (s.lane && s.lane->impl().loss->lost()) detail::retired_lanes().push_back(s.lane);
+  s.lane = detail::connect_lane(s, s.current);
+  const bool connected = s.lane != nullptr;
+  if (!connected) s.lane = detail::solo_communicator(*s.world, true);
+  model.set_replicate_communicator(s.lane);
+  s.bound_epoch = s.current.epoch;
+  if (connected && s.current.source != 0) detail::copy_state(s, model, optimizer, user_state);
+  if (s.is_new && s.current.source != s.ticket) {
+    FSDP_CHECK(s.current.source != 0, "elastic: replica ", s.options.replica_id,
+               " joined a job with no member left to copy the model's state from (every replica "
+               "that held it is gone); resume the job from its last checkpoint");
+    FSDP_CHECK(connected && !s.lane->impl().loss->lost(), "elastic: replica ", s.options.replica_id,
+               " could not copy its state from a member (a replica was lost while it joined: ",
+               connected ? s.lane->impl().loss->reason() : std::string("the lane did not connect"),
+               "); restart it to join again");
+  }
+  s.is_new = false;
+  s.stats.sync_seconds += detail::seconds_since(start);
+}
+
+bool ElasticReplicas::commit() {
+  auto& s = *state_;
+  const auto start = detail::Clock::now();
+  const bool ok = !(s.lane && s.lane->impl().loss->lost());
+  auto failed = at::tensor({ok ? int64_t{0} : int64_t{1}}, at::kLong);
+  s.world->all_reduce(failed, ReduceOp::kSum).wait();
+  std::string text;
+  if (s.world->rank() == 0)
+    text = s.membership->vote(s.current, s.attempt, failed.item<int64_t>() == 0).format();
+  const Decision d = Decision::parse(detail::share(*s.world, text));
+  ++s.attempt;
+  FSDP_CHECK(d.index_of(s.ticket) >= 0, "elastic: replica ", s.options.replica_id,
+             " was left out of membership ", d.epoch,
+             ": the other replicas did not receive its vote within the timeout (",
+             s.world->timeout().count() / 1000.0,
+             " s) and went on without it; restart it to join again");
+  if (d.epoch != s.current.epoch) {
+    s.attempt = 0;
+    ++s.stats.memberships;
+  }
+  s.current = d;
+  ++(d.commit ? s.stats.commits : s.stats.aborts);
+  s.stats.vote_seconds += detail::seconds_since(start);
+  return d.commit;
+}
+
+int ElasticReplicas::replica_id() const { return state_->options.replica_id; }
+int64_t ElasticReplicas::epoch() const { return state_->current.epoch; }
+std::vector<int> ElasticReplicas::member_ids() const {
+  std::vector<int> ids;
+  for (const auto& m : state_->current.members) ids.push_back(m.id);
+  return ids;
+}
+const ElasticReplicas::Stats& ElasticReplicas::stats() const { return state_->stats; }
+
+}  // namespace fsdp

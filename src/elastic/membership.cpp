@@ -1,0 +1,193 @@
+#include "elastic/membership.h"
+
+#include <fsdp/error.h>
+
+#include <algorithm>
+#include <sstream>
+#include <thread>
+
+#include "comm/failure.h"
+
+namespace fsdp::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+// Polls with a growing pause, 1 ms up to 20 ms: a decision usually follows within a millisecond
+// or two (the replicas finished the same step together); a dead member's takes longer anyway.
+class Backoff {
+ public:
+  void pause() {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms_));
+    ms_ = std::min(ms_ * 2, 20);
+  }
+
+ private:
+  int ms_ = 1;
+};
+
+}  // namespace
+
+// "commit|abort <epoch> <admitted> <source> <ticket>:<id>,<ticket>:<id>,..."
+std::string Decision::format() const {
+  std::ostringstream os;
+  os << (commit ? "commit" : "abort") << ' ' << epoch << ' ' << admitted << ' ' << source << ' ';
+  for (size_t i = 0; i < members.size(); ++i)
+    os << (i ? "," : "") << members[i].ticket << ':' << members[i].id;
+  return os.str();
+}
+
+Decision Decision::parse(const std::string& s) {
+  std::istringstream is(s);
+  std::string verdict, list;
+  Decision d;
+  is >> verdict >> d.epoch >> d.admitted >> d.source >> list;
+  FSDP_CHECK(!is.fail() && (verdict == "commit" || verdict == "abort"),
+             "elastic membership: the coordinator holds a decision this build cannot read: '", s,
+             "' (every replica must run the same fsdp-cpp)");
+  d.commit = verdict == "commit";
+  std::istringstream ls(list);
+  for (std::string item; std::getline(ls, item, ',');) {
+    Member m;
+    char colon = 0;
+    std::istringstream ms(item);
+    ms >> m.ticket >> colon >> m.id;
+    FSDP_CHECK(!ms.fail() && colon == ':', "elastic membership: bad member '", item, "' in '", s,
+               "'");
+    d.members.push_back(m);
+  }
+  return d;
+}
+
+int Decision::index_of(int64_t ticket) const {
+  for (size_t i = 0; i < members.size(); ++i)
+    if (members[i].ticket == ticket) return static_cast<int>(i);
+  return -1;
+}
+
+Membership::Membership(c10::intrusive_ptr<c10d::Store> store, int id, ReplicaProcesses self,
+                       std::chrono::milliseconds timeout)
+    : store_(std::move(store)), id_(id), self_(std::move(self)), timeout_(timeout) {}
+
+std::string Membership::get(const std::string& k) const { return text(store_->get(k)); }
+
+bool Membership::gone(int64_t ticket) const {
+  const std::string k = cat("proc/", ticket);
+  if (!store_->check({k})) return false;
+  std::istringstream is(get(k));
+  std::string host;
+  is >> host;
+  if (host != this_host()) return false;  // on another host: only the timeout tells
+  for (int64_t pid; is >> pid;)
+    if (!process_alive(pid)) return true;
+  return false;
+}
+
+std::vector<Member> Membership::waiting_joiners(int64_t admitted, int64_t* last) const {
+  const int64_t n = store_->add("tickets", 0);
+  std::vector<Member> out;
+  *last = admitted;
+  for (int64_t t = admitted + 1; t <= n; ++t) {
+    const std::string k = cat("ticket/", t);
+    if (!store_->check({k})) break;  // taken but not yet written: the next decision's
+    *last = t;
+    if (gone(t)) continue;
+    out.push_back({t, std::stoi(get(k))});
+  }
+  return out;
+}
+
+void Membership::publish_admissions(const Decision& before, const Decision& after) {
+  const std::string text = after.format();
+  for (const Member& m : after.members)
+    if (m.ticket > before.admitted) store_->set(cat("admit/", m.ticket), bytes(text));
+}
+
+Decision Membership::join(int min_replicas, std::chrono::milliseconds join_timeout) {
+  ticket_ = store_->add("tickets", 1);
+  std::ostringstream procs;
+  procs << self_.host;
+  for (int64_t pid : self_.pids) procs << ' ' << pid;
+  store_->set(cat("proc/", ticket_), bytes(procs.str()));
+  store_->set(cat("ticket/", ticket_), bytes(std::to_string(id_)));
+  const std::string mine = cat("admit/", ticket_);
+  const auto deadline = Clock::now() + join_timeout;
+  int64_t joined = 0;
+  for (Backoff b;; b.pause()) {
+    if (store_->check({mine})) return Decision::parse(get(mine));
+    if (!store_->check({"formed"})) {
+      int64_t last = 0;
+      auto first = waiting_joiners(0, &last);
+      joined = static_cast<int64_t>(first.size());
+      if (joined >= min_replicas) {
+        Decision d;
+        d.epoch = 1;
+        d.members = std::move(first);
+        d.admitted = last;
+        d.source = d.members.front().ticket;
+        const Decision formed =
+            Decision::parse(text(store_->compareSet("formed", {}, bytes(d.format()))));
+        publish_admissions(Decision{}, formed);
+        continue;
+      }
+    }
+    FSDP_CHECK(!store_->check({"finished"}), "elastic: replica ", id_, " (ticket ", ticket_,
+               ") arrived after the job finished its training; nothing is left to join");
+    if (Clock::now() < deadline) continue;
+    const bool formed = store_->check({"formed"});
+    throw Error(
+        cat("elastic: replica ", id_, " (ticket ", ticket_, ") was not admitted to the job within ",
+            join_timeout.count() / 1000.0, " s: ",
+            formed ? std::string("the running replicas did not finish a step in that time (a step "
+                                 "longer than that needs a longer FSDP_ELASTIC_JOIN_TIMEOUT_S)")
+                   : cat(joined, " of the ", min_replicas,
+                         " replicas needed to start the job have joined; start the others or lower "
+                         "FSDP_MIN_REPLICAS")));
+  }
+}
+
+void Membership::finish() { store_->set("finished", bytes("1")); }
+
+Decision Membership::vote(const Decision& now, int64_t attempt, bool ok) {
+  const std::string at = cat("e", now.epoch, "/a", attempt, "/");
+  store_->set(cat(at, "vote/", ticket_), bytes(ok ? "1" : "0"));
+  // Each member's vote: -1 not yet seen, 0 not ok, 1 ok, 2 its processes are gone.
+  std::vector<int> seen(now.members.size(), -1);
+  const auto deadline = Clock::now() + timeout_;
+  const std::string decided = at + "decision";
+  for (Backoff b;; b.pause()) {
+    if (store_->check({decided})) break;  // another leader decided first
+    bool pending = false;
+    for (size_t i = 0; i < seen.size(); ++i) {
+      if (seen[i] != -1) continue;
+      const std::string k = cat(at, "vote/", now.members[i].ticket);
+      if (store_->check({k}))
+        seen[i] = get(k) == "1" ? 1 : 0;
+      else if (gone(now.members[i].ticket))
+        seen[i] = 2;
+      else
+        pending = true;
+    }
+    if (!pending || Clock::now() >= deadline) break;
+  }
+  Decision d;
+  if (!store_->check({decided})) {
+    d.commit = std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; });
+    for (size_t i = 0; i < seen.size(); ++i)
+      if (seen[i] == 0 || seen[i] == 1) d.members.push_back(now.members[i]);
+    const int64_t source = d.members.empty() ? 0 : d.members.front().ticket;
+    const auto joiners = waiting_joiners(now.admitted, &d.admitted);
+    d.members.insert(d.members.end(), joiners.begin(), joiners.end());
+    // A lost lane must be rebuilt even over the same members: any abort opens a new epoch.
+    d.epoch = d.commit && d.members == now.members ? now.epoch : now.epoch + 1;
+    d.source = joiners.empty() ? 0 : source;
+  }
+  const Decision out = Decision::parse(text(store_->compareSet(decided, {}, bytes(d.format()))));
+  publish_admissions(now, out);
+  return out;
+}
+
+}  // namespace fsdp::detail

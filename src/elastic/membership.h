@@ -1,0 +1,82 @@
+// Membership: which replicas make up an elastic job (fsdp/elastic.h), decided in the
+// coordinator's store with c10d's atomic primitives (add, compareSet) and nothing else.
+//
+// A replica takes part through its leader (its rank 0), which speaks for it here. Identities are
+// join tickets (the store's counter): a replica restarted under the same id is a new member with
+// a new ticket, so an old incarnation still listed can never be mistaken for the new one.
+//
+// Two decisions, each made once by the first leader to propose it (compareSet on an empty key;
+// every leader reads the same outcome):
+//  - formation: the first `min_replicas` tickets form the job (epoch 1);
+//  - each attempt of each step: every member leader votes ok (its ranks' collectives across
+//    replicas all completed) or not; the attempt commits when every member voted ok, and aborts
+//    otherwise (a member whose vote did not come within the timeout, or whose process is gone,
+//    is left out). The decision also admits the replicas waiting to join; a changed membership
+//    opens a new epoch.
+// Internal to src/elastic. Thread-safety: one thread per object.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <vector>
+
+namespace fsdp::detail {
+
+struct Member {
+  int64_t ticket = 0;  // identity: the join ticket
+  int id = 0;          // the replica id it runs as (its data slot)
+  bool operator==(const Member& o) const { return ticket == o.ticket && id == o.id; }
+};
+
+struct Decision {
+  bool commit = true;           // the attempt's gradients stand (formation: true)
+  int64_t epoch = 0;            // the membership's epoch from this decision on
+  std::vector<Member> members;  // by ticket, ascending; a member's lane rank is its index
+  int64_t admitted = 0;         // every ticket up to this one has been decided on
+  int64_t source = 0;           // ticket of the member whose state new members copy; 0: none new
+
+  std::string format() const;
+  static Decision parse(const std::string& s);  // throws fsdp::Error naming the text
+  int index_of(int64_t ticket) const;           // -1 when not a member
+};
+
+// One replica's processes, as its leader publishes them: a member whose process on this host is
+// gone is not waited for.
+struct ReplicaProcesses {
+  std::string host;
+  std::vector<int64_t> pids;
+};
+
+class Membership {
+ public:
+  Membership(c10::intrusive_ptr<c10d::Store> store, int id, ReplicaProcesses self,
+             std::chrono::milliseconds timeout);
+
+  // Takes a ticket and waits, at most `join_timeout`, for the decision that admits it: the
+  // formation when no job runs yet (once `min_replicas` replicas have tickets), else a step's.
+  Decision join(int min_replicas, std::chrono::milliseconds join_timeout);
+  // The vote on attempt `attempt` of the current membership `now` (every member leader calls it
+  // with the same two): returns the decision, this replica among its members or not.
+  Decision vote(const Decision& now, int64_t attempt, bool ok);
+
+  // This replica finished its training: the job is over for replicas still waiting to join.
+  void finish();
+
+  int64_t ticket() const { return ticket_; }
+
+ private:
+  std::vector<Member> waiting_joiners(int64_t admitted, int64_t* last) const;
+  bool gone(int64_t ticket) const;  // its processes on this host are gone
+  void publish_admissions(const Decision& before, const Decision& after);
+  std::string get(const std::string& k) const;
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int id_;
+  ReplicaProcesses self_;
+  std::chrono::milliseconds timeout_;
+  int64_t ticket_ = 0;
+};
+
+}  // namespace fsdp::detail
