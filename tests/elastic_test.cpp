@@ -1,0 +1,221 @@
+// Elastic replicas: the membership protocol (src/elastic/membership.h) on an in-process store,
+// then real jobs: fsdp-elastic-example under fsdp-run --replicas, with replicas killed by SIGKILL
+// and restarted, every surviving and rejoined rank compared with the unsharded model in fp64
+// trained on the data of the replicas that took part in each committed step (--check).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <future>
+#include <regex>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "comm/failure.h"
+#include "elastic/membership.h"
+#include "harness.h"
+
+namespace fsdp::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using detail::Decision;
+using detail::Membership;
+using detail::ReplicaProcesses;
+
+ReplicaProcesses alive() { return {detail::this_host(), {::getpid()}}; }
+
+// A process that has exited and been reaped: its pid names nobody.
+ReplicaProcesses dead() {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(0);
+  ::waitpid(pid, nullptr, 0);
+  return {detail::this_host(), {pid}};
+}
+
+std::vector<int> ids(const Decision& d) {
+  std::vector<int> out;
+  for (const auto& m : d.members) out.push_back(m.id);
+  return out;
+}
+
+TEST(MembershipTest, FirstReplicasFormTheJobAndALaterOneJoinsAtTheNextVote) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Membership a(store, 0, alive(), 5s), b(store, 1, alive(), 5s), c(store, 2, alive(), 5s);
+  auto fb = std::async(std::launch::async, [&] { return b.join(2, 10s); });
+  const Decision formed = a.join(2, 10s);
+  EXPECT_EQ(fb.get().format(), formed.format());
+  EXPECT_EQ(formed.epoch, 1);
+  EXPECT_EQ(ids(formed), (std::vector<int>{0, 1}));
+  EXPECT_EQ(formed.source, formed.members[0].ticket);
+  auto fc = std::async(std::launch::async, [&] { return c.join(2, 10s); });
+  std::this_thread::sleep_for(200ms);  // c has its ticket before the vote
+  auto vb = std::async(std::launch::async, [&] { return b.vote(formed, 0, true); });
+  const Decision d = a.vote(formed, 0, true);
+  EXPECT_EQ(vb.get().format(), d.format());
+  EXPECT_EQ(fc.get().format(), d.format());
+  EXPECT_TRUE(d.commit);
+  EXPECT_EQ(d.epoch, 2);
+  EXPECT_EQ(ids(d), (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(d.source, formed.members[0].ticket);  // the new member copies an old one
+}
+
+TEST(MembershipTest, AVoteThatFailsAbortsAndRebuildsOverTheSameMembers) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Membership a(store, 0, alive(), 5s), b(store, 1, alive(), 5s);
+  auto fb = std::async(std::launch::async, [&] { return b.join(2, 10s); });
+  const Decision formed = a.join(2, 10s);
+  fb.get();
+  auto vb = std::async(std::launch::async, [&] { return b.vote(formed, 0, false); });
+  const Decision d = a.vote(formed, 0, true);
+  EXPECT_EQ(vb.get().format(), d.format());
+  EXPECT_FALSE(d.commit);
+  EXPECT_EQ(d.epoch, 2);  // a lost lane is rebuilt even over the same members
+  EXPECT_EQ(ids(d), (std::vector<int>{0, 1}));
+  EXPECT_EQ(d.source, 0);  // nobody new: nothing to copy
+}
+
+TEST(MembershipTest, AMemberWhoseProcessIsGoneIsLeftOutWithoutWaitingForTheTimeout) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Membership a(store, 0, alive(), 60s), b(store, 1, alive(), 60s);
+  auto fb = std::async(std::launch::async, [&] { return b.join(2, 10s); });
+  const Decision formed = a.join(2, 10s);
+  fb.get();
+  // b's process dies after the formation (its leader's published pid now names nobody).
+  const ReplicaProcesses gone = dead();
+  const std::string procs = gone.host + " " + std::to_string(gone.pids[0]);
+  store->set(detail::cat("proc/", b.ticket()), std::vector<uint8_t>(procs.begin(), procs.end()));
+  const auto t0 = std::chrono::steady_clock::now();
+  const Decision d = a.vote(formed, 0, true);  // b never votes: its process is gone
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_FALSE(d.commit);
+  EXPECT_EQ(ids(d), (std::vector<int>{0}));
+  EXPECT_EQ(d.epoch, 2);
+}
+
+TEST(MembershipTest, AMemberThatNeverVotesIsLeftOutAtTheTimeout) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Membership a(store, 0, alive(), 500ms), b(store, 1, alive(), 500ms);
+  auto fb = std::async(std::launch::async, [&] { return b.join(2, 10s); });
+  const Decision formed = a.join(2, 10s);
+  fb.get();
+  const Decision d = a.vote(formed, 0, true);  // b is alive (a hung replica) but silent
+  EXPECT_FALSE(d.commit);
+  EXPECT_EQ(ids(d), (std::vector<int>{0}));
+  // b's late vote gets the decision already made, which leaves it out.
+  const Decision late = b.vote(formed, 0, true);
+  EXPECT_EQ(late.format(), d.format());
+  EXPECT_EQ(late.index_of(b.ticket()), -1);
+}
+
+TEST(MembershipTest, TooFewReplicasToStartAreCountedInTheError) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Membership a(store, 0, alive(), 5s);
+  expect_error([&] { a.join(2, 300ms); },
+               {"replica 0", "was not admitted", "1 of the 2 replicas needed to start the job",
+                "FSDP_MIN_REPLICAS"});
+}
+
+TEST(MembershipTest, AReplicaArrivingAfterTheJobFinishedIsToldSo) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Membership a(store, 0, alive(), 5s), late(store, 1, alive(), 5s);
+  a.join(1, 10s);
+  a.finish();
+  expect_error([&] { late.join(1, 10s); }, {"replica 1", "arrived after the job finished"});
+}
+
+TEST(MembershipTest, DecisionsRoundTripAndBadTextIsNamed) {
+  Decision d;
+  d.commit = false;
+  d.epoch = 7;
+  d.admitted = 9;
+  d.source = 4;
+  d.members = {{4, 0}, {9, 2}};
+  EXPECT_EQ(Decision::parse(d.format()).format(), d.format());
+  EXPECT_EQ(d.index_of(9), 1);
+  expect_error([] { Decision::parse("maybe 1 2 3 x"); }, {"cannot read", "maybe 1 2 3 x"});
+}
+
+// ---- real jobs ----
+
+struct Job {
+  ProcResult r;
+  int count(const std::string& pattern) const {
+    const std::regex re(pattern);
+    return static_cast<int>(std::distance(
+        std::sregex_iterator(r.output.begin(), r.output.end(), re), std::sregex_iterator()));
+  }
+};
+
+Job elastic_job(int replicas, int n, std::vector<std::string> args, int restarts = 0) {
+  std::vector<std::string> argv{bin_dir() + "/fsdp-run",
+                                "--replicas",
+                                std::to_string(replicas),
+                                "-n",
+                                std::to_string(n),
+                                "--max-restarts",
+                                std::to_string(restarts),
+                                "--restart-delay",
+                                "0.2",
+                                "--",
+                                bin_dir() + "/fsdp-elastic-example",
+                                "--check"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return {run_process(argv, 240s, {{"FSDP_TIMEOUT_S", "60"}})};
+}
+
+// Every rank of `replica` that finished matched the unsharded model.
+void expect_matches(const Job& j, int replica, int ranks) {
+  EXPECT_EQ(j.count("\\[replica " + std::to_string(replica) +
+                    " rank [0-9]+\\] check: .*\\(within 1e-10\\)"),
+            ranks)
+      << j.r.output;
+}
+
+TEST(ElasticJobTest, AReplicaKilledBeforeItsBackwardIsLeftOutAndTheSurvivorMatchesUnsharded) {
+  const Job j = elastic_job(2, 4, {"--steps", "8", "--kill", "1:3"});
+  ASSERT_EQ(j.r.exit_code, 0) << j.r.output;
+  expect_matches(j, 0, 2);
+  EXPECT_EQ(j.count("WRONG"), 0) << j.r.output;
+  EXPECT_EQ(j.count("\\[replica 0 rank 0\\] step 3 thrown away"), 1) << j.r.output;
+  EXPECT_EQ(j.count("replica 0 rank 0: 8 commits, 1 aborts, 2 memberships"), 1) << j.r.output;
+}
+
+TEST(ElasticJobTest, AReplicaKilledBeforeItsVoteIsLeftOutAndTheSurvivorMatchesUnsharded) {
+  // Its gradients reached the survivor's all-reduces: the step is thrown away all the same.
+  const Job j = elastic_job(2, 4, {"--steps", "8", "--kill", "1:4:vote"});
+  ASSERT_EQ(j.r.exit_code, 0) << j.r.output;
+  expect_matches(j, 0, 2);
+  EXPECT_EQ(j.count("\\[replica 0 rank 0\\] step 4 thrown away"), 1) << j.r.output;
+}
+
+TEST(ElasticJobTest, ARestartedReplicaCopiesTheStateAndEveryRankMatchesUnsharded) {
+  const Job j = elastic_job(2, 4, {"--steps", "16", "--kill", "1:2", "--pause-ms", "400"}, 1);
+  ASSERT_EQ(j.r.exit_code, 0) << j.r.output;
+  expect_matches(j, 0, 2);
+  expect_matches(j, 1, 2);  // the restarted incarnation, which joined mid-run
+  EXPECT_EQ(j.count("restarting replica 1"), 1) << j.r.output;
+  EXPECT_EQ(j.count("replica 0 rank 0: 16 commits, 1 aborts, 3 memberships"), 1) << j.r.output;
+  EXPECT_EQ(j.count("replica 1 rank 0: 16 commits"), 0) << "the new replica trained every step?\n"
+                                                        << j.r.output;
+}
+
+TEST(ElasticJobTest, ThreeReplicasLoseTwoAndTakeOneBack) {
+  const Job j = elastic_job(
+      3, 3, {"--steps", "14", "--kill", "1:2", "--kill", "2:6:vote", "--pause-ms", "300"}, 1);
+  ASSERT_EQ(j.r.exit_code, 0) << j.r.output;
+  expect_matches(j, 0, 1);
+  expect_matches(j, 1, 1);
+  EXPECT_EQ(j.count("WRONG"), 0) << j.r.output;
+  EXPECT_EQ(j.count("replica 2 stays down"), 1) << j.r.output;
+}
+
+TEST(ElasticJobTest, WithoutTheCoordinatorVariablesTheProgramSaysWhatToSet) {
+  const ProcResult r = run_process(
+      {bin_dir() + "/fsdp-run", "-n", "1", "--", bin_dir() + "/fsdp-elastic-example"}, 60s);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("FSDP_ELASTIC_COORDINATOR is not set"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fsdp-run --replicas"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace fsdp::testing
