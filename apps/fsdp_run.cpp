@@ -572,6 +572,11 @@ class Launcher {
     rep.stop = Stop{};
     if (stopping_) {
       rep.state = State::kLost;
+    } else if (replicas_in({State::kFinished}) > 0) {
+      // The training is done (a replica finished it): a relaunch would find nothing to join.
+      rep.state = State::kLost;
+      std::fprintf(stderr, "fsdp-run: replica %d is not restarted: replica %d finished the job\n",
+                   rep.id, first_finished());
     } else if (restarts_used_ < opt_.max_restarts) {
       rep.state = State::kWaiting;
       rep.restart_number = ++restarts_used_;
@@ -580,6 +585,12 @@ class Launcher {
       rep.state = State::kLost;
       report_lost(rep);
     }
+  }
+
+  int first_finished() const {
+    for (const auto& r : replicas_)
+      if (r.state == State::kFinished) return r.id;
+    return -1;
   }
 
   void report_lost(const Replica& rep) {
@@ -754,7 +765,8 @@ const char* kDescription =
     "other replicas keep running. Then, while the job's restart budget lasts (--max-restarts M, "
     "shared by all replicas, like torchrun's), the replica is relaunched after --restart-delay "
     "seconds; otherwise it stays down. A replica whose ranks all exit 0 is finished and never "
-    "relaunched. When no replica runs or waits to restart, the coordinator is stopped and "
+    "relaunched, and once one has finished, no replica is relaunched. When no replica runs or "
+    "waits to restart, the coordinator is stopped and "
     "fsdp-run exits 0 if at least one replica finished (the others were lost), otherwise with "
     "the status of the first rank that failed. The coordinator not starting stops the job with "
     "status 1 (127 when it cannot be executed), and so does its exit while replicas run; "

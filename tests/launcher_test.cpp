@@ -312,6 +312,20 @@ TEST_F(LauncherReplicasTest, MaxRestartsRelaunchesOnlyTheFailedReplica) {
   expect_ranks_reaped(r.output, 2);  // replica 1's first rank 1 and the coordinator
 }
 
+TEST_F(LauncherReplicasTest, NoReplicaIsRelaunchedOnceAnotherFinishedTheJob) {
+  FAKE_COORDINATOR_OR_SKIP(coord);
+  // Replica 0 finishes at once; replica 1 fails after it: its relaunch would find no job.
+  auto r = launch_replicas(2, 2,
+                           "if [ \"$FSDP_REPLICA_ID\" = 1 ]; then sleep 0.5; exit 5; fi; echo done",
+                           coord, {"--max-restarts", "3", "--restart-delay", "0"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(has_line(r.output, "[replica 0 rank 0] done")) << r.output;
+  EXPECT_TRUE(
+      has_line(r.output, "fsdp-run: replica 1 is not restarted: replica 0 finished the job"))
+      << r.output;
+  EXPECT_EQ(r.output.find("restarting replica"), std::string::npos) << r.output;
+}
+
 TEST_F(LauncherReplicasTest, RestartBudgetIsSharedByAllReplicas) {
   FAKE_COORDINATOR_OR_SKIP(coord);
   // Both replicas fail on their first launch, replica 0 first: it takes the only restart.
@@ -319,9 +333,9 @@ TEST_F(LauncherReplicasTest, RestartBudgetIsSharedByAllReplicas) {
                            "if [ \"$FSDP_REPLICA_RESTART\" = 0 ]; then "
                            "  if [ \"$FSDP_REPLICA_ID\" = 0 ]; then sleep 0.2; else sleep 1; fi; "
                            "  exit 6; "
-                           "fi; echo done",
+                           "fi; sleep 1.5; echo done",
                            coord, {"--max-restarts", "1", "--restart-delay", "0"});
-  EXPECT_EQ(r.exit_code, 0) << r.output;  // replica 0 finished on its restart
+  EXPECT_EQ(r.exit_code, 0) << r.output;  // replica 0 finished on its restart, after 1 failed
   EXPECT_TRUE(has_line(r.output, "fsdp-run: restarting replica 0 (restart 1 of 1)")) << r.output;
   EXPECT_TRUE(has_line(r.output, "[replica 0 rank 0] done")) << r.output;
   EXPECT_NE(r.output.find("replica 1 stays down: no restarts left"), std::string::npos) << r.output;

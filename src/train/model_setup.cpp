@@ -137,7 +137,8 @@ torch::nn::Module& TrainModel::module() {
 }
 
 std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
-                                        const std::shared_ptr<Communicator>& comm) {
+                                        const std::shared_ptr<Communicator>& comm,
+                                        const DeviceMesh* mesh) {
   models::GPTConfig mc;
   models::LlamaConfig lc;
   if (cfg.model == "llama") {
@@ -164,7 +165,7 @@ std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
     m->gpt = deferred ? fsdp::deferred_init([&] { return fsdp::Sharded<models::GPT>(mc); })
                       : fsdp::Sharded<models::GPT>(mc);
   if (comm) {
-    m->mesh = init_mesh(comm, cfg.hsdp);
+    m->mesh = mesh ? *mesh : init_mesh(comm, cfg.hsdp);
     if (m->llama) {
       shard_model(cfg, *m, m->llama, m->llama->model->layers, "model.layers.");
       if (deferred) fsdp::materialize(m->llama);

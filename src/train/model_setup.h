@@ -45,8 +45,10 @@ struct TrainModel {
 // its output to fp32 so the loss is fp32). Every rank gets the same initial weights. Collective
 // over `comm` when cfg.hsdp > 1. Throws fsdp::Error for invalid sizes, an --hsdp that does not
 // divide the world, or fp16 (no CPU kernels).
+// `mesh`, when given, replaces init_mesh's (an elastic replica's, fsdp/elastic.h).
 std::unique_ptr<TrainModel> build_model(const TrainConfig& cfg,
-                                        const std::shared_ptr<Communicator>& comm);
+                                        const std::shared_ptr<Communicator>& comm,
+                                        const DeviceMesh* mesh = nullptr);
 
 // The MixedPrecisionPolicy of --mixed-precision (none: the empty policy, fp32 throughout) and
 // --mixed-precision-reduce (`reduce`: param or fp32). `root`:

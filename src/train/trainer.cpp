@@ -119,7 +119,8 @@ class Trainer {
  private:
   // ---- set-up ----
   void set_up() {
-    cfg_.validate_world(world_);
+    join_replicas();
+    cfg_.validate_world(data_world_);
     at::set_num_threads(threads_per_rank(cfg_.threads, world_));
 #if !FSDP_TRAIN_HAVE_CHECKPOINT
     FSDP_CHECK(cfg_.save_every == 0 && cfg_.resume.empty() && cfg_.init_from.empty(),
@@ -132,7 +133,8 @@ class Trainer {
         "building the model",
         detail::cat("--layers ", cfg_.layers, ", --width ", cfg_.width, ", --vocab ", cfg_.vocab),
         [&] {
-          model_ = build_model(cfg_, comm_);
+          const DeviceMesh mesh = elastic_ ? elastic_->mesh() : DeviceMesh{};
+          model_ = build_model(cfg_, comm_, elastic_ ? &mesh : nullptr);
           opt_ = build_optimizer(cfg_, *model_);
         });
     train_stream_ = std::make_unique<DataStream>(splits_.first, parse_data_order(cfg_.data_order),
@@ -150,6 +152,46 @@ class Trainer {
     }
     summary_.peak_tflops = peak / 1e12;
     flops_per_token_ = flops_per_token(cfg_);
+  }
+
+  // Under fsdp-run --replicas (fsdp/elastic.h): this process is a rank of one replica, which joins
+  // the job; the global batch is spread over the job's first replicas (FSDP_MIN_REPLICAS), each
+  // replica training its slice, and each writes its outputs under run-dir/replica-<id>.
+  void join_replicas() {
+    if (!comm_ || !ElasticOptions::requested()) return;
+    FSDP_CHECK(cfg_.hsdp == 1, "--hsdp ", cfg_.hsdp,
+               " with elastic replicas: the replicas come from fsdp-run --replicas; drop --hsdp");
+    FSDP_CHECK(cfg_.save_every == 0 && cfg_.resume.empty(),
+               "--save-every and --resume are not available with elastic replicas yet (a replica "
+               "that dies is replaced from a survivor's state, not from a checkpoint); drop them, "
+               "or train without fsdp-run --replicas");
+    const ElasticOptions options = ElasticOptions::from_env();
+    elastic_ = std::make_unique<ElasticReplicas>(comm_, options);
+    data_world_ = options.min_replicas * world_;
+    data_rank_ = options.replica_id * world_ + rank_;
+    FSDP_CHECK(options.replica_id < options.min_replicas, "elastic: replica id ",
+               options.replica_id, " is not below FSDP_MIN_REPLICAS=", options.min_replicas,
+               ": the global batch is spread over that many replicas");
+    const char* restart = std::getenv("FSDP_REPLICA_RESTART");
+    if (cfg_.run_dir.empty()) cfg_.run_dir = default_run_dir();
+    cfg_.run_dir =
+        detail::cat(detail::broadcast_string(*comm_, cfg_.run_dir), "/replica-", options.replica_id,
+                    restart && std::string(restart) != "0" ? ".restart-" : "",
+                    restart && std::string(restart) != "0" ? restart : "");
+  }
+
+  // An elastic replica's start: the first sync binds the membership's lanes and, for a replica
+  // joining a running job, copies the model, the optimizer and the step from a member.
+  void sync_replicas() {
+    elastic_state_[0] = start_step_;
+    elastic_->sync(model_->root, *opt_, elastic_state_);
+    if (elastic_state_[0] != start_step_ && rank_ == 0)
+      std::printf(
+          "fsdp-train: replica %d joined the running job at step %lld, %.2f s after it "
+          "started (membership %lld)\n",
+          elastic_->replica_id(), static_cast<long long>(elastic_state_[0]),
+          seconds_since(t_start_), static_cast<long long>(elastic_->epoch()));
+    start_step_ = elastic_state_[0];
   }
 
   // ---- resume: load first; the run directory is untouched until this has succeeded ----
@@ -217,6 +259,7 @@ class Trainer {
 
   // ---- the loop ----
   void loop() {
+    if (elastic_) sync_replicas();
     // Step 0 too: the initial weights, for an external reference to start from (docs/trainer.md).
     if (cfg_.save_every > 0 && start_step_ == 0) save(0);
     summary_.first_step = start_step_;
@@ -226,7 +269,7 @@ class Trainer {
       const double loss = step(s, lr);
       const bool stop = gather_stats(loss);
       MetricsRow row{s + 1, global_loss_, lr, 0, seconds_since(t0), max_rss()};
-      row.tokens_per_s = static_cast<double>(cfg_.batch * cfg_.seq) / row.step_time_s;
+      row.tokens_per_s = tokens_per_step() / row.step_time_s;
       row.mfu = row.tokens_per_s * flops_per_token_ / (world_ * summary_.peak_tflops * 1e12);
       row.grad_norm = grad_norm_;
       const bool last = s + 1 == cfg_.steps || stop;
@@ -245,33 +288,64 @@ class Trainer {
     if (progress_) progress_->finish();
   }
 
-  // One optimizer step over grad_accum micro-batches; returns this rank's mean loss.
+  // One optimizer step over grad_accum micro-batches; returns this rank's mean loss. An elastic
+  // replica runs it again when the membership changed during it (its gradients thrown away).
   double step(int64_t s, double lr) {
     set_lr(*opt_, lr);
-    const int64_t micro = cfg_.micro_batch(world_);
-    const int64_t row0 = rank_ * (cfg_.batch / world_);  // this rank's slice of the global batch
-    double loss_sum = 0;
+    const int64_t micro = cfg_.micro_batch(data_world_);
+    double loss = 0;
     naming_allocation_failure("a training step", micro_batch_settings(micro), [&] {
-      for (int64_t k = 0; k < cfg_.grad_accum; ++k) {
-        // Micro-batches before the last keep their gradients unreduced; the last reduces
-        // the sum (the mean over micro-batches, as each loss is divided by grad_accum).
-        if (model_->sharded()) model_->root.set_requires_gradient_sync(k + 1 == cfg_.grad_accum);
-        const int64_t begin = row0 + k * micro;
-        train_stream_->fill(s, begin, begin + micro, x_host_, y_host_);
-        auto loss = loss_of(tensor_of(x_host_, micro), tensor_of(y_host_, micro));
-        (loss / static_cast<double>(cfg_.grad_accum)).backward();
-        loss_sum += loss.item<double>();
+      const auto attempt0 = Clock::now();
+      for (int attempts = 1;; ++attempts) {
+        if (elastic_) {
+          elastic_state_[0] = s;
+          elastic_->sync(model_->root, *opt_, elastic_state_);
+        }
+        loss = forward_backward(s, micro);
+        if (!elastic_ || elastic_->commit()) {
+          if (attempts > 1) report_redone(s, attempt0);
+          break;
+        }
+        clear_grads(*opt_);
       }
       if (cfg_.clip > 0) grad_norm_ = clip_gradients();
       opt_->step();
       clear_grads(*opt_);
     });
+    return loss;
+  }
+
+  // The micro-batches of step `s` on this rank's slice of the global batch.
+  double forward_backward(int64_t s, int64_t micro) {
+    const int64_t row0 = data_rank_ * (cfg_.batch / data_world_);
+    double loss_sum = 0;
+    for (int64_t k = 0; k < cfg_.grad_accum; ++k) {
+      // Micro-batches before the last keep their gradients unreduced; the last reduces
+      // the sum (the mean over micro-batches, as each loss is divided by grad_accum).
+      if (model_->sharded()) model_->root.set_requires_gradient_sync(k + 1 == cfg_.grad_accum);
+      const int64_t begin = row0 + k * micro;
+      train_stream_->fill(s, begin, begin + micro, x_host_, y_host_);
+      auto loss = loss_of(tensor_of(x_host_, micro), tensor_of(y_host_, micro));
+      (loss / static_cast<double>(cfg_.grad_accum)).backward();
+      loss_sum += loss.item<double>();
+    }
     return loss_sum / static_cast<double>(cfg_.grad_accum);
+  }
+
+  void report_redone(int64_t s, Clock::time_point attempt0) {
+    if (rank_ != 0) return;
+    std::string ids;
+    for (int id : elastic_->member_ids()) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+    std::printf(
+        "fsdp-train: step %lld redone over replicas [%s] after the membership changed: "
+        "%.3f s from its first attempt to its commit\n",
+        static_cast<long long>(s + 1), ids.c_str(), seconds_since(attempt0));
+    std::fflush(stdout);
   }
 
   // Where a micro-batch's size comes from, for allocation-failure messages.
   std::string micro_batch_settings(int64_t micro) const {
-    return detail::cat("--batch ", cfg_.batch, " / ", world_, " ranks / --grad-accum ",
+    return detail::cat("--batch ", cfg_.batch, " / ", data_world_, " ranks / --grad-accum ",
                        cfg_.grad_accum, " = ", micro, " rows x --seq ", cfg_.seq, " x --width ",
                        cfg_.width, " x --layers ", cfg_.layers);
   }
@@ -359,9 +433,7 @@ class Trainer {
 
   // ---- finish ----
   int finish() {
-    summary_.tokens_per_s =
-        timed_steps_ > 0 ? static_cast<double>(cfg_.batch * cfg_.seq) * timed_steps_ / timed_s_
-                         : 0.0;
+    summary_.tokens_per_s = timed_steps_ > 0 ? tokens_per_step() * timed_steps_ / timed_s_ : 0.0;
     summary_.mfu =
         summary_.tokens_per_s * flops_per_token_ / (world_ * summary_.peak_tflops * 1e12);
     double sum = 0;
@@ -375,14 +447,25 @@ class Trainer {
 #if FSDP_TRAIN_HAVE_CHECKPOINT
       if (checkpoints_) summary_.checkpoints = checkpoints_->summary_line();
 #endif
-      const std::string text =
-          format_summary(cfg_, summary_, world_, model_->parameter_count, stopped_);
+      std::string text = format_summary(cfg_, summary_, world_, model_->parameter_count, stopped_);
+      if (elastic_) text += elastic_summary();
       std::fputs(text.c_str(), stdout);
       std::fflush(stdout);
     }
     // A rank that got no signal itself stops because another did: report SIGTERM, as fsdp-run
     // does.
     return stopped_ ? 128 + (stop_signal() != 0 ? stop_signal() : SIGTERM) : 0;
+  }
+
+  std::string elastic_summary() const {
+    const auto& st = elastic_->stats();
+    return detail::cat("  elastic       replica ", elastic_->replica_id(), ": ", st.commits,
+                       " steps committed, ", st.aborts, " attempts thrown away (step efficiency ",
+                       st.commits + st.aborts > 0
+                           ? static_cast<double>(st.commits) / (st.commits + st.aborts)
+                           : 1.0,
+                       "), ", st.memberships, " memberships; ", st.vote_seconds, " s in votes, ",
+                       st.sync_seconds, " s rebinding and copying state\n");
   }
 
   // The closing sample: every rank runs the same forwards (the model is sharded). Text data:
@@ -439,6 +522,11 @@ class Trainer {
     fsdp::write_text_atomic(cfg_.run_dir + "/loss.svg", loss_curve_svg(series, po));
   }
 
+  // The tokens this process's ranks train per step (an elastic replica: its slice).
+  double tokens_per_step() const {
+    return static_cast<double>(cfg_.batch * cfg_.seq) * world_ / data_world_;
+  }
+
   at::Tensor tensor_of(std::vector<int64_t>& host, int64_t rows) const {
     return torch::from_blob(host.data(), {rows, cfg_.seq}, torch::kInt64);
   }
@@ -453,7 +541,10 @@ class Trainer {
   std::shared_ptr<Communicator> comm_;
   const int rank_;
   const int world_;
-  const std::pair<Corpus, Corpus> splits_;  // training, validation
+  const std::pair<Corpus, Corpus> splits_;       // training, validation
+  std::unique_ptr<ElasticReplicas> elastic_;     // under fsdp-run --replicas
+  std::vector<int64_t> elastic_state_{0};        // what a joining replica copies: the step
+  int data_world_ = world_, data_rank_ = rank_;  // this rank's slice of the global batch
   std::unique_ptr<TrainModel> model_;
   std::unique_ptr<torch::optim::AdamW> opt_;
   std::unique_ptr<DataStream> train_stream_, val_stream_;
