@@ -25,7 +25,7 @@ endif
 ifeq ($(origin LIBTORCH),file)
 ALSO_TEST = test-debian-labels build-cuda
 endif
-OTHER_LABELS ?= guarantee|parity|adoption|interception|hf
+OTHER_LABELS ?= guarantee|parity|adoption|interception|hf|elastic
 JOBS    ?= $(shell nproc)
 CTEST_J ?= 2
 

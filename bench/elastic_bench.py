@@ -7,8 +7,8 @@ restarted replica to rejoin, and the final validation loss of both runs.
     bench/elastic_bench.py --bin build/bin --replicas 2 --shards 2 --steps 200 --kill-every 20
 
 The ranks' pids come from /proc (fsdp-run's children with FSDP_REPLICA_ID in their
-environment); a replica is killed only while at least one other replica is training, so the job
-never ends on a kill.
+environment); the replicas are killed in turn, each only once it trains (a restarted one has
+rejoined) and while another one trains too, so the job never ends on a kill.
 """
 import argparse
 import os
@@ -75,6 +75,7 @@ def run(args, kill_every):
                 if m := STEP.match(line):
                     state["step"] = max(state["step"], int(m.group(2)))
                     state["running"].add(int(m.group(1)))
+                    state["replica_steps"] = state.get("replica_steps", 0) + 1
                 elif m := REDONE.match(line):
                     state["redone"].setdefault(int(m.group(2)), float(m.group(3)))
                 elif m := RESTART.match(line):
@@ -97,11 +98,11 @@ def run(args, kill_every):
         with lock:
             due = state["step"] >= state["next_kill"] and state["step"] < args.steps - 2
             victim = state["victim"]
-        if not due:
+            training = set(state["running"])  # printed a step since its last (re)start
+        if not due or victim not in training or not training - {victim}:
             continue
         ranks = replica_ranks(proc.pid)
-        others = [r for r in ranks if r != victim]
-        if victim not in ranks or not others:
+        if victim not in ranks:
             continue
         os.kill(ranks[victim][0], signal.SIGKILL)
         with lock:
@@ -144,6 +145,9 @@ def main():
         print(f"  time to rejoin        median {statistics.median(fire['rejoin']):.2f} s, max "
               f"{max(fire['rejoin']):.2f} s (launcher's restart to the replica's first step; "
               f"{len(fire['rejoin'])} rejoins)")
+    width = fire.get("replica_steps", 0) / (args.replicas * args.steps)
+    print(f"  full width            {width:.3f} of the replica-steps of the uninterrupted run "
+          f"were trained (the rest: steps with a replica missing)")
     print(f"  wall time             uninterrupted {base['wall_s']:.1f} s, under kills "
           f"{fire['wall_s']:.1f} s")
     bv = sorted(set(base["val"].values()))
