@@ -2,8 +2,10 @@
 // then real jobs: fsdp-elastic-example under fsdp-run --replicas, with replicas killed by SIGKILL
 // and restarted, every surviving and rejoined rank compared with the unsharded model in fp64
 // trained on the data of the replicas that took part in each committed step (--check).
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <future>
@@ -11,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "comm/failure.h"
+#include "compat.h"
 #include "elastic/membership.h"
 #include "harness.h"
 
@@ -133,6 +136,50 @@ TEST(MembershipTest, DecisionsRoundTripAndBadTextIsNamed) {
   EXPECT_EQ(Decision::parse(d.format()).format(), d.format());
   EXPECT_EQ(d.index_of(9), 1);
   expect_error([] { Decision::parse("maybe 1 2 3 x"); }, {"cannot read", "maybe 1 2 3 x"});
+}
+
+// ---- the model's side ----
+
+struct TinyImpl : torch::nn::Module {
+  TinyImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (during) during();
+    return fc(x);
+  }
+  torch::nn::Linear fc;
+  std::function<void()> during;  // runs inside the forward
+};
+TORCH_MODULE(Tiny);
+
+std::shared_ptr<Communicator> one_rank(const std::string& name) {
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+  auto pg = compat::make_process_group(store, 0, 1, std::chrono::seconds(30), "gloo", "127.0.0.1");
+  return std::make_shared<Communicator>(pg, store, "gloo", std::chrono::seconds(30), name);
+}
+
+TEST(SetReplicateCommunicatorTest, APlainFsdpModelHasNoReplicaGroupToReplace) {
+  Sharded<Tiny> model;
+  auto root = fully_shard(model, one_rank("world"));
+  expect_error([&] { root.set_replicate_communicator(one_rank("other")); },
+               {"set_replicate_communicator", "mesh with replicas (HSDP)"});
+}
+
+TEST(SetReplicateCommunicatorTest, InsideAForwardItIsRefused) {
+  Sharded<Tiny> model;
+  DeviceMesh mesh;
+  mesh.world = mesh.shard = one_rank("world");
+  mesh.replicate = one_rank("replicas");
+  auto root = fully_shard(model, mesh);
+  auto loss = model(torch::ones({2, 4})).sum();  // the root stays gathered until the backward
+  loss.backward();
+  root.set_replicate_communicator(one_rank("replicas.2"));  // between steps: fine
+  EXPECT_EQ(root.replicate_communicator()->name(), "replicas.2");
+  model->during = [&] { root.set_replicate_communicator(one_rank("replicas.3")); };
+  expect_error(
+      [&] {
+        model(torch::ones({2, 4}));
+      },
+      {"called inside a forward or a backward", "between steps"});
 }
 
 // ---- real jobs ----

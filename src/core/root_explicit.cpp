@@ -36,12 +36,6 @@ void Root::explicit_collective(protocol::Explicit what) {
   exchange(message(protocol::Kind::kExplicit, static_cast<int64_t>(what)));
 }
 
-// FSDP2's finalize_backward: reduces outside any backward what backwards without gradient sync
-// accumulated. The ranks first agree (an explicit collective's round, then the groups reduced by
-// their sync settings, which must match, and those each rank holds gradients for: a group none
-// holds any for is not reduced); then every reduced group reduce-scatters in registration order
-// (children first, the root last: the same on every rank and replica), the Agreed check settles
-// the shards' gradients ([Note: parameters that got no gradient]) and the groups reshard.
 void Root::rebind_replicate(std::shared_ptr<Communicator> r) {
   EntryLock lock(mu_);
   FSDP_CHECK(!in_forward() && passes_.empty() &&
@@ -51,6 +45,12 @@ void Root::rebind_replicate(std::shared_ptr<Communicator> r) {
   ctx_.rebind_replicate(std::move(r));
 }
 
+// FSDP2's finalize_backward: reduces outside any backward what backwards without gradient sync
+// accumulated. The ranks first agree (an explicit collective's round, then the groups reduced by
+// their sync settings, which must match, and those each rank holds gradients for: a group none
+// holds any for is not reduced); then every reduced group reduce-scatters in registration order
+// (children first, the root last: the same on every rank and replica), the Agreed check settles
+// the shards' gradients ([Note: parameters that got no gradient]) and the groups reshard.
 void Root::finalize_backward() {
   explicit_collective(protocol::Explicit::kFinalizeBackward);
   EntryLock lock(mu_);
