@@ -1,8 +1,8 @@
 // Elastic replicas (fsdp/elastic.h): HSDP training that goes on when a replica dies, and takes a
 // restarted replica back. Run it with the launcher's replicas mode, e.g. two replicas of two ranks,
 // replica 1 killed at step 3 and restarted once:
-//   build/bin/fsdp-run --replicas 2 -n 4 --max-restarts 1 -- build/bin/fsdp-elastic-example \
-//       --steps 10 --kill 1:3
+//   build/bin/fsdp-run --replicas 2 -n 4 --max-restarts 1 --
+//       build/bin/fsdp-elastic-example --steps 10 --kill 1:3 --pause-ms 300
 // --check trains, next to the sharded model, the same model unsharded in fp64 on the data of the
 // replicas that took part in each committed step, and compares the two at the end.
 #include <fsdp/fsdp.h>
