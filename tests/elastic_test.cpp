@@ -41,6 +41,14 @@ std::vector<int> ids(const Decision& d) {
   return out;
 }
 
+// a and b form a job of two (both join; the formation they both get).
+Decision form(Membership& a, Membership& b) {
+  auto fb = std::async(std::launch::async, [&] { return b.join(2, 10s); });
+  const Decision formed = a.join(2, 10s);
+  EXPECT_EQ(fb.get().format(), formed.format());
+  return formed;
+}
+
 TEST(MembershipTest, FirstReplicasFormTheJobAndALaterOneJoinsAtTheNextVote) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   Membership a(store, 0, alive(), 5s), b(store, 1, alive(), 5s), c(store, 2, alive(), 5s);
@@ -65,9 +73,7 @@ TEST(MembershipTest, FirstReplicasFormTheJobAndALaterOneJoinsAtTheNextVote) {
 TEST(MembershipTest, AVoteThatFailsAbortsAndRebuildsOverTheSameMembers) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   Membership a(store, 0, alive(), 5s), b(store, 1, alive(), 5s);
-  auto fb = std::async(std::launch::async, [&] { return b.join(2, 10s); });
-  const Decision formed = a.join(2, 10s);
-  fb.get();
+  const Decision formed = form(a, b);
   auto vb = std::async(std::launch::async, [&] { return b.vote(formed, 0, false); });
   const Decision d = a.vote(formed, 0, true);
   EXPECT_EQ(vb.get().format(), d.format());
@@ -80,9 +86,7 @@ TEST(MembershipTest, AVoteThatFailsAbortsAndRebuildsOverTheSameMembers) {
 TEST(MembershipTest, AMemberWhoseProcessIsGoneIsLeftOutWithoutWaitingForTheTimeout) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   Membership a(store, 0, alive(), 60s), b(store, 1, alive(), 60s);
-  auto fb = std::async(std::launch::async, [&] { return b.join(2, 10s); });
-  const Decision formed = a.join(2, 10s);
-  fb.get();
+  const Decision formed = form(a, b);
   // b's process dies after the formation (its leader's published pid now names nobody).
   const ReplicaProcesses gone = dead();
   const std::string procs = gone.host + " " + std::to_string(gone.pids[0]);
@@ -98,9 +102,7 @@ TEST(MembershipTest, AMemberWhoseProcessIsGoneIsLeftOutWithoutWaitingForTheTimeo
 TEST(MembershipTest, AMemberThatNeverVotesIsLeftOutAtTheTimeout) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   Membership a(store, 0, alive(), 500ms), b(store, 1, alive(), 500ms);
-  auto fb = std::async(std::launch::async, [&] { return b.join(2, 10s); });
-  const Decision formed = a.join(2, 10s);
-  fb.get();
+  const Decision formed = form(a, b);
   const Decision d = a.vote(formed, 0, true);  // b is alive (a hung replica) but silent
   EXPECT_FALSE(d.commit);
   EXPECT_EQ(ids(d), (std::vector<int>{0}));
