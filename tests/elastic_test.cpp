@@ -2,12 +2,15 @@
 // then real jobs: fsdp-elastic-example under fsdp-run --replicas, with replicas killed by SIGKILL
 // and restarted, every surviving and rejoined rank compared with the unsharded model in fp64
 // trained on the data of the replicas that took part in each committed step (--check).
+#include <fsdp/checkpoint.h>
+#include <fsdp/checkpoint_async.h>
 #include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <future>
 #include <regex>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -182,6 +185,45 @@ TEST(SetReplicateCommunicatorTest, InsideAForwardItIsRefused) {
         model(torch::ones({2, 4}));
       },
       {"called inside a forward or a backward", "between steps"});
+}
+
+// A job of one replica of one rank, its coordinator's store served in this process.
+struct OneReplicaJob {
+  c10::intrusive_ptr<c10d::Store> server;
+  std::unique_ptr<ElasticReplicas> replicas;
+  OneReplicaJob() {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(free_port());
+    o.isServer = true;
+    o.waitWorkers = false;
+    server = compat::make_tcp_store("127.0.0.1", o);
+    ElasticOptions e;
+    e.coordinator = "127.0.0.1:" + std::to_string(o.port);
+    e.replica_id = 0;
+    replicas = std::make_unique<ElasticReplicas>(one_rank("world"), e);
+  }
+};
+
+TEST(ElasticCheckpointTest, ASaveOfElasticReplicasIsRefusedByName) {
+  OneReplicaJob job;
+  Sharded<Tiny> model;
+  auto root = fully_shard(model, job.replicas->mesh());
+  torch::optim::SGD opt(root.parameters(), 0.1);
+  std::vector<int64_t> state{0};
+  job.replicas->sync(root, opt, state);
+  model(torch::ones({2, 4})).sum().backward();
+  EXPECT_TRUE(job.replicas->commit());  // alone: every vote is its own
+  opt.step();
+  const std::string dir = test_scratch_dir("FSDP_TEST_DIR", "elastic-ckpt");
+  checkpoint::TrainState after;
+  after.step = 1;
+  expect_error([&] { checkpoint::save(dir, root, &opt, after, root.communicator()); },
+               {"checkpoint save", "replicas are elastic", "not supported yet"});
+  checkpoint::AsyncSaver saver;
+  expect_error([&] { saver.save_async(dir, root, &opt, after); },
+               {"checkpoint save_async", "replicas are elastic"});
+  EXPECT_FALSE(std::filesystem::exists(dir + "/step_00000001"));
+  std::filesystem::remove_all(dir);
 }
 
 // ---- real jobs ----

@@ -169,6 +169,7 @@ AsyncSaver::~AsyncSaver() {
 std::string AsyncSaver::save_async(const std::string& dir, const FSDPModule& root,
                                    torch::optim::Optimizer* opt, const TrainState& state) {
   const auto t0 = Clock::now();
+  internal::refuse_elastic(root, "checkpoint save_async");
   fsdp::detail::agree_explicit_collective(root, fsdp::detail::protocol::Explicit::kCheckpointSave);
   // At most one save in flight: the previous one's failure belongs to its own step and is raised
   // here, before anything of this step is started. No agreement is needed: commit_files raised it

@@ -1,8 +1,21 @@
 #include "checkpoint/checkpoint_common.h"
 
+#include <fsdp/fully_shard.h>
+
+#include "comm/communicator_impl.h"
+
 namespace fsdp::checkpoint::internal {
 
 using fsdp::detail::cat;
+
+void refuse_elastic(const FSDPModule& root, const char* what) {
+  const auto& replicas = root.replicate_communicator();
+  FSDP_CHECK(!replicas || !replicas->impl().loss, what,
+             ": the model's replicas are elastic (fsdp/elastic.h), and checkpoints of elastic "
+             "replicas are not supported yet (which replica writes, and whether its write "
+             "completed, would be decided over a lane that a replica's death stands in for); a "
+             "replica that dies is replaced from a survivor's state instead");
+}
 
 std::string step_dir_name(int64_t step) {
   std::string s = std::to_string(step);

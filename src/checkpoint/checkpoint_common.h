@@ -24,6 +24,10 @@ bool is_buffer_entry(const IndexEntry& e);
 
 // Raises on every rank when `error` is non-empty on any rank: the local message where this rank
 // failed, else "checkpoint <what> failed on rank <r>: <message>" (detail::raise_together).
+// Refuses a save of a model whose replicas are elastic (fsdp/elastic.h): the writing replica
+// and its outcome would be decided over a lane that a replica's death may stand in for.
+void refuse_elastic(const FSDPModule& root, const char* what);
+
 inline void agree(Communicator& comm, const std::string& error, const char* what) {
   fsdp::detail::raise_together(comm, error, std::string("checkpoint ") + what);
 }

@@ -142,6 +142,7 @@ std::string save_shards(const std::string& dir, const FSDPModule& root,
 
 std::string save(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                  const TrainState& state, Communicator& comm) {
+  refuse_elastic(root, "checkpoint save");
   fsdp::detail::agree_explicit_collective(root, fsdp::detail::protocol::Explicit::kCheckpointSave);
   const auto& replicas = root.replicate_communicator();
   if (!replicas) return save_shards(dir, root, opt, state, comm);
