@@ -115,6 +115,41 @@ TEST(MembershipTest, AMemberThatNeverVotesIsLeftOutAtTheTimeout) {
   EXPECT_EQ(late.index_of(b.ticket()), -1);
 }
 
+TEST(MembershipTest, AMemberWhoseHeartbeatStopsIsLeftOutBeforeTheTimeout) {
+  // b's process is alive as far as this host can tell (a replica on another host, or hung), but
+  // its heartbeat stops: the vote goes on after the heartbeat timeout, not the collective one.
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Membership a(store, 0, alive(), 60s, 400ms), b(store, 1, alive(), 60s, 400ms);
+  auto beat = std::make_unique<detail::Heartbeat>(store, 2, 50ms);  // b's ticket is 2
+  const Decision formed = form(a, b);
+  ASSERT_EQ(b.ticket(), 2);
+  std::this_thread::sleep_for(200ms);
+  beat.reset();  // b hangs
+  const auto t0 = std::chrono::steady_clock::now();
+  const Decision d = a.vote(formed, 0, true);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(waited, 300ms);
+  EXPECT_LT(waited, 5s);
+  EXPECT_FALSE(d.commit);
+  EXPECT_EQ(ids(d), (std::vector<int>{0}));
+}
+
+TEST(MembershipTest, AMemberWhoseHeartbeatGoesOnIsWaitedFor) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Membership a(store, 0, alive(), 60s, 300ms), b(store, 1, alive(), 60s, 300ms);
+  const Decision formed = form(a, b);
+  detail::Heartbeat beat(store, b.ticket(), 50ms);
+  // b votes late (a long step), its heartbeat going on meanwhile: a waits for it.
+  auto vb = std::async(std::launch::async, [&] {
+    std::this_thread::sleep_for(1s);
+    return b.vote(formed, 0, true);
+  });
+  const Decision d = a.vote(formed, 0, true);
+  EXPECT_TRUE(d.commit);
+  EXPECT_EQ(ids(d), (std::vector<int>{0, 1}));
+  EXPECT_EQ(vb.get().format(), d.format());
+}
+
 TEST(MembershipTest, TooFewReplicasToStartAreCountedInTheError) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   Membership a(store, 0, alive(), 5s);

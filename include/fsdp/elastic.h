@@ -47,9 +47,14 @@ struct ElasticOptions {
   // How long a replica waits to be admitted (the others finishing their step, or the job's
   // first replicas arriving).
   std::chrono::milliseconds join_timeout{std::chrono::minutes(10)};
+  // How long a replica's heartbeat (its rank 0 raises a counter in the coordinator every 0.25 s,
+  // from a thread of its own) may stand still before a step's vote goes on without it: a replica
+  // dead or hung on another host is left out after this, not after the collective timeout.
+  std::chrono::milliseconds heartbeat_timeout{std::chrono::seconds(5)};
 
-  // From FSDP_ELASTIC_COORDINATOR, FSDP_REPLICA_ID, FSDP_MIN_REPLICAS (default 1) and
-  // FSDP_ELASTIC_JOIN_TIMEOUT_S (default 600), as `fsdp-run --replicas` sets them. Throws
+  // From FSDP_ELASTIC_COORDINATOR, FSDP_REPLICA_ID, FSDP_MIN_REPLICAS (default 1),
+  // FSDP_ELASTIC_JOIN_TIMEOUT_S (default 600) and FSDP_ELASTIC_HEARTBEAT_TIMEOUT_S (default 5),
+  // the first three as `fsdp-run --replicas` sets them. Throws
   // fsdp::Error naming a variable that is missing or malformed.
   static ElasticOptions from_env();
   // Whether FSDP_ELASTIC_COORDINATOR is set.

@@ -31,13 +31,15 @@ using Clock = std::chrono::steady_clock;
 struct ElasticState {
   std::shared_ptr<Communicator> world;  // this replica's ranks
   ElasticOptions options;
-  c10::intrusive_ptr<c10d::Store> coordinator;  // "fsdp.elastic/" keys of the coordinator
-  std::unique_ptr<Membership> membership;       // the leader's
-  int64_t ticket = 0;                           // this replica's, shared by its ranks
-  Decision current;                             // the membership now
-  int64_t attempt = 0;                          // votes taken in the current epoch
-  int64_t bound_epoch = 0;                      // whose lanes the model carries
-  bool is_new = true;                           // has not yet copied a member's state
+  c10::intrusive_ptr<c10d::Store> coordinator;      // "fsdp.elastic/" keys of the coordinator
+  c10::intrusive_ptr<c10d::Store> heartbeat_store;  // the heartbeat thread's connection
+  std::unique_ptr<Membership> membership;           // the leader's
+  std::unique_ptr<Heartbeat> heartbeat;             // the leader's, once it has a ticket
+  int64_t ticket = 0;                               // this replica's, shared by its ranks
+  Decision current;                                 // the membership now
+  int64_t attempt = 0;                              // votes taken in the current epoch
+  int64_t bound_epoch = 0;                          // whose lanes the model carries
+  bool is_new = true;                               // has not yet copied a member's state
   std::shared_ptr<Communicator> solo, lane;
   ElasticReplicas::Stats stats;
 };
@@ -206,6 +208,8 @@ ElasticOptions ElasticOptions::from_env() {
     o.min_replicas = static_cast<int>(detail::parse_env_int("FSDP_MIN_REPLICAS", m, 1, 1 << 20));
   if (auto s = detail::env_positive("FSDP_ELASTIC_JOIN_TIMEOUT_S", "seconds"))
     o.join_timeout = std::chrono::milliseconds(static_cast<int64_t>(*s * 1000));
+  if (auto s = detail::env_positive("FSDP_ELASTIC_HEARTBEAT_TIMEOUT_S", "seconds"))
+    o.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(*s * 1000));
   return o;
 }
 
@@ -226,8 +230,15 @@ ElasticReplicas::ElasticReplicas(std::shared_ptr<Communicator> replica, ElasticO
   std::string text;
   if (s.world->rank() == 0) {
     s.membership = std::make_unique<detail::Membership>(
-        s.coordinator, s.options.replica_id, detail::processes_of(*s.world), s.world->timeout());
-    const Decision d = s.membership->join(s.options.min_replicas, s.options.join_timeout);
+        s.coordinator, s.options.replica_id, detail::processes_of(*s.world), s.world->timeout(),
+        s.options.heartbeat_timeout);
+    // The pulse starts with the ticket (join takes it first thing), on a connection of its own.
+    s.heartbeat_store = detail::connect_coordinator(s.options, s.world->timeout());
+    const Decision d =
+        s.membership->join(s.options.min_replicas, s.options.join_timeout, [&](int64_t ticket) {
+          s.heartbeat = std::make_unique<detail::Heartbeat>(s.heartbeat_store, ticket,
+                                                            std::chrono::milliseconds(250));
+        });
     text = detail::cat(s.membership->ticket(), " ", d.format());
   }
   text = detail::share(*s.world, text, s.options.join_timeout + s.world->timeout());

@@ -69,11 +69,51 @@ int Decision::index_of(int64_t ticket) const {
   return -1;
 }
 
+Heartbeat::Heartbeat(c10::intrusive_ptr<c10d::Store> store, int64_t ticket,
+                     std::chrono::milliseconds period) {
+  thread_ = std::thread([this, store = std::move(store), key = cat("beat/", ticket), period] {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      try {
+        store->add(key, 1);
+      } catch (const std::exception&) {
+        return;  // the coordinator is gone: the votes will say so
+      }
+      wake_.wait_for(lock, period, [this] { return stop_; });
+    }
+  });
+}
+
+Heartbeat::~Heartbeat() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
 Membership::Membership(c10::intrusive_ptr<c10d::Store> store, int id, ReplicaProcesses self,
-                       std::chrono::milliseconds timeout)
-    : store_(std::move(store)), id_(id), self_(std::move(self)), timeout_(timeout) {}
+                       std::chrono::milliseconds timeout,
+                       std::chrono::milliseconds heartbeat_timeout)
+    : store_(std::move(store)),
+      id_(id),
+      self_(std::move(self)),
+      timeout_(timeout),
+      heartbeat_timeout_(heartbeat_timeout) {}
 
 std::string Membership::get(const std::string& k) const { return text(store_->get(k)); }
+
+bool Membership::stopped(int64_t ticket, Pulse& p) const {
+  const auto now = Clock::now();
+  if (p.read && now - p.read_at < std::chrono::milliseconds(100)) return false;  // read recently
+  const int64_t beat = store_->add(cat("beat/", ticket), 0);
+  if (!p.read || beat != p.beat) p.changed_at = now;
+  p.read = true;
+  p.read_at = now;
+  p.beat = beat;
+  return beat > 0 && now - p.changed_at >= heartbeat_timeout_;
+}
 
 bool Membership::gone(int64_t ticket) const {
   const std::string k = cat("proc/", ticket);
@@ -107,8 +147,10 @@ void Membership::publish_admissions(const Decision& before, const Decision& afte
     if (m.ticket > before.admitted) store_->set(cat("admit/", m.ticket), bytes(text));
 }
 
-Decision Membership::join(int min_replicas, std::chrono::milliseconds join_timeout) {
+Decision Membership::join(int min_replicas, std::chrono::milliseconds join_timeout,
+                          const std::function<void(int64_t ticket)>& on_ticket) {
   ticket_ = store_->add("tickets", 1);
+  if (on_ticket) on_ticket(ticket_);
   std::ostringstream procs;
   procs << self_.host;
   for (int64_t pid : self_.pids) procs << ' ' << pid;
@@ -157,6 +199,7 @@ Decision Membership::vote(const Decision& now, int64_t attempt, bool ok) {
   store_->set(cat(at, "vote/", ticket_), bytes(ok ? "1" : "0"));
   // Each member's vote: -1 not yet seen, 0 not ok, 1 ok, 2 its processes are gone.
   std::vector<int> seen(now.members.size(), -1);
+  std::vector<Pulse> pulses(now.members.size());
   const auto deadline = Clock::now() + timeout_;
   const std::string decided = at + "decision";
   for (Backoff b;; b.pause()) {
@@ -167,7 +210,7 @@ Decision Membership::vote(const Decision& now, int64_t attempt, bool ok) {
       const std::string k = cat(at, "vote/", now.members[i].ticket);
       if (store_->check({k}))
         seen[i] = get(k) == "1" ? 1 : 0;
-      else if (gone(now.members[i].ticket))
+      else if (gone(now.members[i].ticket) || stopped(now.members[i].ticket, pulses[i]))
         seen[i] = 2;
       else
         pending = true;

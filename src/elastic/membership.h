@@ -10,15 +10,19 @@
 //  - formation: the first `min_replicas` tickets form the job (epoch 1);
 //  - each attempt of each step: every member leader votes ok (its ranks' collectives across
 //    replicas all completed) or not; the attempt commits when every member voted ok, and aborts
-//    otherwise (a member whose vote did not come within the timeout, or whose process is gone,
-//    is left out). The decision also admits the replicas waiting to join; a changed membership
-//    opens a new epoch.
+//    otherwise (a member whose vote did not come within the timeout, whose process is gone, or
+//    whose heartbeat stopped, is left out). The decision also admits the replicas waiting to join;
+//    a changed membership opens a new epoch.
 // Internal to src/elastic. Thread-safety: one thread per object.
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
@@ -49,14 +53,39 @@ struct ReplicaProcesses {
   std::vector<int64_t> pids;
 };
 
+// A replica leader's pulse: a counter in the store ("beat/<ticket>") raised every `period` from a
+// thread of its own, on a store client of its own, so that a step's computation never delays it.
+// A member whose pulse stops (its process dead or hung, on any host) is left out of a vote after
+// the heartbeat timeout instead of the whole collective timeout. Stops with the object, or at the
+// first error (the coordinator gone).
+class Heartbeat {
+ public:
+  Heartbeat(c10::intrusive_ptr<c10d::Store> store, int64_t ticket,
+            std::chrono::milliseconds period);
+  ~Heartbeat();
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 class Membership {
  public:
+  // `heartbeat_timeout`: how long a member's pulse may stand still before a vote leaves it out
+  // (members that never beat are waited for until `timeout`).
   Membership(c10::intrusive_ptr<c10d::Store> store, int id, ReplicaProcesses self,
-             std::chrono::milliseconds timeout);
+             std::chrono::milliseconds timeout,
+             std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(5));
 
   // Takes a ticket and waits, at most `join_timeout`, for the decision that admits it: the
   // formation when no job runs yet (once `min_replicas` replicas have tickets), else a step's.
-  Decision join(int min_replicas, std::chrono::milliseconds join_timeout);
+  // `on_ticket` runs once the ticket is taken (the leader starts its heartbeat).
+  Decision join(int min_replicas, std::chrono::milliseconds join_timeout,
+                const std::function<void(int64_t ticket)>& on_ticket = nullptr);
   // The vote on attempt `attempt` of the current membership `now` (every member leader calls it
   // with the same two): returns the decision, this replica among its members or not.
   Decision vote(const Decision& now, int64_t attempt, bool ok);
@@ -69,13 +98,22 @@ class Membership {
  private:
   std::vector<Member> waiting_joiners(int64_t admitted, int64_t* last) const;
   bool gone(int64_t ticket) const;  // its processes on this host are gone
+  // What a vote saw of a member's heartbeat.
+  struct Pulse {
+    bool read = false;
+    int64_t beat = 0;
+    std::chrono::steady_clock::time_point read_at, changed_at;
+  };
+  // Its heartbeat has beaten, then stood still for the heartbeat timeout (read at most every
+  // 100 ms).
+  bool stopped(int64_t ticket, Pulse& p) const;
   void publish_admissions(const Decision& before, const Decision& after);
   std::string get(const std::string& k) const;
 
   c10::intrusive_ptr<c10d::Store> store_;
   int id_;
   ReplicaProcesses self_;
-  std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds timeout_, heartbeat_timeout_;
   int64_t ticket_ = 0;
 };
 
