@@ -69,12 +69,11 @@ void Work::wait(std::chrono::milliseconds timeout) {
   if (!impl_->error.empty()) throw CommError(impl_->error);
   if (impl_->done) return;
   // A lossy collective (lane_loss.h): the stand-in once its communicator is lost.
-  auto stand_in = [this](const std::string& why) {
-    impl_->loss->mark(why);
+  if (impl_->loss && impl_->loss->lost()) {
     impl_->done = true;
     if (impl_->stand_in) impl_->stand_in();
-  };
-  if (impl_->loss && impl_->loss->lost()) return stand_in(impl_->loss->reason());
+    return;
+  }
   if (std::string first = detail::broken_reason(impl_->group); !first.empty()) {
     impl_->done = true;
     impl_->error =
@@ -96,7 +95,12 @@ void Work::wait(std::chrono::milliseconds timeout) {
     try {
       b.wait(timeout);
     } catch (const std::exception& e) {
-      if (impl_->loss) return stand_in(e.what());
+      if (impl_->loss) {  // lane_loss.h: lost from now on, this one included
+        impl_->loss->mark(e.what());
+        impl_->done = true;
+        if (impl_->stand_in) impl_->stand_in();
+        return;
+      }
       impl_->done = true;
       impl_->error = e.what();
       throw;
