@@ -136,18 +136,49 @@ TEST(MembershipTest, AMemberWhoseHeartbeatStopsIsLeftOutBeforeTheTimeout) {
 
 TEST(MembershipTest, AMemberWhoseHeartbeatGoesOnIsWaitedFor) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  Membership a(store, 0, alive(), 60s, 300ms), b(store, 1, alive(), 60s, 300ms);
+  // (A heartbeat timeout of 3 s: this machine's other jobs may hold a 50 ms pulse back.)
+  Membership a(store, 0, alive(), 60s, 3s), b(store, 1, alive(), 60s, 3s);
   const Decision formed = form(a, b);
   detail::Heartbeat beat(store, b.ticket(), 50ms);
-  // b votes late (a long step), its heartbeat going on meanwhile: a waits for it.
+  // b votes late (a step longer than the heartbeat timeout), its heartbeat going on meanwhile:
+  // a waits for it.
   auto vb = std::async(std::launch::async, [&] {
-    std::this_thread::sleep_for(1s);
+    std::this_thread::sleep_for(4s);
     return b.vote(formed, 0, true);
   });
   const Decision d = a.vote(formed, 0, true);
   EXPECT_TRUE(d.commit);
   EXPECT_EQ(ids(d), (std::vector<int>{0, 1}));
   EXPECT_EQ(vb.get().format(), d.format());
+}
+
+TEST(MembershipTest, AReplicaWithTheIdOfALiveMemberIsRefused) {
+  // Two members with one id would train one slice of the data twice, silently.
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Membership a(store, 0, alive(), 5s), b(store, 1, alive(), 5s), twin(store, 1, alive(), 5s);
+  const Decision formed = form(a, b);
+  auto ft = std::async(std::launch::async, [&] { return twin.join(2, 10s); });
+  std::this_thread::sleep_for(200ms);
+  auto vb = std::async(std::launch::async, [&] { return b.vote(formed, 0, true); });
+  const Decision d = a.vote(formed, 0, true);
+  EXPECT_EQ(vb.get().format(), d.format());
+  EXPECT_TRUE(d.commit);
+  EXPECT_EQ(ids(d), (std::vector<int>{0, 1}));  // unchanged
+  expect_error([&] { ft.get(); }, {"replica 1", "was refused",
+                                   "replica id 1 belongs to a live "
+                                   "member",
+                                   "FSDP_REPLICA_ID of its own"});
+}
+
+TEST(MembershipTest, AReplicaJoiningAJobWhoseMembersAreAllGoneIsToldSo) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Membership a(store, 0, alive(), 5s, 300ms), late(store, 1, alive(), 5s, 300ms);
+  a.join(1, 10s);
+  auto beat = std::make_unique<detail::Heartbeat>(store, a.ticket(), 50ms);
+  std::this_thread::sleep_for(150ms);
+  beat.reset();  // a's process dies (on another host: only its heartbeat tells)
+  expect_error([&] { late.join(1, 30s); },
+               {"replica 1", "has nothing to join", "every member of the job is gone"});
 }
 
 TEST(MembershipTest, TooFewReplicasToStartAreCountedInTheError) {

@@ -30,6 +30,7 @@ using Clock = std::chrono::steady_clock;
 
 struct ElasticState {
   std::shared_ptr<Communicator> world;  // this replica's ranks
+  int64_t shared = 0;                   // messages shared from rank 0 (share())
   ElasticOptions options;
   c10::intrusive_ptr<c10d::Store> coordinator;      // "fsdp.elastic/" keys of the coordinator
   c10::intrusive_ptr<c10d::Store> heartbeat_store;  // the heartbeat thread's connection
@@ -50,15 +51,32 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// Rank 0's `s`, on every rank of `world`; `first` bounds the wait for rank 0 to have it.
-std::string share(Communicator& world, const std::string& s,
-                  std::optional<std::chrono::milliseconds> first = std::nullopt) {
-  auto len = at::tensor({static_cast<int64_t>(s.size())}, at::kLong);
-  world.broadcast(len, 0).wait(first.value_or(world.timeout()));
-  auto buf = at::empty({len.item<int64_t>()}, at::kByte);
-  if (world.rank() == 0 && !s.empty()) std::memcpy(buf.data_ptr(), s.data(), s.size());
-  world.broadcast(buf, 0).wait();
-  return {static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(buf.numel())};
+// Rank 0's `text` on every rank of the replica, through the replica's own store rather than a
+// collective: rank 0 may take longer than a collective's timeout to have it (waiting to be
+// admitted, or for a member's vote), and the others wait on the store for up to `wait`. Each
+// message has the next number of the sequence, the same on every rank; the one before the
+// previous is deleted (every rank has read it: a step's collectives came between).
+std::string share(ElasticState& s, const std::string& text, std::chrono::milliseconds wait);
+
+std::string share(ElasticState& s, const std::string& text, std::chrono::milliseconds wait) {
+  c10d::Store& store = *s.world->impl().store;
+  const int64_t n = ++s.shared;
+  const std::string key = cat("fsdp.elastic.share/", n);
+  if (s.world->rank() == 0) {
+    store.set(key, std::vector<uint8_t>(text.begin(), text.end()));
+    if (n > 2) store.deleteKey(cat("fsdp.elastic.share/", n - 2));
+    return text;
+  }
+  try {
+    store.wait({key}, wait);
+  } catch (const std::exception& e) {
+    throw CommError(cat("elastic: rank ", s.world->rank(), " of replica ", s.options.replica_id,
+                        " did not get its rank 0's word on the membership (waiting at most ",
+                        wait.count() / 1000.0, " s): ", e.what(),
+                        "; its rank 0 has stopped (see its output) or is hung"));
+  }
+  const auto b = store.get(key);
+  return {b.begin(), b.end()};
 }
 
 // Communicators of lanes replaced after a loss: their abandoned collectives may still be finishing
@@ -79,7 +97,9 @@ std::shared_ptr<Communicator> lossy_communicator(c10::intrusive_ptr<c10d::Proces
   impl->pg = std::move(pg);
   impl->store = std::move(store);
   impl->backend = "gloo";
-  impl->timeout = world.timeout();
+  // Half the replica's timeout: a collective with a hung replica gives up (and stands in) while
+  // this replica's own collectives, whose ranks may be waiting for this one, still wait.
+  impl->timeout = world.timeout() / 2;
   impl->name = name;
   impl->bind_host = world.impl().bind_host;
   impl->peers = std::make_shared<const std::vector<PeerInfo>>();
@@ -94,12 +114,18 @@ std::shared_ptr<Communicator> connect_lane(const ElasticState& s, const Decision
   const Communicator& w = *s.world;
   auto store =
       c10::make_intrusive<c10d::PrefixStore>(cat("e", d.epoch, "/p", w.rank()), s.coordinator);
+  const auto timeout = w.timeout() / 2;  // as the lane's collectives (lossy_communicator)
   try {
     auto pg =
         compat::make_process_group(store, d.index_of(s.ticket), static_cast<int>(d.members.size()),
-                                   w.timeout(), "gloo", w.impl().bind_host);
-    if (pg->getSize() > 1) pg->barrier()->wait(w.timeout());
-    return lossy_communicator(std::move(pg), store, w, cat("replicas.e", d.epoch));
+                                   timeout, "gloo", w.impl().bind_host);
+    if (pg->getSize() > 1) pg->barrier()->wait(timeout);
+    auto lane = lossy_communicator(std::move(pg), store, w, cat("replicas.e", d.epoch));
+    // The model's lanes of it (CommContext::rebind_replicate), connected here: a member lost now
+    // fails this connection, not the rebind.
+    lane->lane("fsdp.replicate");
+    lane->lane("fsdp.agree");
+    return lane;
   } catch (const std::exception& e) {
     std::cerr << cat("fsdp elastic: replica ", s.options.replica_id, " rank ", w.rank(),
                      ": the lane of membership ", d.epoch, " did not connect (", e.what(),
@@ -108,12 +134,45 @@ std::shared_ptr<Communicator> connect_lane(const ElasticState& s, const Decision
   }
 }
 
+// Whether every rank of the replica connected its position's lane (the replica's store: a rank
+// whose connection failed at once must not go on while another still waits on its own).
+bool all_connected(ElasticState& s, bool mine) {
+  c10d::Store& store = *s.world->impl().store;
+  const int64_t n = ++s.shared;
+  const std::string key = cat("fsdp.elastic.connected/", n);
+  store.set(cat(key, "/", s.world->rank()), std::vector<uint8_t>{mine ? uint8_t{1} : uint8_t{0}});
+  bool all = true;
+  for (int r = 0; r < s.world->size(); ++r) {
+    const std::string k = cat(key, "/", r);
+    store.wait({k}, 2 * s.world->timeout());
+    all = all && store.get(k) == std::vector<uint8_t>{1};
+  }
+  return all;
+}
+
 std::shared_ptr<Communicator> solo_communicator(const Communicator& world, bool lost) {
   c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
   auto pg = compat::make_process_group(store, 0, 1, world.timeout(), "gloo", "127.0.0.1");
   auto c = lossy_communicator(std::move(pg), store, world, "replicas.solo");
   if (lost) c->impl().loss->mark("the lane of this membership did not connect");
   return c;
+}
+
+// The parameters' and buffers' count, shapes and dtypes, as one number.
+int64_t layout_digest(const std::vector<at::Tensor>& params,
+                      const std::vector<std::pair<std::string, at::Tensor>>& buffers) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull; };
+  auto add = [&](const at::Tensor& t) {
+    mix(static_cast<int64_t>(t.scalar_type()));
+    mix(t.dim());
+    for (int64_t d : t.sizes()) mix(d);
+  };
+  mix(static_cast<int64_t>(params.size()));
+  for (const auto& p : params) add(p);
+  mix(static_cast<int64_t>(buffers.size()));
+  for (const auto& b : buffers) add(b.second);
+  return static_cast<int64_t>(h >> 1);
 }
 
 std::string optimizer_bytes(torch::optim::Optimizer& opt) {
@@ -136,14 +195,30 @@ void copy_state(ElasticState& s, FSDPModule& model, torch::optim::Optimizer& opt
     lane.broadcast(c, root).wait();
     if (keep && !c.is_same(t)) t.copy_(c);
   };
-  for (const at::Tensor& p : model.parameters()) send(p);
-  for (const auto& [name, b] : named_buffers(model)) send(b);
-  auto sizes = at::tensor({static_cast<int64_t>(user_state.size())}, at::kLong);
-  lane.broadcast(sizes, root).wait();
-  FSDP_CHECK(sizes.item<int64_t>() == static_cast<int64_t>(user_state.size()),
-             "ElasticReplicas::sync: user_state has ", user_state.size(),
-             " values here but the replica copied from has ", sizes.item<int64_t>(),
-             "; every replica must pass the same state");
+  // What is copied must have one layout everywhere: checked by the receivers before any tensor
+  // crosses (a sender goes on; a receiver that stops closes its connections, which the sender's
+  // lane stands in for).
+  const auto params = model.parameters();
+  const auto buffers = named_buffers(model);
+  auto layout = at::tensor(
+      std::vector<int64_t>{layout_digest(params, buffers), static_cast<int64_t>(user_state.size())},
+      at::kLong);
+  const auto mine = layout.clone();
+  lane.broadcast(layout, root).wait();
+  if (keep && !lane.impl().loss->lost()) {
+    FSDP_CHECK(layout[0].item<int64_t>() == mine[0].item<int64_t>(), "elastic: replica ",
+               s.options.replica_id,
+               " cannot copy its state from the member it joins: their models differ (the "
+               "parameters' or buffers' count, shapes or dtypes); every replica must build the "
+               "same model");
+    FSDP_CHECK(layout[1].item<int64_t>() == mine[1].item<int64_t>(), "elastic: replica ",
+               s.options.replica_id, "'s user_state has ", user_state.size(),
+               " values but the member whose state it copies has ", layout[1].item<int64_t>(),
+               "; every replica must pass the same state to sync()");
+  }
+  if (!keep && layout[1].item<int64_t>() != static_cast<int64_t>(user_state.size())) return;
+  for (const at::Tensor& p : params) send(p);
+  for (const auto& [name, b] : buffers) send(b);
   auto user = at::tensor(user_state, at::kLong);
   send(user);
   std::string bytes = lane.rank() == root ? optimizer_bytes(opt) : std::string();
@@ -157,8 +232,16 @@ void copy_state(ElasticState& s, FSDPModule& model, torch::optim::Optimizer& opt
   std::istringstream is(
       std::string(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(buf.numel())));
   torch::serialize::InputArchive archive;
-  archive.load_from(is);
-  opt.load(archive);
+  try {
+    archive.load_from(is);
+    opt.load(archive);
+  } catch (const c10::Error& e) {
+    throw Error(cat("elastic: replica ", s.options.replica_id,
+                    " could not load the optimizer state of the member it joins (",
+                    e.what_without_backtrace(),
+                    "); every replica must build the same optimizer, with the same parameter "
+                    "groups"));
+  }
 }
 
 ReplicaProcesses processes_of(const Communicator& world) {
@@ -241,7 +324,7 @@ ElasticReplicas::ElasticReplicas(std::shared_ptr<Communicator> replica, ElasticO
         });
     text = detail::cat(s.membership->ticket(), " ", d.format());
   }
-  text = detail::share(*s.world, text, s.options.join_timeout + s.world->timeout());
+  text = detail::share(s, text, s.options.join_timeout + 2 * s.world->timeout());
   const auto space = text.find(' ');
   s.ticket = std::stoll(text.substr(0, space));
   s.current = Decision::parse(text.substr(space + 1));
@@ -276,9 +359,19 @@ void ElasticReplicas::sync(FSDPModule& model, torch::optim::Optimizer& optimizer
   if (s.bound_epoch == s.current.epoch) return;
   const auto start = detail::Clock::now();
   if (s.lane && s.lane->impl().loss->lost()) detail::retired_lanes().push_back(s.lane);
-  s.lane = detail::connect_lane(s, s.current);
-  const bool connected = s.lane != nullptr;
-  if (!connected) s.lane = detail::solo_communicator(*s.world, true);
+  // Every member at this membership's sync first (or one gone: then the lanes cannot connect).
+  const std::string word =
+      detail::share(s, s.world->rank() == 0 ? s.membership->enter(s.current) : std::string(),
+                    3 * s.world->timeout());
+  FSDP_CHECK(!(s.is_new && word == "finished"), "elastic: replica ", s.options.replica_id,
+             " (ticket ", s.ticket,
+             ") arrived after the job finished its training; nothing is left to join");
+  s.lane = word == "go" ? detail::connect_lane(s, s.current) : nullptr;
+  const bool connected = detail::all_connected(s, s.lane != nullptr);
+  if (!connected) {
+    if (s.lane) detail::retired_lanes().push_back(s.lane);
+    s.lane = detail::solo_communicator(*s.world, true);
+  }
   model.set_replicate_communicator(s.lane);
   s.bound_epoch = s.current.epoch;
   if (connected && s.current.source != 0) detail::copy_state(s, model, optimizer, user_state);
@@ -297,6 +390,11 @@ void ElasticReplicas::sync(FSDPModule& model, torch::optim::Optimizer& optimizer
 
 bool ElasticReplicas::commit() {
   auto& s = *state_;
+  FSDP_CHECK(
+      s.bound_epoch == s.current.epoch, "ElasticReplicas::commit: the membership changed (",
+      s.bound_epoch == 0 ? std::string("the first step") : detail::cat("to ", s.current.epoch),
+      ") and sync() was not called since: call sync(model, optimizer, state) before every "
+      "attempt of a step");
   const auto start = detail::Clock::now();
   const bool ok = !(s.lane && s.lane->impl().loss->lost());
   auto failed = at::tensor({ok ? int64_t{0} : int64_t{1}}, at::kLong);
@@ -304,7 +402,7 @@ bool ElasticReplicas::commit() {
   std::string text;
   if (s.world->rank() == 0)
     text = s.membership->vote(s.current, s.attempt, failed.item<int64_t>() == 0).format();
-  const Decision d = Decision::parse(detail::share(*s.world, text));
+  const Decision d = Decision::parse(detail::share(s, text, 3 * s.world->timeout()));
   ++s.attempt;
   FSDP_CHECK(d.index_of(s.ticket) >= 0, "elastic: replica ", s.options.replica_id,
              " was left out of membership ", d.epoch,

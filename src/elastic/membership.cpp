@@ -115,6 +115,19 @@ bool Membership::stopped(int64_t ticket, Pulse& p) const {
   return beat > 0 && now - p.changed_at >= heartbeat_timeout_;
 }
 
+bool Membership::all_gone(std::vector<Pulse>& pulses) const {
+  if (!store_->check({"latest"})) return false;
+  const Decision d = Decision::parse(get("latest"));
+  if (d.members.empty()) return false;
+  if (pulses.size() != d.members.size()) pulses.assign(d.members.size(), Pulse{});
+  bool all = true;
+  for (size_t i = 0; i < d.members.size(); ++i) {
+    const int64_t t = d.members[i].ticket;
+    if (!gone(t) && !stopped(t, pulses[i])) all = false;
+  }
+  return all;
+}
+
 bool Membership::gone(int64_t ticket) const {
   const std::string k = cat("proc/", ticket);
   if (!store_->check({k})) return false;
@@ -127,22 +140,40 @@ bool Membership::gone(int64_t ticket) const {
   return false;
 }
 
-std::vector<Member> Membership::waiting_joiners(int64_t admitted, int64_t* last) const {
+std::vector<Member> Membership::waiting_joiners(int64_t admitted, int64_t* last,
+                                                const std::vector<Member>& live) const {
   const int64_t n = store_->add("tickets", 0);
   std::vector<Member> out;
   *last = admitted;
+  auto taken = [&](int id) -> const Member* {
+    for (const Member& m : live)
+      if (m.id == id) return &m;
+    for (const Member& m : out)
+      if (m.id == id) return &m;
+    return nullptr;
+  };
   for (int64_t t = admitted + 1; t <= n; ++t) {
     const std::string k = cat("ticket/", t);
     if (!store_->check({k})) break;  // taken but not yet written: the next decision's
     *last = t;
     if (gone(t)) continue;
-    out.push_back({t, std::stoi(get(k))});
+    const int id = std::stoi(get(k));
+    // Two members with one id would train one slice of the data twice: the later one is refused.
+    if (const Member* twin = taken(id)) {
+      store_->set(cat("refused/", t),
+                  bytes(cat("replica id ", id, " belongs to a live member of the job (ticket ",
+                            twin->ticket, "); each replica needs an FSDP_REPLICA_ID of its own")));
+      continue;
+    }
+    out.push_back({t, id});
   }
   return out;
 }
 
 void Membership::publish_admissions(const Decision& before, const Decision& after) {
   const std::string text = after.format();
+  // The membership now, for replicas waiting to join (join() gives up when all of it is gone).
+  if (after.epoch != before.epoch) store_->set("latest", bytes(text));
   for (const Member& m : after.members)
     if (m.ticket > before.admitted) store_->set(cat("admit/", m.ticket), bytes(text));
 }
@@ -159,11 +190,15 @@ Decision Membership::join(int min_replicas, std::chrono::milliseconds join_timeo
   const std::string mine = cat("admit/", ticket_);
   const auto deadline = Clock::now() + join_timeout;
   int64_t joined = 0;
+  const std::string refused = cat("refused/", ticket_);
+  std::vector<Pulse> pulses;  // of the latest membership's members, while this one waits
   for (Backoff b;; b.pause()) {
     if (store_->check({mine})) return Decision::parse(get(mine));
+    FSDP_CHECK(!store_->check({refused}), "elastic: replica ", id_, " (ticket ", ticket_,
+               ") was refused: ", get(refused));
     if (!store_->check({"formed"})) {
       int64_t last = 0;
-      auto first = waiting_joiners(0, &last);
+      auto first = waiting_joiners(0, &last, {});
       joined = static_cast<int64_t>(first.size());
       if (joined >= min_replicas) {
         Decision d;
@@ -179,6 +214,10 @@ Decision Membership::join(int min_replicas, std::chrono::milliseconds join_timeo
     }
     FSDP_CHECK(!store_->check({"finished"}), "elastic: replica ", id_, " (ticket ", ticket_,
                ") arrived after the job finished its training; nothing is left to join");
+    FSDP_CHECK(!all_gone(pulses), "elastic: replica ", id_, " (ticket ", ticket_,
+               ") has nothing to join: every member of the job is gone (their processes exited "
+               "or their heartbeats stopped), so no replica holds the model's state; restart the "
+               "whole job");
     if (Clock::now() < deadline) continue;
     const bool formed = store_->check({"formed"});
     throw Error(
@@ -193,6 +232,30 @@ Decision Membership::join(int min_replicas, std::chrono::milliseconds join_timeo
 }
 
 void Membership::finish() { store_->set("finished", bytes("1")); }
+
+std::string Membership::enter(const Decision& d) {
+  const std::string at = cat("e", d.epoch, "/entered/");
+  store_->set(cat(at, ticket_), bytes("1"));
+  std::vector<bool> in(d.members.size(), false);
+  std::vector<Pulse> pulses(d.members.size());
+  const auto deadline = Clock::now() + timeout_;
+  for (Backoff b;; b.pause()) {
+    if (store_->check({"finished"})) return "finished";
+    bool all = true;
+    for (size_t i = 0; i < in.size(); ++i) {
+      if (in[i]) continue;
+      const int64_t t = d.members[i].ticket;
+      if (store_->check({cat(at, t)})) {
+        in[i] = true;
+        continue;
+      }
+      if (gone(t) || stopped(t, pulses[i])) return "missing";
+      all = false;
+    }
+    if (all) return "go";
+    if (Clock::now() >= deadline) return "missing";
+  }
+}
 
 Decision Membership::vote(const Decision& now, int64_t attempt, bool ok) {
   const std::string at = cat("e", now.epoch, "/a", attempt, "/");
@@ -223,7 +286,7 @@ Decision Membership::vote(const Decision& now, int64_t attempt, bool ok) {
     for (size_t i = 0; i < seen.size(); ++i)
       if (seen[i] == 0 || seen[i] == 1) d.members.push_back(now.members[i]);
     const int64_t source = d.members.empty() ? 0 : d.members.front().ticket;
-    const auto joiners = waiting_joiners(now.admitted, &d.admitted);
+    const auto joiners = waiting_joiners(now.admitted, &d.admitted, d.members);
     d.members.insert(d.members.end(), joiners.begin(), joiners.end());
     // A lost lane must be rebuilt even over the same members: any abort opens a new epoch.
     d.epoch = d.commit && d.members == now.members ? now.epoch : now.epoch + 1;

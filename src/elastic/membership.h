@@ -90,13 +90,23 @@ class Membership {
   // with the same two): returns the decision, this replica among its members or not.
   Decision vote(const Decision& now, int64_t attempt, bool ok);
 
+  // This replica reached the sync of membership `d` (ElasticReplicas::sync); waits until every
+  // member has: "go" then, "missing" when a member's processes are gone, its heartbeat stopped
+  // or the timeout passed (its lanes would not connect), "finished" when a replica finished the
+  // job's training meanwhile.
+  std::string enter(const Decision& d);
+
   // This replica finished its training: the job is over for replicas still waiting to join.
   void finish();
 
   int64_t ticket() const { return ticket_; }
 
  private:
-  std::vector<Member> waiting_joiners(int64_t admitted, int64_t* last) const;
+  // The replicas waiting to join after ticket `admitted` (`last`: the last ticket decided on),
+  // but for those whose processes are gone and those whose id a `live` member or an earlier one
+  // of them has (refused: told so under "refused/<ticket>").
+  std::vector<Member> waiting_joiners(int64_t admitted, int64_t* last,
+                                      const std::vector<Member>& live) const;
   bool gone(int64_t ticket) const;  // its processes on this host are gone
   // What a vote saw of a member's heartbeat.
   struct Pulse {
@@ -107,6 +117,8 @@ class Membership {
   // Its heartbeat has beaten, then stood still for the heartbeat timeout (read at most every
   // 100 ms).
   bool stopped(int64_t ticket, Pulse& p) const;
+  // Every member of the latest membership is gone or stopped (`pulses`: kept across calls).
+  bool all_gone(std::vector<Pulse>& pulses) const;
   void publish_admissions(const Decision& before, const Decision& after);
   std::string get(const std::string& k) const;
 
