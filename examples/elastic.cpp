@@ -56,22 +56,27 @@ std::pair<torch::Tensor, torch::Tensor> batch(const Options& o, int64_t step, in
   return {x, x.sin().sum(1, true)};
 }
 
-// This incarnation dies (SIGKILL) at `step` in `phase` when a --kill names it; a restarted
-// replica (FSDP_REPLICA_RESTART > 0) never does.
+// Rank 0 of this incarnation (FSDP_REPLICA_RESTART) dies (SIGKILL) at `step` in `phase` when a
+// --kill names them; in phase sync, 5 ms into the sync, from another thread.
 void maybe_die(const Options& o, int id, int rank, int64_t step, const std::string& phase) {
   const char* restart = std::getenv("FSDP_REPLICA_RESTART");
-  if (rank != 0 || (restart && std::string(restart) != "0")) return;
+  const std::string incarnation = restart ? restart : "0";
+  if (rank != 0) return;
   for (const auto& k : o.kills) {
     std::istringstream is(k);
-    std::string r, s, p = "backward";
+    std::string r, s, p = "backward", inc = "0";
     std::getline(is, r, ':');
     std::getline(is, s, ':');
     std::getline(is, p, ':');
-    if (std::stoi(r) == id && std::stoll(s) == step && p == phase) {
-      std::cout << "replica " << id << " rank 0: killing itself at step " << step << " (" << phase
-                << ")" << std::endl;
+    std::getline(is, inc, ':');
+    if (std::stoi(r) != id || std::stoll(s) != step || p != phase || inc != incarnation) continue;
+    std::cout << "replica " << id << " rank 0: killing itself at step " << step << " (" << phase
+              << ")" << std::endl;
+    if (phase != "sync") ::kill(::getpid(), SIGKILL);
+    std::thread([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
       ::kill(::getpid(), SIGKILL);
-    }
+    }).detach();
   }
 }
 
@@ -111,6 +116,7 @@ int run(const Options& o) {
   // state[0]: the next step; state[1 + s]: the replicas that took part in step s.
   std::vector<int64_t> state(1 + o.steps, 0);
   while (state[0] < o.steps) {
+    maybe_die(o, id, rank, state[0], "sync");
     replicas.sync(root, opt, state);
     const int64_t step = state[0];
     int64_t took_part = 0;
@@ -167,10 +173,12 @@ int main(int argc, char** argv) {
                  "restarted replica joins while the others train)")
       ->check(CLI::Range(0, 60000));
   app.add_flag("--check", o.check, "compare with the unsharded model in fp64 at the end");
-  app.add_option("--kill", o.kills,
-                 "REPLICA:STEP[:PHASE]: that replica's rank 0 kills itself (SIGKILL) at STEP, "
-                 "before its backward (PHASE backward) or its vote (PHASE vote); first "
-                 "incarnation only");
+  app.add_option(
+      "--kill", o.kills,
+      "REPLICA:STEP[:PHASE[:INCARNATION]]: that replica's rank 0 kills itself "
+      "(SIGKILL) at STEP, before its backward (PHASE backward), before its vote (vote) "
+      "or 5 ms into its sync (sync), in its first launch or the one FSDP_REPLICA_RESTART "
+      "numbers");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(o);

@@ -303,7 +303,8 @@ struct Job {
   }
 };
 
-Job elastic_job(int replicas, int n, std::vector<std::string> args, int restarts = 0) {
+Job elastic_job(int replicas, int n, std::vector<std::string> args, int restarts = 0,
+                const std::string& timeout_s = "60") {
   std::vector<std::string> argv{bin_dir() + "/fsdp-run",
                                 "--replicas",
                                 std::to_string(replicas),
@@ -317,7 +318,7 @@ Job elastic_job(int replicas, int n, std::vector<std::string> args, int restarts
                                 bin_dir() + "/fsdp-elastic-example",
                                 "--check"};
   argv.insert(argv.end(), args.begin(), args.end());
-  return {run_process(argv, 240s, {{"FSDP_TIMEOUT_S", "60"}})};
+  return {run_process(argv, 240s, {{"FSDP_TIMEOUT_S", timeout_s}})};
 }
 
 // Every rank of `replica` that finished matched the unsharded model.
@@ -354,6 +355,19 @@ TEST(ElasticJobTest, ARestartedReplicaCopiesTheStateAndEveryRankMatchesUnsharded
   EXPECT_EQ(j.count("replica 0 rank 0: 16 commits, 1 aborts, 3 memberships"), 1) << j.r.output;
   EXPECT_EQ(j.count("replica 1 rank 0: 16 commits"), 0) << "the new replica trained every step?\n"
                                                         << j.r.output;
+}
+
+TEST(ElasticJobTest, AReplicaDyingWhileItJoinsLeavesTheSurvivorTraining) {
+  // Replica 1 dies at step 2; its relaunch dies 5 ms into its first sync (while the survivor
+  // connects the new lanes with it: that connection waits half the collective timeout); the next
+  // relaunch joins.
+  const Job j = elastic_job(
+      2, 4, {"--steps", "16", "--kill", "1:2", "--kill", "1:0:sync:1", "--pause-ms", "300"}, 2,
+      "10");
+  ASSERT_EQ(j.r.exit_code, 0) << j.r.output;
+  expect_matches(j, 0, 2);
+  expect_matches(j, 1, 2);
+  EXPECT_EQ(j.count("restarting replica 1"), 2) << j.r.output;
 }
 
 TEST(ElasticJobTest, ThreeReplicasLoseTwoAndTakeOneBack) {
