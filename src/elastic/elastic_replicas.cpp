@@ -216,7 +216,6 @@ void copy_state(ElasticState& s, FSDPModule& model, torch::optim::Optimizer& opt
                " values but the member whose state it copies has ", layout[1].item<int64_t>(),
                "; every replica must pass the same state to sync()");
   }
-  if (!keep && layout[1].item<int64_t>() != static_cast<int64_t>(user_state.size())) return;
   for (const at::Tensor& p : params) send(p);
   for (const auto& [name, b] : buffers) send(b);
   auto user = at::tensor(user_state, at::kLong);
