@@ -47,6 +47,11 @@ set(consumer_src ${FSDP_SOURCE_DIR}/examples/consumer)
 # file, 86 s in unity batches), the slowest test of the suite.
 set(configure ${CMAKE_COMMAND} -S ${consumer_src} -B ${WORK_DIR}/build -G ${GENERATOR}
               -DCMAKE_BUILD_TYPE= -DCMAKE_UNITY_BUILD=ON -DCMAKE_CXX_COMPILER=${CXX})
+# A project at C++20 (what LibTorch 2.x's headers need): the wheel's CUDA probe, run while
+# LibTorch is found, must not take the project's C++ standard for CUDA.
+if(TORCH_PREFIX)
+  set(consumer_std -DCMAKE_CXX_STANDARD=20)
+endif()
 if(MODE STREQUAL "install")
   step("cmake --install" ${CMAKE_COMMAND} --install ${FSDP_BUILD_DIR} --prefix ${WORK_DIR}/prefix)
   foreach(f include/fsdp/fsdp.h include/fsdp/checkpoint.h lib/cmake/fsdp/fsdpConfig.cmake
@@ -57,7 +62,8 @@ if(MODE STREQUAL "install")
   endforeach()
   # Only the prefix: the package must find the LibTorch it was built with itself, also where
   # another version is installed in the system's paths (OTHER_TORCH_DIR).
-  step("configure (find_package)" ${configure} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+  step("configure (find_package)" ${configure} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
+       ${consumer_std})
   if(NOT EXISTS "${OTHER_TORCH_DIR}/TorchConfig.cmake")
     message(FATAL_ERROR "consumer (install): no other LibTorch to check the package against at "
                         "'${OTHER_TORCH_DIR}'; scripts/setup.sh --test installs Debian's "
@@ -89,7 +95,8 @@ if(MODE STREQUAL "install")
   file(WRITE ${WORK_DIR}/prefix/lib/cmake/fsdp/fsdpConfig.cmake "${config_text}")
   endif()
 elseif(MODE STREQUAL "subdirectory")
-  step("configure (add_subdirectory)" ${configure} -DFSDP_SOURCE_DIR=${FSDP_SOURCE_DIR})
+  step("configure (add_subdirectory)" ${configure} -DFSDP_SOURCE_DIR=${FSDP_SOURCE_DIR}
+       ${consumer_std})
   if(EXISTS ${WORK_DIR}/build/fsdp-cpp/tests OR EXISTS ${WORK_DIR}/build/fsdp-cpp/bin)
     message(FATAL_ERROR "consumer (subdirectory): fsdp-cpp generated its tests or programs in "
                         "a subproject; they must be built only when top-level or asked for")
