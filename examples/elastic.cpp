@@ -47,7 +47,18 @@ struct Options {
   int steps = 10, width = 16, depth = 3, batch = 4, pause_ms = 0;
   bool check = false;
   std::vector<std::string> kills;  // "replica:step[:phase]", phase backward (default) or vote
+  std::vector<std::string> stops;  // "replica:step": that replica leaves its loop there
 };
+
+// Whether a --stop names replica `id` at `step`: its ranks leave the training loop and return
+// normally, as a trainer stopped by SIGTERM does, without finish(); the others go on without it.
+bool stops_at(const Options& o, int id, int64_t step) {
+  for (const auto& k : o.stops) {
+    const auto colon = k.find(':');
+    if (std::stoi(k.substr(0, colon)) == id && std::stoll(k.substr(colon + 1)) == step) return true;
+  }
+  return false;
+}
 
 // Rank `rank` of replica `id`'s batch at `step`: the same on every run.
 std::pair<torch::Tensor, torch::Tensor> batch(const Options& o, int64_t step, int id, int rank) {
@@ -116,6 +127,11 @@ int run(const Options& o) {
   // state[0]: the next step; state[1 + s]: the replicas that took part in step s.
   std::vector<int64_t> state(1 + o.steps, 0);
   while (state[0] < o.steps) {
+    if (stops_at(o, id, state[0])) {
+      std::cout << "replica " << id << " rank " << rank << ": stopped at step " << state[0]
+                << std::endl;
+      return 0;
+    }
     maybe_die(o, id, rank, state[0], "sync");
     replicas.sync(root, opt, state);
     const int64_t step = state[0];
@@ -139,6 +155,7 @@ int run(const Options& o) {
     opt.zero_grad();
     if (o.pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.pause_ms));
   }
+  replicas.finish();  // replicas still waiting to join are told the training is done
   const auto& st = replicas.stats();
   std::ostringstream summary;
   summary << "replica " << id << " rank " << rank << ": " << st.commits << " commits, " << st.aborts
@@ -179,6 +196,16 @@ int main(int argc, char** argv) {
       "(SIGKILL) at STEP, before its backward (PHASE backward), before its vote (vote) "
       "or 5 ms into its sync (sync), in its first launch or the one FSDP_REPLICA_RESTART "
       "numbers");
+  app.add_option("--stop", o.stops,
+                 "REPLICA:STEP: that replica's ranks leave the training loop at STEP and exit "
+                 "normally (as a trainer stopped by SIGTERM), without finish()")
+      ->check([](const std::string& v) {
+        const auto colon = v.find(':');
+        const bool ok = colon != std::string::npos && colon > 0 && colon + 1 < v.size() &&
+                        v.find_first_not_of("0123456789:") == std::string::npos &&
+                        v.find(':', colon + 1) == std::string::npos;
+        return ok ? std::string() : "expected REPLICA:STEP, e.g. 1:3";
+      });
   CLI11_PARSE(app, argc, argv);
   try {
     return run(o);

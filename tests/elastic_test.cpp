@@ -86,6 +86,28 @@ TEST(MembershipTest, AVoteThatFailsAbortsAndRebuildsOverTheSameMembers) {
   EXPECT_EQ(d.source, 0);  // nobody new: nothing to copy
 }
 
+TEST(MembershipTest, VotesTwoDecisionsOldAreDeletedAndEveryDecisionStays) {
+  // A month-long job must not grow the coordinator by every vote of every step.
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Membership a(store, 0, alive(), 5s), b(store, 1, alive(), 5s);
+  Decision now = form(a, b);
+  for (int64_t attempt = 0; attempt < 4; ++attempt) {
+    auto vb = std::async(std::launch::async, [&] { return b.vote(now, attempt, true); });
+    const Decision d = a.vote(now, attempt, true);
+    ASSERT_EQ(vb.get().format(), d.format());
+    ASSERT_TRUE(d.commit);
+    ASSERT_EQ(d.epoch, now.epoch);
+  }
+  const std::string e = "e" + std::to_string(now.epoch);
+  for (int64_t attempt = 0; attempt < 4; ++attempt) {
+    const std::string at = e + "/a" + std::to_string(attempt) + "/";
+    const bool kept = attempt >= 2;  // the last two decisions' votes
+    for (const auto& m : now.members)
+      EXPECT_EQ(store->check({at + "vote/" + std::to_string(m.ticket)}), kept) << at;
+    EXPECT_TRUE(store->check({at + "decision"})) << at;
+  }
+}
+
 TEST(MembershipTest, AMemberWhoseProcessIsGoneIsLeftOutWithoutWaitingForTheTimeout) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   Membership a(store, 0, alive(), 60s), b(store, 1, alive(), 60s);
@@ -343,6 +365,16 @@ TEST(ElasticJobTest, AReplicaKilledBeforeItsVoteIsLeftOutAndTheSurvivorMatchesUn
   ASSERT_EQ(j.r.exit_code, 0) << j.r.output;
   expect_matches(j, 0, 2);
   EXPECT_EQ(j.count("\\[replica 0 rank 0\\] step 4 thrown away"), 1) << j.r.output;
+}
+
+TEST(ElasticJobTest, AReplicaThatStopsEarlyAndExitsNormallyLeavesTheOthersTraining) {
+  // As a trainer stopped by SIGTERM: it returns from its loop without finish(). Its exit must not
+  // tell the survivor that the job finished (the survivor then looped on thrown-away steps).
+  const Job j = elastic_job(2, 4, {"--steps", "8", "--stop", "1:3"});
+  ASSERT_EQ(j.r.exit_code, 0) << j.r.output;
+  EXPECT_EQ(j.count("replica 1 rank [01]: stopped at step 3"), 2) << j.r.output;
+  expect_matches(j, 0, 2);
+  EXPECT_EQ(j.count("replica 0 rank 0: 8 commits"), 1) << j.r.output;
 }
 
 TEST(ElasticJobTest, ARestartedReplicaCopiesTheStateAndEveryRankMatchesUnsharded) {

@@ -24,6 +24,7 @@
 //     if (replicas.commit()) { opt.step(); ++state[0]; }
 //     opt.zero_grad();                              // committed or thrown away
 //   }
+//   replicas.finish();                              // the training is done
 //
 // Thread-safety: one thread per rank, the one that trains.
 #pragma once
@@ -93,6 +94,12 @@ class ElasticReplicas {
   // Throws fsdp::Error when this replica was left out of the membership (it reached the vote
   // after the others gave up on it): restart it to rejoin.
   bool commit();
+
+  // After the last committed step: the job's training is done, and replicas still waiting to join
+  // are told so (they stop by name instead of waiting out their join timeout). A replica that
+  // ends otherwise (stopped by a signal, failed) must not call it: the others go on without it.
+  // Rank 0 of the replica tells the coordinator; a coordinator gone already is ignored.
+  void finish();
 
   int replica_id() const;
   int64_t epoch() const;                // the membership's number: 1 at the job's formation

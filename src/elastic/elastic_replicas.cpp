@@ -41,6 +41,8 @@ struct ElasticState {
   int64_t attempt = 0;                              // votes taken in the current epoch
   int64_t bound_epoch = 0;                          // whose lanes the model carries
   bool is_new = true;                               // has not yet copied a member's state
+  int64_t fruitless = 0;     // attempts thrown away in a row with the members unchanged
+  std::string lane_failure;  // why the last of them failed
   std::shared_ptr<Communicator> solo, lane;
   ElasticReplicas::Stats stats;
 };
@@ -144,7 +146,16 @@ bool all_connected(ElasticState& s, bool mine) {
   bool all = true;
   for (int r = 0; r < s.world->size(); ++r) {
     const std::string k = cat(key, "/", r);
-    store.wait({k}, 2 * s.world->timeout());
+    try {
+      store.wait({k}, 2 * s.world->timeout());
+    } catch (const std::exception& e) {
+      throw CommError(cat("elastic: rank ", s.world->rank(), " of replica ", s.options.replica_id,
+                          " did not hear from rank ", r,
+                          " whether its lanes of the new membership connected (waiting at most ",
+                          2 * s.world->timeout().count() / 1000.0, " s): ", e.what(),
+                          "; that rank is stuck or gone, and this replica stops: restart it to "
+                          "join again"));
+    }
     all = all && store.get(k) == std::vector<uint8_t>{1};
   }
   return all;
@@ -243,10 +254,22 @@ void copy_state(ElasticState& s, FSDPModule& model, torch::optim::Optimizer& opt
   }
 }
 
+// Consecutive attempts that may be thrown away with the members unchanged before the job stops.
+constexpr int64_t kMaxFruitlessAttempts = 5;
+
+std::string ids_of(const Decision& d) {
+  std::string out;
+  for (const auto& m : d.members) out += (out.empty() ? "" : ", ") + std::to_string(m.id);
+  return out;
+}
+
+// The replica's processes on its leader's host: a pid is only probed on the host it runs on (a
+// replica spanning hosts would be taken for gone by a probe of another host's pid here).
 ReplicaProcesses processes_of(const Communicator& world) {
   ReplicaProcesses p;
   p.host = this_host();
-  for (const PeerInfo& peer : world.peers()) p.pids.push_back(peer.pid);
+  for (const PeerInfo& peer : world.peers())
+    if (peer.host == p.host) p.pids.push_back(peer.pid);
   if (p.pids.empty()) p.pids.push_back(::getpid());
   return p;
 }
@@ -331,16 +354,17 @@ ElasticReplicas::ElasticReplicas(std::shared_ptr<Communicator> replica, ElasticO
   s.stats.memberships = 1;
 }
 
-ElasticReplicas::~ElasticReplicas() {
-  // A replica that ends normally (its training done) ends the job: replicas still waiting to join
-  // are told so instead of waiting out their join timeout.
+// Only finish() ends the job: a replica that returns from its training early (SIGTERM, a stop
+// flag) must leave as a dead one does, or the survivors would find the job finished mid-training.
+ElasticReplicas::~ElasticReplicas() = default;
+
+void ElasticReplicas::finish() {
   auto& s = *state_;
-  if (s.membership && std::uncaught_exceptions() == 0) {
-    try {
-      s.membership->finish();
-    } catch (const std::exception&) {
-      // The coordinator is gone already: nobody is left to tell.
-    }
+  if (!s.membership) return;
+  try {
+    s.membership->finish();
+  } catch (const std::exception&) {
+    // The coordinator is gone already: nobody is left to tell.
   }
 }
 
@@ -365,9 +389,15 @@ void ElasticReplicas::sync(FSDPModule& model, torch::optim::Optimizer& optimizer
   FSDP_CHECK(!(s.is_new && word == "finished"), "elastic: replica ", s.options.replica_id,
              " (ticket ", s.ticket,
              ") arrived after the job finished its training; nothing is left to join");
+  FSDP_CHECK(word != "finished", "elastic: replica ", s.options.replica_id,
+             " is still training (membership ", s.current.epoch,
+             ") but another replica called finish(): the replicas disagree on the number of "
+             "steps; give every replica the same step count, and call finish() only after the "
+             "last committed step");
   s.lane = word == "go" ? detail::connect_lane(s, s.current) : nullptr;
   const bool connected = detail::all_connected(s, s.lane != nullptr);
   if (!connected) {
+    s.lane_failure = "its lanes did not connect";
     if (s.lane) detail::retired_lanes().push_back(s.lane);
     s.lane = detail::solo_communicator(*s.world, true);
   }
@@ -396,6 +426,7 @@ bool ElasticReplicas::commit() {
       "attempt of a step");
   const auto start = detail::Clock::now();
   const bool ok = !(s.lane && s.lane->impl().loss->lost());
+  if (!ok) s.lane_failure = s.lane->impl().loss->reason();
   auto failed = at::tensor({ok ? int64_t{0} : int64_t{1}}, at::kLong);
   s.world->all_reduce(failed, ReduceOp::kSum).wait();
   std::string text;
@@ -408,6 +439,18 @@ bool ElasticReplicas::commit() {
              ": the other replicas did not receive its vote within the timeout (",
              s.world->timeout().count() / 1000.0,
              " s) and went on without it; restart it to join again");
+  // Attempts thrown away while the members stay the same (nobody died or joined): lanes that
+  // never connect (replicas that cannot reach each other) would otherwise loop for ever. Every
+  // member counts the same decisions, so all stop at the same attempt.
+  s.fruitless = !d.commit && d.members == s.current.members ? s.fruitless + 1 : 0;
+  if (s.fruitless == 0) s.lane_failure.clear();
+  FSDP_CHECK(s.fruitless < detail::kMaxFruitlessAttempts, "elastic: replica ", s.options.replica_id,
+             ": ", s.fruitless,
+             " step attempts in a row were thrown away with the same members (replicas ",
+             detail::ids_of(d), "): no replica died or joined, but the lanes between them failed (",
+             s.lane_failure.empty() ? std::string("on another replica") : s.lane_failure,
+             "); check that the replicas' hosts reach each other (FSDP_SOCKET_IFNAME names the "
+             "interface) and FSDP_TIMEOUT_S");
   if (d.epoch != s.current.epoch) {
     s.attempt = 0;
     ++s.stats.memberships;

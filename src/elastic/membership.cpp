@@ -77,7 +77,9 @@ Heartbeat::Heartbeat(c10::intrusive_ptr<c10d::Store> store, int64_t ticket,
       try {
         store->add(key, 1);
       } catch (const std::exception&) {
-        return;  // the coordinator is gone: the votes will say so
+        // A store error (the coordinator slow, or gone): tried again next period. One failed
+        // beat must not stop the pulse of a live replica; if the coordinator is gone, the votes
+        // say so.
       }
       wake_.wait_for(lock, period, [this] { return stop_; });
     }
@@ -294,7 +296,30 @@ Decision Membership::vote(const Decision& now, int64_t attempt, bool ok) {
   }
   const Decision out = Decision::parse(text(store_->compareSet(decided, {}, bytes(d.format()))));
   publish_admissions(now, out);
+  forget_old(at, now);
   return out;
+}
+
+void Membership::forget_old(const std::string& attempt_keys, const Decision& voted_on) {
+  std::vector<std::string> keys;
+  for (const auto& m : voted_on.members) {
+    keys.push_back(cat(attempt_keys, "vote/", m.ticket));
+    keys.push_back(cat("e", voted_on.epoch, "/entered/", m.ticket));  // kept while the epoch lasts
+  }
+  spent_.push_back(std::move(keys));
+  if (spent_.size() <= 2) return;
+  const std::vector<std::string> old = std::move(spent_.front());
+  spent_.pop_front();
+  const std::string live_epoch = cat("e", voted_on.epoch, "/");
+  for (const auto& k : old) {
+    // The epoch's entered keys go once the epoch is two decisions behind too.
+    if (k.rfind(live_epoch, 0) == 0 && k.find("/entered/") != std::string::npos) continue;
+    try {
+      store_->deleteKey(k);
+    } catch (const std::exception&) {
+      // A coordinator that cannot delete is no worse off than before: the keys stay.
+    }
+  }
 }
 
 }  // namespace fsdp::detail

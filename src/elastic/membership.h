@@ -19,6 +19,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -56,8 +57,8 @@ struct ReplicaProcesses {
 // A replica leader's pulse: a counter in the store ("beat/<ticket>") raised every `period` from a
 // thread of its own, on a store client of its own, so that a step's computation never delays it.
 // A member whose pulse stops (its process dead or hung, on any host) is left out of a vote after
-// the heartbeat timeout instead of the whole collective timeout. Stops with the object, or at the
-// first error (the coordinator gone).
+// the heartbeat timeout instead of the whole collective timeout. Stops with the object; a beat that
+// fails (the coordinator slow or gone) is tried again the next period.
 class Heartbeat {
  public:
   Heartbeat(c10::intrusive_ptr<c10d::Store> store, int64_t ticket,
@@ -121,12 +122,19 @@ class Membership {
   bool all_gone(std::vector<Pulse>& pulses) const;
   void publish_admissions(const Decision& before, const Decision& after);
   std::string get(const std::string& k) const;
+  // Deletes the votes this leader took part in two decisions ago, and the sync keys of epochs
+  // that ended: nobody reads them again (a leader reads an attempt's votes only while it has no
+  // decision, and each decision stays). The decisions themselves stay (one short key per step
+  // attempt): a leader that hung and resumes must find the decision that left it out, not an
+  // empty key it could fill with a membership of its own.
+  void forget_old(const std::string& attempt_keys, const Decision& voted_on);
 
   c10::intrusive_ptr<c10d::Store> store_;
   int id_;
   ReplicaProcesses self_;
   std::chrono::milliseconds timeout_, heartbeat_timeout_;
   int64_t ticket_ = 0;
+  std::deque<std::vector<std::string>> spent_;  // the keys of each recent vote, oldest first
 };
 
 }  // namespace fsdp::detail

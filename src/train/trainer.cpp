@@ -166,12 +166,13 @@ class Trainer {
                "that dies is replaced from a survivor's state, not from a checkpoint); drop them, "
                "or train without fsdp-run --replicas");
     const ElasticOptions options = ElasticOptions::from_env();
-    elastic_ = std::make_unique<ElasticReplicas>(comm_, options);
-    data_world_ = options.min_replicas * world_;
-    data_rank_ = options.replica_id * world_ + rank_;
+    // Before joining: a replica admitted and then stopped would cost the others a membership.
     FSDP_CHECK(options.replica_id < options.min_replicas, "elastic: replica id ",
                options.replica_id, " is not below FSDP_MIN_REPLICAS=", options.min_replicas,
                ": the global batch is spread over that many replicas");
+    elastic_ = std::make_unique<ElasticReplicas>(comm_, options);
+    data_world_ = options.min_replicas * world_;
+    data_rank_ = options.replica_id * world_ + rank_;
     const char* restart = std::getenv("FSDP_REPLICA_RESTART");
     if (cfg_.run_dir.empty()) cfg_.run_dir = default_run_dir();
     cfg_.run_dir =
@@ -282,6 +283,9 @@ class Trainer {
         break;
       }
     }
+    // The job's training is done: replicas waiting to join are told so. Not when stopped early:
+    // the other replicas go on without this one.
+    if (elastic_ && !stopped_) elastic_->finish();
 #if FSDP_TRAIN_HAVE_CHECKPOINT
     if (checkpoints_) checkpoints_->finish();  // --async-save: the last save commits before the end
 #endif
