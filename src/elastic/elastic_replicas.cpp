@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "comm/address.h"
 #include "comm/communicator_impl.h"
 #include "comm/failure.h"
 #include "comm/lane_loss.h"
@@ -44,6 +45,9 @@ struct ElasticState {
   int64_t fruitless = 0;     // attempts thrown away in a row with the members unchanged
   std::string lane_failure;  // why the last of them failed
   std::shared_ptr<Communicator> solo, lane;
+  // The address the lanes bind and advertise: this host's route to the coordinator (which every
+  // replica reaches), not the replica's own rendezvous address (loopback for a one-rank replica).
+  std::string lane_host;
   ElasticReplicas::Stats stats;
 };
 
@@ -91,8 +95,8 @@ std::vector<std::shared_ptr<Communicator>>& retired_lanes() {
 
 std::shared_ptr<Communicator> lossy_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
                                                  c10::intrusive_ptr<c10d::Store> store,
-                                                 const Communicator& world,
-                                                 const std::string& name) {
+                                                 const Communicator& world, const std::string& name,
+                                                 const std::string& host) {
   auto impl = std::make_unique<Communicator::Impl>();
   impl->rank = pg->getRank();
   impl->size = pg->getSize();
@@ -103,7 +107,7 @@ std::shared_ptr<Communicator> lossy_communicator(c10::intrusive_ptr<c10d::Proces
   // this replica's own collectives, whose ranks may be waiting for this one, still wait.
   impl->timeout = world.timeout() / 2;
   impl->name = name;
-  impl->bind_host = world.impl().bind_host;
+  impl->bind_host = host;
   impl->peers = std::make_shared<const std::vector<PeerInfo>>();
   impl->requested = Transport::kCollective;  // the backend's collectives only (lane_loss.h)
   impl->loss = std::make_shared<LaneLoss>();
@@ -120,9 +124,10 @@ std::shared_ptr<Communicator> connect_lane(const ElasticState& s, const Decision
   try {
     auto pg =
         compat::make_process_group(store, d.index_of(s.ticket), static_cast<int>(d.members.size()),
-                                   timeout, "gloo", w.impl().bind_host);
+                                   timeout, "gloo", s.lane_host);
     if (pg->getSize() > 1) pg->barrier()->wait(timeout);
-    auto lane = lossy_communicator(std::move(pg), store, w, cat("replicas.e", d.epoch));
+    auto lane =
+        lossy_communicator(std::move(pg), store, w, cat("replicas.e", d.epoch), s.lane_host);
     // The model's lanes of it (CommContext::rebind_replicate), connected here: a member lost now
     // fails this connection, not the rebind.
     lane->lane("fsdp.replicate");
@@ -164,7 +169,7 @@ bool all_connected(ElasticState& s, bool mine) {
 std::shared_ptr<Communicator> solo_communicator(const Communicator& world, bool lost) {
   c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
   auto pg = compat::make_process_group(store, 0, 1, world.timeout(), "gloo", "127.0.0.1");
-  auto c = lossy_communicator(std::move(pg), store, world, "replicas.solo");
+  auto c = lossy_communicator(std::move(pg), store, world, "replicas.solo", "127.0.0.1");
   if (lost) c->impl().loss->mark("the lane of this membership did not connect");
   return c;
 }
@@ -332,6 +337,8 @@ ElasticReplicas::ElasticReplicas(std::shared_ptr<Communicator> replica, ElasticO
   s.world = std::move(replica);
   s.options = std::move(options);
   s.coordinator = detail::connect_coordinator(s.options, s.world->timeout());
+  s.lane_host =
+      detail::advertised_address(s.options.coordinator.substr(0, s.options.coordinator.rfind(':')));
   std::string text;
   if (s.world->rank() == 0) {
     s.membership = std::make_unique<detail::Membership>(
