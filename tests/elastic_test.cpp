@@ -19,6 +19,7 @@
 #include "compat.h"
 #include "elastic/membership.h"
 #include "harness.h"
+#include "netns.h"
 
 namespace fsdp::testing {
 namespace {
@@ -409,6 +410,49 @@ TEST(ElasticJobTest, ThreeReplicasLoseTwoAndTakeOneBack) {
   expect_matches(j, 1, 1);
   EXPECT_EQ(j.count("WRONG"), 0) << j.r.output;
   EXPECT_EQ(j.count("replica 2 stays down"), 1) << j.r.output;
+}
+
+TEST(ElasticJobTest, OneRankReplicasOnTwoHostsTrainTogether) {
+  // Two "hosts" (network namespaces): the coordinator and replica 0 on 10.99.0.1, replica 1 on
+  // 10.99.0.2, each replica one rank (its own rendezvous is loopback). The lanes between them
+  // must bind the route to the coordinator, not the replica's loopback.
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to create network namespaces";
+  Namespaces ns(::getpid());
+  if (auto e = ns.create(); !e.empty()) GTEST_SKIP() << "cannot build the namespaces: " << e;
+  const std::string port = std::to_string(free_port());
+  auto in = [](const std::string& n, std::vector<std::string> argv) {
+    argv.insert(argv.begin(), {"ip", "netns", "exec", n});
+    return argv;
+  };
+  auto coordinator = std::async(std::launch::async, [&] {
+    return run_process(in(ns.a, {bin_dir() + "/fsdp-coordinator", "--port", port}), 120s);
+  });
+  auto replica = [&](int id, const std::string& n) {
+    return std::async(std::launch::async, [&, id, n] {
+      return run_process(in(n, {bin_dir() + "/fsdp-elastic-example", "--check", "--steps", "6"}),
+                         100s,
+                         {{"FSDP_ELASTIC_COORDINATOR", "10.99.0.1:" + port},
+                          {"FSDP_REPLICA_ID", std::to_string(id)},
+                          {"FSDP_MIN_REPLICAS", "2"},
+                          {"FSDP_TIMEOUT_S", "10"},
+                          {"WORLD_SIZE", "1"},
+                          {"RANK", "0"},
+                          {"LOCAL_RANK", "0"},
+                          {"FSDP_SOCKET_IFNAME", ""},
+                          {"GLOO_SOCKET_IFNAME", ""}});
+    });
+  };
+  std::this_thread::sleep_for(300ms);  // the coordinator serves before the replicas connect
+  auto r0 = replica(0, ns.a);
+  auto r1 = replica(1, ns.b);
+  const ProcResult a = r0.get(), b = r1.get();
+  run_process({"ip", "netns", "exec", ns.a, "pkill", "-f", "fsdp-coordinator --port " + port}, 10s);
+  coordinator.get();
+  for (const ProcResult* r : {&a, &b}) {
+    EXPECT_EQ(r->exit_code, 0) << r->output;
+    EXPECT_NE(r->output.find("6 commits, 0 aborts, 1 memberships"), std::string::npos) << r->output;
+    EXPECT_NE(r->output.find("(within 1e-10)"), std::string::npos) << r->output;
+  }
 }
 
 TEST(ElasticJobTest, WithoutTheCoordinatorVariablesTheProgramSaysWhatToSet) {

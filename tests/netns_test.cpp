@@ -3,6 +3,8 @@
 // to a loopback address). Two ranks train a tiny sharded GPT across the link; then the link is cut
 // and both ranks must exit with a collective error within FSDP_TIMEOUT_S + 5 s.
 // Needs root (ip netns); skipped otherwise.
+#include "netns.h"
+
 #include <fcntl.h>
 #include <fsdp/fsdp.h>
 #include <fsdp/init.h>
@@ -68,46 +70,6 @@ std::string slurp(const std::string& path) {
   ss << f.rdbuf();
   return ss.str();
 }
-
-// Runs `ip args...`; returns "" on success, else the command and its output.
-std::string ip(std::vector<std::string> args) {
-  args.insert(args.begin(), "ip");
-  auto r = run_process(args, 10s);
-  if (r.exit_code == 0) return "";
-  std::string cmd;
-  for (const auto& a : args) cmd += a + " ";
-  return cmd + ": " + r.output;
-}
-
-struct Namespaces {
-  std::string a, b, va, vb;
-  explicit Namespaces(int id)
-      : a("fsdpA" + std::to_string(id)),
-        b("fsdpB" + std::to_string(id)),
-        va("fva" + std::to_string(id % 100000)),
-        vb("fvb" + std::to_string(id % 100000)) {}
-  std::string create() {
-    for (auto cmd : std::vector<std::vector<std::string>>{
-             {"netns", "add", a},
-             {"netns", "add", b},
-             {"link", "add", va, "type", "veth", "peer", "name", vb},
-             {"link", "set", va, "netns", a},
-             {"link", "set", vb, "netns", b},
-             {"-n", a, "addr", "add", "10.99.0.1/24", "dev", va},
-             {"-n", b, "addr", "add", "10.99.0.2/24", "dev", vb},
-             {"-n", a, "link", "set", "lo", "up"},
-             {"-n", b, "link", "set", "lo", "up"},
-             {"-n", a, "link", "set", va, "up"},
-             {"-n", b, "link", "set", vb, "up"}}) {
-      if (auto e = ip(cmd); !e.empty()) return e;
-    }
-    return "";
-  }
-  ~Namespaces() {
-    ip({"netns", "del", a});
-    ip({"netns", "del", b});
-  }
-};
 
 struct RankProc {
   pid_t pid = -1;
