@@ -301,21 +301,18 @@ Decision Membership::vote(const Decision& now, int64_t attempt, bool ok) {
 }
 
 void Membership::forget_old(const std::string& attempt_keys, const Decision& voted_on) {
-  std::vector<std::string> keys;
-  for (const auto& m : voted_on.members) {
-    keys.push_back(cat(attempt_keys, "vote/", m.ticket));
-    keys.push_back(cat("e", voted_on.epoch, "/entered/", m.ticket));  // kept while the epoch lasts
-  }
-  spent_.push_back(std::move(keys));
+  Voted now{attempt_keys, voted_on.epoch, {}};
+  for (const auto& m : voted_on.members) now.tickets.push_back(m.ticket);
+  spent_.push_back(std::move(now));
   if (spent_.size() <= 2) return;
-  const std::vector<std::string> old = std::move(spent_.front());
+  const Voted old = std::move(spent_.front());
   spent_.pop_front();
-  const std::string live_epoch = cat("e", voted_on.epoch, "/");
-  for (const auto& k : old) {
-    // The epoch's entered keys go once the epoch is two decisions behind too.
-    if (k.rfind(live_epoch, 0) == 0 && k.find("/entered/") != std::string::npos) continue;
+  // Its sync keys too once its epoch has ended (they are read while the epoch is entered).
+  const bool epoch_ended = old.epoch != voted_on.epoch;
+  for (int64_t t : old.tickets) {
     try {
-      store_->deleteKey(k);
+      store_->deleteKey(cat(old.attempt, "vote/", t));
+      if (epoch_ended) store_->deleteKey(cat("e", old.epoch, "/entered/", t));
     } catch (const std::exception&) {
       // A coordinator that cannot delete is no worse off than before: the keys stay.
     }

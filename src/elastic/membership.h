@@ -134,7 +134,12 @@ class Membership {
   ReplicaProcesses self_;
   std::chrono::milliseconds timeout_, heartbeat_timeout_;
   int64_t ticket_ = 0;
-  std::deque<std::vector<std::string>> spent_;  // the keys of each recent vote, oldest first
+  struct Voted {          // a vote this leader took part in
+    std::string attempt;  // its keys' prefix, "e<epoch>/a<attempt>/"
+    int64_t epoch = 0;
+    std::vector<int64_t> tickets;  // the members voting
+  };
+  std::deque<Voted> spent_;  // the recent ones, oldest first
 };
 
 }  // namespace fsdp::detail
