@@ -2,7 +2,8 @@
 // (every dtype, sizes around and across the slot size, ring wrap-around, several jobs in flight on
 // both lanes at once, in place and not) bitwise against the collective transport of a lane that
 // does not use it; ranks that disagree on a collective's sizes fail naming both streams; the choice
-// of transport by FSDP_TRANSPORT; nothing left in /dev/shm.
+// of transport by FSDP_TRANSPORT; nothing left in /dev/shm; jobs that nobody waits for, or that
+// the ranks wait for in different orders on the two lanes, still complete; a wait's own limit.
 #include "comm/shm_exchange.h"
 
 #include <ATen/ATen.h>
@@ -14,8 +15,10 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/communicator_impl.h"
@@ -205,6 +208,97 @@ TEST(ShmExchange, RanksThatDisagreeOnSizesFailNamingBothStreams) {
                       c->rank() == 0 ? "400-byte stream" : "480-byte stream"});
         EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
                   10.0);
+      },
+      opt);
+}
+
+// Collectives larger than a channel holds (8 MiB per rank against 1 MiB of slots per peer), so
+// that no rank finishes one without its peer running it too.
+constexpr int64_t kBeyondChannel = int64_t{2} << 20;  // floats
+
+// All-gather and reduce-scatter values from rank r: exact sums either way.
+at::Tensor ramp(int64_t n, int r) { return at::arange(n, at::kFloat).fmod(1000) + 1000 * r; }
+
+// Rank 0 waits for its all-gather first, rank 1 for its reduce-scatter: each waits on the lane
+// the other's thread is not running. The exchange's worker runs a job that nobody has run for
+// ExchangeWorker::kBackstop, so both complete (with the waits alone, each rank would wait for the
+// other until the collective timeout).
+TEST(ShmExchange, RanksThatWaitForTheTwoLanesInDifferentOrdersBothComplete) {
+  SKIP_WITHOUT_SHM_ROOM();
+  RunOptions opt;
+  opt.collective_timeout_s = 30;
+  run_ranks(
+      2,
+      [](Rank& r) {
+        auto c = r.world();
+        ASSERT_EQ(c->transport(), Transport::kShm);
+        const int64_t n = kBeyondChannel;
+        const at::Tensor rs_in = at::cat({ramp(n, c->rank()), ramp(n, c->rank())});
+        const at::Tensor rs_out = at::empty({n}), ag_out = at::empty({2 * n});
+        const auto start = std::chrono::steady_clock::now();
+        Work rs = c->reduce_scatter(rs_out, rs_in, ReduceOp::kSum);
+        Work ag = c->all_gather(ag_out, ramp(n, c->rank()));
+        if (c->rank() == 0) {
+          ag.wait();
+          rs.wait();
+        } else {
+          rs.wait();
+          ag.wait();
+        }
+        EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                  10.0);
+        EXPECT_TRUE(at::equal(rs_out, ramp(n, 0) + ramp(n, 1)));
+        EXPECT_TRUE(at::equal(ag_out, at::cat({ramp(n, 0), ramp(n, 1)})));
+      },
+      opt);
+}
+
+// Rank 1 issues an all-gather and waits for it only after rank 0 has finished its own (a Gloo
+// all-reduce in between tells it so): the worker's thread moves rank 1's part meanwhile.
+TEST(ShmExchange, ACollectiveNobodyWaitsForYetStillProgresses) {
+  SKIP_WITHOUT_SHM_ROOM();
+  RunOptions opt;
+  opt.collective_timeout_s = 30;
+  run_ranks(
+      2,
+      [](Rank& r) {
+        auto c = r.world();
+        ASSERT_EQ(c->transport(), Transport::kShm);
+        const int64_t n = kBeyondChannel;
+        const at::Tensor out = at::empty({2 * n});
+        Work ag = c->all_gather(out, ramp(n, c->rank()));
+        at::Tensor flag = at::ones({1}, at::kDouble);
+        if (c->rank() == 0) ag.wait();
+        c->all_reduce(flag, ReduceOp::kSum).wait();  // rank 1: only once rank 0 has its result
+        ag.wait();
+        EXPECT_EQ(flag.item<double>(), 2.0);
+        EXPECT_TRUE(at::equal(out, at::cat({ramp(n, 0), ramp(n, 1)})));
+      },
+      opt);
+}
+
+// A wait with a limit shorter than the collective's own gives up at that limit, naming it, while
+// the peer has not issued the collective: the thread that waits does not run the job past it.
+TEST(ShmExchange, AWaitGivesUpAtItsOwnLimit) {
+  SKIP_WITHOUT_SHM_ROOM();
+  RunOptions opt;
+  opt.collective_timeout_s = 20;
+  run_ranks(
+      2,
+      [](Rank& r) {
+        auto c = r.world();
+        ASSERT_EQ(c->transport(), Transport::kShm);
+        if (c->rank() == 1) {  // never issues it
+          std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+          return;
+        }
+        const at::Tensor out = at::empty({2 * kBeyondChannel});
+        Work ag = c->all_gather(out, ramp(kBeyondChannel, 0));
+        const auto start = std::chrono::steady_clock::now();
+        expect_error([&] { ag.wait(std::chrono::milliseconds(500)); },
+                     {"all_gather of", "within 0.5 s"});
+        EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                  5.0);
       },
       opt);
 }

@@ -43,11 +43,6 @@ using shm::kSlots;
 using shm::SlotTag;
 // An idle rank wakes at least this often to check its peers' processes and its deadline.
 constexpr auto kTick = std::chrono::milliseconds(20);
-// How long an idle rank watches its doorbell before it sleeps on it. fsdp-bench --comm at N=4,
-// 1-64 MiB, interleaved runs (2026-12-02): reduce-scatter / all-gather 0.62-1.05 without it
-// (median of 8 readings 0.81), 0.74-1.26 with 30 us (median of 16: 0.98); training steps of
-// fsdp-bench --mode fsdp did not change (1.40 s either way, 4 runs each).
-constexpr auto kSpin = std::chrono::microseconds(30);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -277,7 +272,7 @@ void ShmExchange::idle(uint32_t seen, const std::vector<int>& waiting_for,
   Header* h = seg_[rank_]->header();
   // A peer that is running usually rings within microseconds: watch the bell that long before
   // paying for a sleep and a wake-up (tens of microseconds each on a busy core).
-  const auto spin_end = now + kSpin;
+  const auto spin_end = now + patience_.spin;
   while (std::chrono::steady_clock::now() < spin_end) {
     if (h->bell.load() != seen) return;
     cpu_relax();
@@ -287,53 +282,80 @@ void ShmExchange::idle(uint32_t seen, const std::vector<int>& waiting_for,
   h->sleeping.store(0);
 }
 
-void ShmExchange::drive(std::vector<Stream>& out,
-                        const std::function<Progress(std::vector<int>&)>& receive,
+// A job's progress: kept across calls when it yields.
+struct ShmExchange::Job {
+  uint64_t seq = 0;
+  std::vector<Stream> out;  // this rank's streams to its peers
+  std::vector<Stream> in;   // all-gather: the peers' streams into their places
+  int64_t chunk = 0;        // block exchange: the next chunk to consume
+  std::chrono::steady_clock::time_point deadline;  // moved on by every step that moves data
+  bool started = false;                            // the caller has made its streams
+};
+
+std::unique_ptr<ShmExchange::Job> ShmExchange::resume_or_start(std::chrono::milliseconds timeout) {
+  if (suspended_) return std::move(suspended_);
+  auto job = std::make_unique<Job>();
+  job->seq = jobs_++;
+  job->deadline = std::chrono::steady_clock::now() + timeout;
+  return job;
+}
+
+void ShmExchange::drive(std::unique_ptr<Job> job,
+                        const std::function<Progress(Job&, std::vector<int>&)>& receive,
                         std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout;
   std::vector<int> waiting;  // the ranks this rank still needs, for the messages of idle()
   for (;;) {
     const uint32_t seen = bell();  // before looking: a ring after this wakes the sleep below
     waiting.clear();
     bool moved = false, sent = true;
-    for (auto& s : out) {
+    for (auto& s : job->out) {
       moved |= send_some(s);
       if (s.finished()) continue;
       sent = false;
       waiting.push_back(s.peer);
     }
-    const Progress in = receive(waiting);
+    const Progress in = receive(*job, waiting);
     if (sent && in.done) return;
     if (moved || in.moved) {
-      deadline = std::chrono::steady_clock::now() + timeout;
+      job->deadline = std::chrono::steady_clock::now() + timeout;
       continue;
+    }
+    // Nothing moves now: under yield (or past `until`) the job waits in suspended_ for the next
+    // call.
+    if (patience_.yield || std::chrono::steady_clock::now() >= patience_.until) {
+      if (aborted_)
+        throw CommError("shared-memory exchange: the communicator was destroyed mid-collective");
+      suspended_ = std::move(job);
+      throw Yielded{};
     }
     std::sort(waiting.begin(), waiting.end());
     waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
-    idle(seen, waiting, deadline, timeout);
+    idle(seen, waiting, job->deadline, timeout);
   }
 }
 
 void ShmExchange::all_gather(const std::vector<std::vector<at::Tensor>>& into,
                              const std::vector<at::Tensor>& pieces,
                              std::chrono::milliseconds timeout) {
-  const uint64_t seq = jobs_++;
-  std::vector<Stream> out, in;
-  const std::vector<Part> mine = parts_of(pieces);
-  for (int d = 1; d < world_; ++d) {  // to r+1, r+2, ...: no common first peer
-    const int j = (rank_ + d) % world_;
-    out.push_back({j, seq, mine, total_of(mine)});
-    auto theirs = parts_of(into[j]);
-    in.push_back({j, seq, theirs, total_of(theirs)});
+  auto job = resume_or_start(timeout);
+  if (!job->started) {
+    job->started = true;
+    const std::vector<Part> mine = parts_of(pieces);
+    for (int d = 1; d < world_; ++d) {  // to r+1, r+2, ...: no common first peer
+      const int j = (rank_ + d) % world_;
+      job->out.push_back({j, job->seq, mine, total_of(mine)});
+      auto theirs = parts_of(into[j]);
+      job->in.push_back({j, job->seq, theirs, total_of(theirs)});
+    }
   }
   // Copies every slot that has arrived into its places.
-  auto receive = [&](std::vector<int>& waiting) {
+  auto receive = [this](Job& job, std::vector<int>& waiting) {
     Progress p{false, true};
-    for (auto& s : in) {
+    for (auto& s : job.in) {
       Channel* ch = seg_[s.peer]->channel(rank_);
       bool got = false;
       while (!s.finished()) {
-        const SlotTag* tag = next_slot(ch, seq, s.total, s.done, s.peer, rank_);
+        const SlotTag* tag = next_slot(ch, job.seq, s.total, s.done, s.peer, rank_);
         if (!tag) break;
         const uint64_t tail = ch->tail.load(std::memory_order_relaxed);
         copy_parts(s.parts, s.done, seg_[s.peer]->slot(rank_, tail), tag->len, false);
@@ -350,26 +372,28 @@ void ShmExchange::all_gather(const std::vector<std::vector<at::Tensor>>& into,
     }
     return p;
   };
-  drive(out, receive, timeout);
+  drive(std::move(job), receive, timeout);
 }
 
 void ShmExchange::exchange_blocks(const at::Tensor& input, int64_t n, const ChunkConsumer& consume,
                                   std::chrono::milliseconds timeout) {
-  const uint64_t seq = jobs_++;
+  auto job = resume_or_start(timeout);
   const int64_t es = input.element_size();
   const int64_t chunk = kSlotBytes / es, chunks = (n + chunk - 1) / chunk;
-  std::vector<Stream> out;
-  for (int d = 1; d < world_; ++d) {
-    const int j = (rank_ + d) % world_;
-    out.push_back({j, seq, parts_of({input.narrow(0, j * n, n)}), n * es});
+  if (!job->started) {
+    job->started = true;
+    for (int d = 1; d < world_; ++d) {
+      const int j = (rank_ + d) % world_;
+      job->out.push_back({j, job->seq, parts_of({input.narrow(0, j * n, n)}), n * es});
+    }
   }
   std::vector<at::Tensor> rows(world_);
-  int64_t k = 0;  // the next chunk to sum
-  // Consumes chunk k once every peer's slot for it has arrived: one chunk per call, so that
-  // drive() refills the peers' channels between sums. (Summing every chunk that had arrived before
-  // sending again left the peers without data: idle 5-8 ms of a 13 ms job at N=2, 64 MiB; 0.5 ms
-  // after.)
-  auto receive = [&](std::vector<int>& waiting) {
+  // Consumes the next chunk once every peer's slot for it has arrived: one chunk per call, so
+  // that drive() refills the peers' channels between sums. (Summing every chunk that had arrived
+  // before sending again left the peers without data: idle 5-8 ms of a 13 ms job at N=2, 64 MiB;
+  // 0.5 ms after.)
+  auto receive = [&](Job& job, std::vector<int>& waiting) {
+    int64_t& k = job.chunk;
     if (k == chunks) return Progress{false, true};
     const int64_t off = k * chunk, len = std::min(chunk, n - off);
     for (int j = 0; j < world_; ++j) {
@@ -378,7 +402,7 @@ void ShmExchange::exchange_blocks(const at::Tensor& input, int64_t n, const Chun
         continue;
       }
       Channel* ch = seg_[j]->channel(rank_);
-      if (!next_slot(ch, seq, n * es, off * es, j, rank_)) {
+      if (!next_slot(ch, job.seq, n * es, off * es, j, rank_)) {
         waiting.push_back(j);
         return Progress{false, false};
       }
@@ -395,7 +419,7 @@ void ShmExchange::exchange_blocks(const at::Tensor& input, int64_t n, const Chun
     ++k;
     return Progress{true, k == chunks};
   };
-  drive(out, receive, timeout);
+  drive(std::move(job), receive, timeout);
 }
 
 }  // namespace fsdp::detail

@@ -20,7 +20,7 @@
 // Every wait is bounded: a job that makes no progress for its timeout fails, naming the ranks it
 // waits for; a peer whose process is gone (or a zombie) fails it at once.
 // Thread-safety: connect() is collective and runs on the caller's thread; jobs run on one thread
-// at a time (the ExchangeWorker's).
+// at a time (the ExchangeWorker's, or a waiter's that it hands them to).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -68,18 +68,24 @@ class ShmExchange final : public Exchange {
                        std::chrono::milliseconds timeout) override;
   // The running job (if any) and every later one fail at their next idle turn (within a tick).
   void abort() override { aborted_ = true; }
+  bool waiter_may_run() const override { return true; }
+  void set_patience(Patience patience) override { patience_ = patience; }
 
  private:
   ShmExchange(int rank, int world);
   struct Stream;
+  struct Job;
   bool send_some(Stream& s);  // fills free slots of s's channel; true if it moved anything
   struct Progress {
     bool moved;  // something was received or summed
     bool done;   // everything was
   };
-  // Runs one job: sends what fits of every stream in `out` and calls `receive` (which adds to the
-  // list it is given the ranks it still needs) until both are done, sleeping while neither moves.
-  void drive(std::vector<Stream>& out, const std::function<Progress(std::vector<int>&)>& receive,
+  // Runs `job`: sends what fits of every stream in its `out` and calls `receive` (which adds to
+  // the list it is given the ranks it still needs) until both are done, sleeping while neither
+  // moves. Under Patience::yield it keeps the job (suspended_) and throws Yielded instead of
+  // sleeping.
+  void drive(std::unique_ptr<Job> job,
+             const std::function<Progress(Job&, std::vector<int>&)>& receive,
              std::chrono::milliseconds timeout);
   void ring(int peer);  // rings peer's doorbell
   // Sleeps until the doorbell rings after `seen` (or a short tick), checking peers' processes and
@@ -91,6 +97,11 @@ class ShmExchange final : public Exchange {
   int rank_, world_;
   uint64_t jobs_ = 0;  // the sequence number of the next job
   std::atomic<bool> aborted_{false};
+  Patience patience_;  // set_patience(): how idle() waits, or whether the job yields instead
+  // A job that yielded (Patience::yield), resumed by the next call.
+  std::unique_ptr<Job> suspended_;
+  // The job suspended, or a new one (its sequence number drawn, its streams to make by the caller).
+  std::unique_ptr<Job> resume_or_start(std::chrono::milliseconds timeout);
   std::vector<std::unique_ptr<shm::Segment>> seg_;      // by rank; seg_[rank_] is this rank's own
   std::vector<int64_t> pid_;                            // by rank
   std::chrono::steady_clock::time_point last_check_{};  // of the peers' processes
