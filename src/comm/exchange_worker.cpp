@@ -118,6 +118,8 @@ void ExchangeWorker::State::run_until(ExchangeWork& w, Clock::time_point until) 
   while (!w.done() && Clock::now() < until) {
     if (!running && !queue.empty()) {
       run_front(Patience{kWaiterSpin, false, until});
+    } else if (until == Clock::time_point::max()) {
+      cv.wait(mu);
     } else {
       cv.wait_until(mu, until);
     }
@@ -158,8 +160,10 @@ void ExchangeWorker::State::loop() {
 
 bool ExchangeWork::wait(std::chrono::milliseconds timeout) {
   if (auto state = state_.lock(); state && state->by_waiter) {
+    // c10d's kNoTimeout (0): no limit of the wait's own; the job's still applies.
+    const bool limited = timeout > std::chrono::milliseconds(0);
     const auto start = Clock::now();
-    state->run_until(*this, start + timeout);
+    state->run_until(*this, limited ? start + timeout : Clock::time_point::max());
     if (!done()) {  // `timeout` has passed: the base class times out, with the time left
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(start + timeout - Clock::now());
