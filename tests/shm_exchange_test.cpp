@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -212,6 +213,21 @@ TEST(ShmExchange, RanksThatDisagreeOnSizesFailNamingBothStreams) {
       opt);
 }
 
+// Runs `body` on two ranks whose world communicator uses shared memory, every collective limited
+// to `timeout_s`.
+void on_two_shm_ranks(int timeout_s, const std::function<void(Communicator&)>& body) {
+  RunOptions opt;
+  opt.collective_timeout_s = timeout_s;
+  run_ranks(
+      2,
+      [&](Rank& r) {
+        auto c = r.world();
+        ASSERT_EQ(c->transport(), Transport::kShm);
+        body(*c);
+      },
+      opt);
+}
+
 // Collectives larger than a channel holds (8 MiB per rank against 1 MiB of slots per peer), so
 // that no rank finishes one without its peer running it too.
 constexpr int64_t kBeyondChannel = int64_t{2} << 20;  // floats
@@ -225,82 +241,60 @@ at::Tensor ramp(int64_t n, int r) { return at::arange(n, at::kFloat).fmod(1000) 
 // other until the collective timeout).
 TEST(ShmExchange, RanksThatWaitForTheTwoLanesInDifferentOrdersBothComplete) {
   SKIP_WITHOUT_SHM_ROOM();
-  RunOptions opt;
-  opt.collective_timeout_s = 30;
-  run_ranks(
-      2,
-      [](Rank& r) {
-        auto c = r.world();
-        ASSERT_EQ(c->transport(), Transport::kShm);
-        const int64_t n = kBeyondChannel;
-        const at::Tensor rs_in = at::cat({ramp(n, c->rank()), ramp(n, c->rank())});
-        const at::Tensor rs_out = at::empty({n}), ag_out = at::empty({2 * n});
-        const auto start = std::chrono::steady_clock::now();
-        Work rs = c->reduce_scatter(rs_out, rs_in, ReduceOp::kSum);
-        Work ag = c->all_gather(ag_out, ramp(n, c->rank()));
-        if (c->rank() == 0) {
-          ag.wait();
-          rs.wait();
-        } else {
-          rs.wait();
-          ag.wait();
-        }
-        EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
-                  10.0);
-        EXPECT_TRUE(at::equal(rs_out, ramp(n, 0) + ramp(n, 1)));
-        EXPECT_TRUE(at::equal(ag_out, at::cat({ramp(n, 0), ramp(n, 1)})));
-      },
-      opt);
+  on_two_shm_ranks(30, [](Communicator& c) {
+    const int64_t n = kBeyondChannel;
+    const at::Tensor rs_in = at::cat({ramp(n, c.rank()), ramp(n, c.rank())});
+    const at::Tensor rs_out = at::empty({n}), ag_out = at::empty({2 * n});
+    const auto start = std::chrono::steady_clock::now();
+    Work rs = c.reduce_scatter(rs_out, rs_in, ReduceOp::kSum);
+    Work ag = c.all_gather(ag_out, ramp(n, c.rank()));
+    if (c.rank() == 0) {
+      ag.wait();
+      rs.wait();
+    } else {
+      rs.wait();
+      ag.wait();
+    }
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+              10.0);
+    EXPECT_TRUE(at::equal(rs_out, ramp(n, 0) + ramp(n, 1)));
+    EXPECT_TRUE(at::equal(ag_out, at::cat({ramp(n, 0), ramp(n, 1)})));
+  });
 }
 
 // Rank 1 issues an all-gather and waits for it only after rank 0 has finished its own (a Gloo
 // all-reduce in between tells it so): the worker's thread moves rank 1's part meanwhile.
 TEST(ShmExchange, ACollectiveNobodyWaitsForYetStillProgresses) {
   SKIP_WITHOUT_SHM_ROOM();
-  RunOptions opt;
-  opt.collective_timeout_s = 30;
-  run_ranks(
-      2,
-      [](Rank& r) {
-        auto c = r.world();
-        ASSERT_EQ(c->transport(), Transport::kShm);
-        const int64_t n = kBeyondChannel;
-        const at::Tensor out = at::empty({2 * n});
-        Work ag = c->all_gather(out, ramp(n, c->rank()));
-        at::Tensor flag = at::ones({1}, at::kDouble);
-        if (c->rank() == 0) ag.wait();
-        c->all_reduce(flag, ReduceOp::kSum).wait();  // rank 1: only once rank 0 has its result
-        ag.wait();
-        EXPECT_EQ(flag.item<double>(), 2.0);
-        EXPECT_TRUE(at::equal(out, at::cat({ramp(n, 0), ramp(n, 1)})));
-      },
-      opt);
+  on_two_shm_ranks(30, [](Communicator& c) {
+    const int64_t n = kBeyondChannel;
+    const at::Tensor out = at::empty({2 * n});
+    Work ag = c.all_gather(out, ramp(n, c.rank()));
+    at::Tensor flag = at::ones({1}, at::kDouble);
+    if (c.rank() == 0) ag.wait();
+    c.all_reduce(flag, ReduceOp::kSum).wait();  // rank 1: only once rank 0 has its result
+    ag.wait();
+    EXPECT_EQ(flag.item<double>(), 2.0);
+    EXPECT_TRUE(at::equal(out, at::cat({ramp(n, 0), ramp(n, 1)})));
+  });
 }
 
 // A wait with a limit shorter than the collective's own gives up at that limit, naming it, while
 // the peer has not issued the collective: the thread that waits does not run the job past it.
 TEST(ShmExchange, AWaitGivesUpAtItsOwnLimit) {
   SKIP_WITHOUT_SHM_ROOM();
-  RunOptions opt;
-  opt.collective_timeout_s = 20;
-  run_ranks(
-      2,
-      [](Rank& r) {
-        auto c = r.world();
-        ASSERT_EQ(c->transport(), Transport::kShm);
-        if (c->rank() == 1) {  // never issues it
-          std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-          return;
-        }
-        const at::Tensor out = at::empty({2 * kBeyondChannel});
-        Work ag = c->all_gather(out, ramp(kBeyondChannel, 0));
-        const auto start = std::chrono::steady_clock::now();
-        expect_error([&] { ag.wait(std::chrono::milliseconds(500)); },
-                     {"all_gather of", "within 0.5 s"});
-        EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
-                  5.0);
-      },
-      opt);
+  on_two_shm_ranks(20, [](Communicator& c) {
+    if (c.rank() == 1) {  // never issues it
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      return;
+    }
+    const at::Tensor out = at::empty({2 * kBeyondChannel});
+    Work ag = c.all_gather(out, ramp(kBeyondChannel, 0));
+    const auto start = std::chrono::steady_clock::now();
+    expect_error([&] { ag.wait(std::chrono::milliseconds(500)); },
+                 {"all_gather of", "within 0.5 s"});
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+  });
 }
 
 TEST(ShmExchange, TheEnvironmentChoosesTheTransport) {
