@@ -15,7 +15,10 @@ using Patience = Exchange::Patience;
 // How each runner waits for the peers (Exchange::set_patience): a waiter watches their doorbell a
 // while before sleeping (its core would idle anyway); the worker's thread briefly (it shares its
 // core with the training); the thread that issues or polls a job does what it can without waiting
-// and leaves the rest (the job yields).
+// and leaves the rest (the job yields). Measured: fsdp-bench --preset overhead, N=2, every job run
+// on the thread that issued it, 0 / 30 / 150 us: 0.066 / 0.053 / 0.045 s per step (2026-12-06);
+// the worker's 30 us, fsdp-bench --comm at N=4, 1-64 MiB: reduce-scatter / all-gather 0.62-1.05
+// without it, 0.74-1.26 with it, training steps unchanged (2026-12-02).
 constexpr auto kWaiterSpin = std::chrono::microseconds(150);
 constexpr auto kWorkerSpin = std::chrono::microseconds(30);
 const Patience kWorker{kWorkerSpin, false};
