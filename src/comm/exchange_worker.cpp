@@ -108,7 +108,12 @@ bool ExchangeWorker::State::run_front(const Patience& patience) {
   }
   if (!yielded) job.work->complete(error);
   mu.lock();
-  if (yielded) queue.push_front(std::move(job));
+  if (yielded && stopping) {  // the worker has failed the queue already: nobody would run it
+    job.work->complete(std::make_exception_ptr(
+        Error("the communicator was destroyed before this collective finished")));
+  } else if (yielded) {
+    queue.push_front(std::move(job));
+  }
   running = false;
   cv.notify_all();
   return !yielded;
