@@ -5,9 +5,11 @@
 //
 // Who runs a job depends on the exchange (Exchange::waiter_may_run):
 // - TCP: the worker's thread, as soon as the job is queued (its sends block).
-// - Shared memory: the thread that waits for the job's Work runs it (and the jobs queued before
-//   it), so that a small collective costs no hand-off between threads: on a machine whose cores
-//   all train, waking a worker and being woken by it cost more than the copies themselves. The
+// - Shared memory: the threads that use the job run it, so that a small collective costs no
+//   hand-off between threads (on a machine whose cores all train, waking a worker and being woken
+//   by it cost more than the copies themselves): the thread that issues it, or polls its Work,
+//   moves what it can without waiting (the job yields, and resumes later where it stopped); the
+//   thread that waits for its Work runs it, and the jobs queued before it, to the end. The
 //   worker's thread is the backstop: it runs a job that has waited kBackstop with nobody running
 //   it (nobody waits for it yet: the result is wanted later, or this rank waits on the other
 //   exchange first, which its peers may need this job to finish), so every job progresses without
