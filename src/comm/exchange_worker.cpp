@@ -79,7 +79,11 @@ struct ExchangeWorker::State {
   const std::unique_ptr<Exchange> exchange;  // used by the thread that set `running`
   const bool by_waiter;                      // exchange->waiter_may_run()
   Mutex mu;
-  std::condition_variable_any cv;  // a job finished or yielded; a job for a parked worker; stop
+  // Waiters sleep on `cv` (a job finished or yielded), the worker's thread on `worker_cv` (a job
+  // for a parked worker; stop): a job that ends wakes no worker that is only waiting for the
+  // backstop's time to pass.
+  std::condition_variable_any cv;
+  std::condition_variable_any worker_cv;
   std::deque<Job> queue FSDP_GUARDED_BY(mu);
   bool running FSDP_GUARDED_BY(mu) = false;  // a thread runs the job popped last
   bool parked FSDP_GUARDED_BY(mu) = false;   // the worker sleeps until notified
@@ -151,15 +155,15 @@ void ExchangeWorker::State::loop() {
       if (!by_waiter || age >= kBackstop) {
         run_front(kWorker);
       } else {
-        cv.wait_for(mu, kBackstop - age);
+        worker_cv.wait_for(mu, kBackstop - age);
       }
     } else if (!by_waiter || now - last_busy >= kParkAfter) {
       parked = true;
-      cv.wait(mu);
+      worker_cv.wait(mu);
       parked = false;
       last_busy = Clock::now();
     } else {
-      cv.wait_for(mu, kBackstop);
+      worker_cv.wait_for(mu, kBackstop);
     }
   }
   // Stopping: the queued jobs fail (a waiter may still be finishing the running one).
@@ -197,6 +201,7 @@ ExchangeWorker::~ExchangeWorker() {
   }
   state_->exchange->abort();  // a job waiting for its peers ends soon
   state_->cv.notify_all();
+  state_->worker_cv.notify_all();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -217,7 +222,7 @@ c10::intrusive_ptr<c10d::Work> ExchangeWorker::run(c10d::OpType op,
       if (!s.running && s.queue.size() == 1) s.run_front(kIssuerOrPoller);
     }
   }
-  if (wake) s.cv.notify_all();
+  if (wake) s.worker_cv.notify_all();
   return work;
 }
 
