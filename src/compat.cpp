@@ -75,6 +75,17 @@ at::Tensor storageless_like(const at::Tensor& t) {
   return m;
 }
 
+at::Tensor flat_alias(const at::Tensor& base, int64_t offset, int64_t n) {
+  FSDP_CHECK(base.is_contiguous() && offset >= 0 && n >= 0 && offset + n <= base.numel(),
+             "internal: flat_alias of elements [", offset, ", ", offset + n, ") of a tensor of ",
+             base.numel(), " elements", base.is_contiguous() ? "" : " that is not contiguous");
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                   base.dtype());
+  impl->set_storage_offset(base.storage_offset() + offset);
+  impl->set_sizes_contiguous({n});
+  return at::Tensor(std::move(impl));
+}
+
 bool storage_allocated(const at::Tensor& t) {
   return t.storage().unsafeGetStorageImpl()->nbytes() > 0 || t.numel() == 0;
 }

@@ -33,6 +33,11 @@ bool storage_allocated(const at::Tensor& t);  // false once free_storage dropped
 void borrow_storage(const at::Tensor& t, const at::Tensor& block, size_t byte_offset);
 // A tensor of t's shape and dtype with no bytes (guarded markers; never read by a kernel).
 at::Tensor storageless_like(const at::Tensor& t);
+// Elements [offset, offset + n) of a contiguous tensor as a 1-D tensor on its storage, made
+// without the dispatcher (no autograd view, a version counter of its own): the pieces of a
+// buffer that only the library's own copies read and write, a few per parameter per collective,
+// where narrow() would cost more than the copy.
+at::Tensor flat_alias(const at::Tensor& base, int64_t offset, int64_t n);
 // The dtype autograd gives the gradients reaching the leaf `t`, each cast to it before they are
 // summed and accumulated into t.grad() (Tensor::set_grad_dtype; t's own dtype restores the
 // default). Returns false, doing nothing, on a LibTorch without it (1.13).

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "communicator_impl.h"
@@ -117,6 +118,20 @@ bool detail::gathers_into_places(const Communicator& c, const std::vector<at::Te
 }
 
 namespace {
+// A contiguous tensor as 1-D (itself when it is already).
+at::Tensor flat(const at::Tensor& t) { return t.dim() == 1 ? t : t.view({-1}); }
+
+// This rank's own piece of an all-gather into places: a byte copy between host tensors (both
+// contiguous, one dtype: check_places), ATen's copy elsewhere.
+void copy_own_piece(const at::Tensor& out, const at::Tensor& in) {
+  if (in.numel() == 0 || out.is_same(in)) return;
+  if (out.is_cpu() && in.is_cpu()) {
+    std::memmove(out.data_ptr(), in.data_ptr(), nbytes(in));
+    return;
+  }
+  flat(out).copy_(flat(in));
+}
+
 // all_gather_into's checks; returns the bytes gathered.
 int64_t check_places(const std::vector<std::vector<at::Tensor>>& outputs,
                      const std::vector<at::Tensor>& inputs, int rank, int size) {
@@ -153,12 +168,12 @@ Work detail::all_gather_into(Communicator& c, std::vector<std::vector<at::Tensor
   int64_t sent = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
     sent += nbytes(inputs[i]);
-    if (inputs[i].numel() > 0) outputs[m.rank][i].view({-1}).copy_(inputs[i].view({-1}));
+    copy_own_piece(outputs[m.rank][i], inputs[i]);
   }
   if (m.size == 1 || bytes == 0) return m.make_work({}, "all_gather", bytes, nullptr);
   for (auto& row : outputs)
-    for (auto& o : row) o = as_wire(o.view({-1}), m.backend);
-  for (auto& in : inputs) in = as_wire(in.view({-1}), m.backend);
+    for (auto& o : row) o = as_wire(flat(o), m.backend);
+  for (auto& in : inputs) in = as_wire(flat(in), m.backend);
   m.stats->bytes_sent += sent * (m.size - 1);
   auto job = [outputs = std::move(outputs), inputs = std::move(inputs),
               timeout = m.timeout](detail::Exchange& e) { e.all_gather(outputs, inputs, timeout); };

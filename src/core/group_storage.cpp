@@ -21,9 +21,7 @@ bool Group::sends_in_place() const {
   // Offloaded shards (host) are copied to the device first.
   if (!flat_shard_.defined() || flat_shard_.device() != layout_.device) return false;
   for (size_t i = 0; i < params_.size(); ++i)
-    if (!params_[i].shard_is_at(
-            flat_shard_.narrow(0, layout_.places[i].flat_offset, params_[i].padded_numel())))
-      return false;
+    if (!params_[i].shard_is_at(flat_shard_, layout_.places[i].flat_offset)) return false;
   return true;
 }
 

@@ -160,11 +160,11 @@ void ParamState::place_shard_in(const at::Tensor& slot) {
   shard_ = std::move(placed);
 }
 
-bool ParamState::shard_is_at(const at::Tensor& slot) const {
+bool ParamState::shard_is_at(const at::Tensor& flat, int64_t offset) const {
   if (shard_.numel() == 0) return rows_of(rank_) == 0;  // the slot is all padding
-  return shard_.scalar_type() == slot.scalar_type() && shard_.is_contiguous() &&
-         shard_.storage().unsafeGetStorageImpl() == slot.storage().unsafeGetStorageImpl() &&
-         shard_.storage_offset() == slot.storage_offset();
+  return shard_.scalar_type() == flat.scalar_type() && shard_.is_contiguous() &&
+         shard_.storage().unsafeGetStorageImpl() == flat.storage().unsafeGetStorageImpl() &&
+         shard_.storage_offset() == flat.storage_offset() + offset;
 }
 
 void ParamState::copy_in_shard(const at::Tensor& dst) {
@@ -210,13 +210,13 @@ bool ParamState::written_while_gathered() const {
 }
 
 at::Tensor ParamState::rows_to_send(const at::Tensor& send, int64_t offset) const {
-  return send.narrow(0, offset, rows_of(rank_) * row_numel_);
+  return compat::flat_alias(send, offset, rows_of(rank_) * row_numel_);
 }
 
 at::Tensor ParamState::place_of_rows(const at::Tensor& block, size_t byte_offset, int r) const {
   const int64_t start = static_cast<int64_t>(byte_offset) / block.element_size();
   const int64_t n = rows_of(r) * row_numel_;
-  return n == 0 ? block.narrow(0, start, 0) : block.narrow(0, start + r * chunk_ * row_numel_, n);
+  return compat::flat_alias(block, n == 0 ? start : start + r * chunk_ * row_numel_, n);
 }
 
 void ParamState::copy_out(const at::Tensor& gathered, int64_t offset, const at::Tensor& block,

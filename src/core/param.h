@@ -63,9 +63,9 @@ class ParamState {
   // beyond this rank's rows): the shard becomes a tensor over those bytes, still a leaf with its
   // own version counter. At construction only, before anything else holds the shard.
   void place_shard_in(const at::Tensor& slot);
-  // The shard still lives at `slot` in its dtype (nothing replaced its storage since, as set_data
-  // would): the flat shard block holds this rank's rows as they are.
-  bool shard_is_at(const at::Tensor& slot) const;
+  // The shard still lives at element `offset` of the flat shard block, in its dtype (nothing
+  // replaced its storage since, as set_data would): the block holds this rank's rows as they are.
+  bool shard_is_at(const at::Tensor& flat, int64_t offset) const;
   // Writes this rank's rows (then zeros) into `dst` (padded_numel elements).
   void copy_in_shard(const at::Tensor& dst);
   // The all-gather sends the shard's own bytes (shard_is_at).
