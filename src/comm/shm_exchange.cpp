@@ -44,7 +44,6 @@ using shm::SlotTag;
 // An idle rank wakes at least this often to check its peers' processes and its deadline.
 constexpr auto kTick = std::chrono::milliseconds(20);
 
-
 // Copies between a stream's parts and one slot, from the stream position `at`.
 using Part = ShmPart;
 void copy_parts(const std::vector<Part>& parts, int64_t at, char* slot, int64_t len, bool out) {
