@@ -2,6 +2,7 @@
 
 #include <fsdp/error.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 
@@ -88,6 +89,7 @@ struct ExchangeWorker::State {
   bool running FSDP_GUARDED_BY(mu) = false;  // a thread runs the job popped last
   bool parked FSDP_GUARDED_BY(mu) = false;   // the worker sleeps until notified
   bool stopping FSDP_GUARDED_BY(mu) = false;
+  std::atomic<int64_t> wakeups{0};  // the worker's thread, out of a wait on worker_cv
 };
 
 bool ExchangeWorker::State::run_front(const Patience& patience) {
@@ -154,9 +156,9 @@ void ExchangeWorker::State::loop() {
       const auto age = now - queue.front().queued;
       if (!by_waiter || age >= kBackstop) {
         run_front(kWorker);
-      } else {
-        worker_cv.wait_for(mu, kBackstop - age);
+        continue;
       }
+      worker_cv.wait_for(mu, kBackstop - age);
     } else if (!by_waiter || now - last_busy >= kParkAfter) {
       parked = true;
       worker_cv.wait(mu);
@@ -165,6 +167,7 @@ void ExchangeWorker::State::loop() {
     } else {
       worker_cv.wait_for(mu, kBackstop);
     }
+    wakeups.fetch_add(1, std::memory_order_relaxed);
   }
   // Stopping: the queued jobs fail (a waiter may still be finishing the running one).
   while (!queue.empty()) run_front(kWorker);
@@ -224,6 +227,10 @@ c10::intrusive_ptr<c10d::Work> ExchangeWorker::run(c10d::OpType op,
   }
   if (wake) s.worker_cv.notify_all();
   return work;
+}
+
+int64_t ExchangeWorker::worker_wakeups() const {
+  return state_->wakeups.load(std::memory_order_relaxed);
 }
 
 }  // namespace fsdp::detail

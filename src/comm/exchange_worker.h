@@ -46,6 +46,9 @@ class ExchangeWorker {
   // when it returns, or fails with what it threw. The thread starts with the first job.
   c10::intrusive_ptr<c10d::Work> run(c10d::OpType op, std::function<void(Exchange&)> job);
 
+  // How often the worker's thread has woken from a sleep (a notification, or its own timer).
+  int64_t worker_wakeups() const;
+
   struct State;  // the queue and the exchange, shared with the Works (which may outlive this)
 
  private:
