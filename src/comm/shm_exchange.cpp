@@ -265,7 +265,7 @@ void ShmExchange::idle(uint32_t seen, const std::vector<int>& waiting_for,
   // A peer that is running usually rings within microseconds: watch the bell that long before
   // paying for a sleep and a wake-up (tens of microseconds each on a busy core). Between looks
   // the core goes to whatever else may run on it: where ranks outnumber cores, that is the peer
-  // this rank waits for (fsdp-bench --preset overhead at N=4 on two cores: 0.137-0.140 s per
+  // this rank waits for (fsdp-bench --preset overhead at N=4 on two cores: 0.137-0.141 s per
   // step, against 0.148-0.153 with a pause instruction between looks; N=2 unchanged, 2026-12-06).
   const auto spin_end = now + patience_.spin;
   while (std::chrono::steady_clock::now() < spin_end) {
