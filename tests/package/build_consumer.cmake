@@ -1,5 +1,6 @@
 # Builds and runs examples/consumer as an outside project would (issue 10): cmake -P this file with
-#   -DMODE=install       cmake --install FSDP_BUILD_DIR into WORK_DIR/prefix, then find_package(fsdp)
+#   -DMODE=install       cmake --install FSDP_BUILD_DIR into WORK_DIR/prefix, then find_package(fsdp);
+#                        also runs the installed fsdp-checkpoint on the checkpoint the consumer wrote
 #   -DMODE=subdirectory  add_subdirectory(FSDP_SOURCE_DIR); checks no test or program of fsdp-cpp
 #                        was generated
 # and -DFSDP_SOURCE_DIR=... -DFSDP_BUILD_DIR=... -DWORK_DIR=... -DCXX=... -DGENERATOR=...
@@ -116,5 +117,16 @@ if(NOT STEP_OUTPUT MATCHES "consumer ok: loss [0-9.e+-]+, saved .*step_00000000"
 endif()
 if(NOT EXISTS ${WORK_DIR}/ckpt/step_00000000/index.json)
   message(FATAL_ERROR "consumer (${MODE}): the checkpoint index was not written")
+endif()
+if(MODE STREQUAL "install")
+  # The installed tool runs as installed, no LD_LIBRARY_PATH: it finds the LibTorch it was built
+  # with itself, not another that the loader knows first (Debian's beside the wheel).
+  set(consolidated ${WORK_DIR}/model.safetensors)
+  step("the installed fsdp-checkpoint" ${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH
+       ${WORK_DIR}/prefix/bin/fsdp-checkpoint consolidate ${WORK_DIR}/ckpt/step_00000000
+       ${consolidated})
+  if(NOT EXISTS ${consolidated})
+    message(FATAL_ERROR "consumer (install): fsdp-checkpoint consolidate wrote no ${consolidated}")
+  endif()
 endif()
 message(STATUS "consumer (${MODE}): ${STEP_OUTPUT}")
