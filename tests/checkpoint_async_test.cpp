@@ -177,6 +177,43 @@ TEST(CheckpointAsync, WritesTheStateAtTheCallAndTheNextSaveWaitsForIt) {
   if (!in_rank_process()) fs::remove_all(dir);
 }
 
+// A synchronous save of the step an asynchronous save is still writing (the delay hook holds the
+// background write back) waits for that write, then writes its own state over it: the step
+// directory holds the later save's values whole, and no temporary is left (without the wait the
+// delayed background write lands after it, with the older values, or the two writes share their
+// temporaries and commit a file that fails its checksums).
+TEST(CheckpointAsync, ASynchronousSaveWaitsForTheBackgroundWriteOfItsStep) {
+  const std::string dir = test_dir();
+  run_ranks(
+      2,
+      [&](Rank& r) {
+        Trainee t(r);
+        t.train(r.rank, 0, 1);
+        ck::AsyncSaver saver;
+        hooks::delay_next_async_write(800ms);
+        saver.save_async(dir, t.root, t.optim.get(), at_step(1));
+        t.train(r.rank, 1, 1);
+        const auto later = t.snapshot();
+        const auto t0 = std::chrono::steady_clock::now();
+        ck::save(dir, t.root, t.optim.get(), at_step(1), *r.world());
+        EXPECT_GT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0.3)
+            << "the synchronous save did not wait for the background write";
+        saver.wait();
+        EXPECT_EQ(saver.stats().committed, 1);
+        Trainee fresh(r);
+        EXPECT_EQ(ck::load(dir + "/step_00000001", fresh.root, fresh.optim.get(), *r.world()).step,
+                  1);
+        expect_same(fresh.snapshot(), later);
+        r.world()->barrier().wait();
+        if (r.rank == 0)
+          for (const auto& e : fs::directory_iterator(dir + "/step_00000001"))
+            EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos)
+                << e.path() << " was left behind";
+      },
+      with_dir(dir));
+  if (!in_rank_process()) fs::remove_all(dir);
+}
+
 // A background write that fails (the test hook: files written, then an error before the index)
 // is raised by wait() on every rank, naming the step and saying the previous checkpoint stands;
 // the next save works. A failure nobody waited for is raised by the next save_async().

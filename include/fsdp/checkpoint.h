@@ -36,7 +36,8 @@ namespace fsdp::checkpoint {
 // Adam and SGD, and fsdp::optim AdamW and SGD (include/fsdp/optim.h: LibTorch's state layout, so a
 // checkpoint of one loads into the other); another optimizer type is an error. Under HSDP `comm` is
 // the shard communicator (mesh.shard) or the world; the ranks of replica 0 write, the others wait
-// for their outcome.
+// for their outcome. An AsyncSaver's background write still running in this process (it may be of
+// the same step) is waited for first; its failure stays the AsyncSaver's to raise.
 std::string save(const std::string& dir, const FSDPModule& root, torch::optim::Optimizer* opt,
                  const TrainState& state, Communicator& comm);
 

@@ -30,6 +30,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <exception>
 #include <thread>
@@ -39,6 +40,7 @@
 #include "checkpoint/test_hooks.h"
 #include "comm/rank_agreement.h"
 #include "core/explicit_collective.h"
+#include "util/mutex.h"
 
 namespace fsdp::checkpoint {
 
@@ -55,7 +57,47 @@ double seconds_since(Clock::time_point t0) {
 // The message of an fsdp::Error without its "fsdp: " prefix, for nesting in another message.
 std::string unprefixed(const std::string& m) { return m.rfind("fsdp: ", 0) == 0 ? m.substr(6) : m; }
 
+// The background writes running in this process (save_phases.h).
+struct BackgroundWrites {
+  detail::Mutex mu;
+  std::condition_variable_any cv;
+  int running FSDP_GUARDED_BY(mu) = 0;
+};
+BackgroundWrites& background_writes() {
+  static BackgroundWrites* writes = new BackgroundWrites;  // never destroyed: a writer thread
+  return *writes;                                          // may outlive static destruction
+}
+
 }  // namespace
+
+namespace internal {
+
+void background_write_began() {
+  BackgroundWrites& w = background_writes();
+  detail::MutexLock lock(w.mu);
+  ++w.running;
+}
+
+void background_write_ended() {
+  BackgroundWrites& w = background_writes();
+  {
+    detail::MutexLock lock(w.mu);
+    --w.running;
+  }
+  w.cv.notify_all();
+}
+
+void wait_for_background_writes(std::chrono::milliseconds timeout, const std::string& who) {
+  BackgroundWrites& w = background_writes();
+  detail::MutexLock lock(w.mu);
+  const auto until = Clock::now() + timeout;
+  while (w.running > 0)
+    if (w.cv.wait_until(w.mu, until) == std::cv_status::timeout && w.running > 0)
+      throw Error(cat(who, ": an asynchronous save of this process is still writing after ",
+                      timeout.count(), " ms; call AsyncSaver::wait() before saving synchronously"));
+}
+
+}  // namespace internal
 
 struct AsyncSaver::Impl {
   AsyncSaveOptions options;
@@ -131,6 +173,7 @@ void AsyncSaver::Impl::run(const Task& task) {
   }
   write_s = seconds_since(t0);
   finished.store(true);
+  background_write_ended();
 }
 
 std::string AsyncSaver::Impl::collect() {
@@ -200,7 +243,13 @@ std::string AsyncSaver::save_async(const std::string& dir, const FSDPModule& roo
   }
   impl_->ckpt = dir + "/" + step_dir_name(state.step);
   impl_->finished.store(false);
-  impl_->thread = std::thread([impl = impl_.get(), task] { impl->run(*task); });
+  background_write_began();
+  try {
+    impl_->thread = std::thread([impl = impl_.get(), task] { impl->run(*task); });
+  } catch (...) {
+    background_write_ended();
+    throw;
+  }
   AsyncSaveStats& s = impl_->stats;
   s.saves += 1;
   s.last_waited_s = waited;

@@ -144,6 +144,8 @@ std::string save(const std::string& dir, const FSDPModule& root, torch::optim::O
                  const TrainState& state, Communicator& comm) {
   refuse_elastic(root, "checkpoint save");
   fsdp::detail::agree_explicit_collective(root, fsdp::detail::protocol::Explicit::kCheckpointSave);
+  // An AsyncSaver's write still running may be of this very step directory: let it end first.
+  wait_for_background_writes(2 * comm.timeout(), "checkpoint save");
   const auto& replicas = root.replicate_communicator();
   if (!replicas) return save_shards(dir, root, opt, state, comm);
   // HSDP: every replica holds the same shards; replica 0 writes them over the shard communicator,

@@ -10,6 +10,7 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/safetensors.h>
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -64,5 +65,15 @@ RankFile collect(const FSDPModule& root, torch::optim::Optimizer* opt, int rank,
 std::string commit_files(const std::string& dir, const RankFile& file, const TrainState& state,
                          Communicator& comm, const std::string& prior_error,
                          const test_hooks::Taken& hooks);
+
+// The background writes of this process's AsyncSavers (async_save.cpp): save() waits until none
+// is running before it writes, so that it never writes a step directory that a background write
+// is writing too (the same temporaries, the files of two saves in one step). begin() when a
+// background write starts, end() when its thread is done; wait_idle() throws fsdp::Error naming
+// `who` when one is still running after `timeout` (every background step has a timeout of its own).
+// Thread-safety: any thread.
+void background_write_began();
+void background_write_ended();
+void wait_for_background_writes(std::chrono::milliseconds timeout, const std::string& who);
 
 }  // namespace fsdp::checkpoint::internal
