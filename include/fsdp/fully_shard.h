@@ -47,6 +47,8 @@ FSDPModule fully_shard(Sharded<Holder>& module, const DeviceMesh& mesh,
 // Several modules as one group (FSDP2's fully_shard([a, b])): one all-gather before the first of
 // them runs in a forward, one reduce-scatter for all their gradients; resharded when the
 // top-level forward ends. Apply before sharding their common parent (a list is never the root).
+// The group's options see its parameters under the module's position in the list: "0.weight" for
+// modules[0]'s weight (ShardOptions::shard_placement_fn, param_dtype_override_fn).
 FSDPModule fully_shard(const std::vector<ShardedRef>& modules, std::shared_ptr<Communicator> comm,
                        const ShardOptions& options = {});
 FSDPModule fully_shard(const std::vector<ShardedRef>& modules, const DeviceMesh& mesh,

@@ -36,10 +36,11 @@ struct MixedPrecisionPolicy {
   // Floating-point tensor arguments of the module's forward are cast to param_dtype.
   bool cast_forward_inputs = true;
   // FSDP2's param_dtype_override_fn: called once per floating-point parameter of the group at
-  // fully_shard, with its name (relative to the module) and the parameter. The parameter's own
-  // dtype keeps it out of param_dtype (e.g. norms in fp32 while the rest computes in bf16: its full
-  // parameter, compute and gradient stay fp32); std::nullopt or param_dtype gives param_dtype. Any
-  // other dtype is an error. It must answer alike on every rank (checked). The group gathers in
+  // fully_shard, with its name (relative to the module; for several modules as one group, after
+  // the module's position in the list: "0.weight", "1.weight") and the parameter. The parameter's
+  // own dtype keeps it out of param_dtype (e.g. norms in fp32 while the rest computes in bf16: its
+  // full parameter, compute and gradient stay fp32); std::nullopt or param_dtype gives param_dtype.
+  // Any other dtype is an error. It must answer alike on every rank (checked). The group gathers in
   // the widest of its parameters' dtypes.
   std::function<std::optional<at::ScalarType>(const std::string& name, const at::Tensor& param)>
       param_dtype_override_fn;
@@ -149,13 +150,14 @@ struct ShardOptions {
   // parameters are needed first in backward).
   std::optional<ReshardAfterForward> reshard_after_forward;
   // FSDP2's shard_placement_fn: called once per parameter of the group at fully_shard, with the
-  // parameter's name (relative to the module) and the parameter; Shard{d} shards it on dim d
-  // instead of 0 (e.g. expert weights whose dim 0, the experts, is smaller than the world), and
-  // std::nullopt (or no function) keeps dim 0. Each rank holds the slice
-  // [offset, offset + chunk) of dim d, chunk = ceil(size(d) / world), trailing ranks fewer or
-  // none (FSDP2 asks sizes on a dim other than 0 to divide evenly; here they need not). The same
-  // placements on every rank (fully_shard checks). ShardInfo::dim reports it; checkpoints and
-  // state dicts hold the full parameters as ever.
+  // parameter's name (relative to the module; for several modules as one group, after the
+  // module's position in the list: "0.weight", "1.weight") and the parameter; Shard{d} shards it on
+  // dim d instead of 0 (e.g. expert weights whose dim 0, the experts, is smaller than the world),
+  // and std::nullopt (or no function) keeps dim 0. Each rank holds the slice [offset, offset +
+  // chunk) of dim d, chunk = ceil(size(d) / world), trailing ranks fewer or none (FSDP2 asks sizes
+  // on a dim other than 0 to divide evenly; here they need not). The same placements on every rank
+  // (fully_shard checks). ShardInfo::dim reports it; checkpoints and state dicts hold the full
+  // parameters as ever.
   std::function<std::optional<Shard>(const std::string& name, const at::Tensor& param)>
       shard_placement_fn;
   // FSDP2's mp_policy. Per group: fully_shard on a parent does not pass it to sharded children.
