@@ -126,6 +126,7 @@ TEST(CheckpointBuffers, CheckpointWithoutBuffersLoadsWithANote) {
             auto idx = nlohmann::json::parse(in);
             in.close();
             for (const auto& n : names) EXPECT_EQ(idx["tensors"].erase(n), 1u) << n;
+            idx.erase("index_xxh64");  // as an index from before indexes carried a checksum
             std::ofstream(path) << idx.dump();
           }
           r.world()->barrier().wait();

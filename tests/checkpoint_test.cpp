@@ -425,9 +425,15 @@ TEST(CheckpointHostile, CorruptTruncatedMissingMismatched) {
           f.seekp(-3, std::ios::end);
           f.put('\x7f');
         };
-        auto edit_index = [](const std::string& d, const std::function<void(nlohmann::json&)>& fn) {
+        // An edit of the index: with its checksum removed (an edit meant, or an index from before
+        // indexes carried one), load's own checks against the files and the model must catch it;
+        // with the checksum kept, the checksum does.
+        auto edit_index = [](const std::string& d, const std::function<void(nlohmann::json&)>& fn,
+                             bool keep_checksum = false) {
           auto j = nlohmann::json::parse(st::read_text(d + "/index.json", 1 << 26));
+          EXPECT_TRUE(j.contains("index_xxh64"));
           fn(j);
+          if (!keep_checksum) j.erase("index_xxh64");
           std::ofstream(d + "/index.json", std::ios::trunc) << j.dump();
         };
 
@@ -447,6 +453,25 @@ TEST(CheckpointHostile, CorruptTruncatedMissingMismatched) {
         });
         expect_error([&] { ck::load(m, run.root, run.optim.get(), comm); },
                      {"missing", "missing tensors 'h.1.c_fc.weight'", "different model"});
+
+        // Edits that leave a valid index: another data position, a piece of optimizer state
+        // dropped (it would load as never stepped). Refused by the index's checksum, by load and
+        // by defect() (so latest() passes over it).
+        for (const auto& [name, edit] :
+             std::vector<std::pair<std::string, std::function<void(nlohmann::json&)>>>{
+                 {"position", [](auto& j) { j["data_position"] = 31; }},
+                 {"state", [](auto& j) { j["tensors"].erase("h.1.c_fc.weight::exp_avg"); }}}) {
+          auto e = damaged("edited_" + name, [&](const std::string& d) {
+            edit_index(d, edit, /*keep_checksum=*/true);
+          });
+          expect_error([&] { ck::load(e, run.root, run.optim.get(), comm); },
+                       {"index.json", "does not match its checksum", "changed after it was written",
+                        "remove the field 'index_xxh64'"});
+          const auto why = ck::defect(e);
+          ASSERT_TRUE(why.has_value()) << name;
+          EXPECT_NE(why->find("damaged: "), std::string::npos) << *why;
+          EXPECT_NE(why->find("does not match its checksum"), std::string::npos) << *why;
+        }
 
         auto lie = damaged("shape_lie", [&](const std::string& d) {
           // The index claims a shape the file does not hold: caught against the model first.

@@ -320,6 +320,42 @@ TEST(CheckpointIndex, RoundTrip) {
   EXPECT_FALSE(j["tensors"]["w"].contains("dim"));
 }
 
+// The index records a checksum of its own content: an edit that leaves it valid (another data
+// position, RNG state or trainer setting, a tensor's entry or a file's checksum changed) is
+// refused, naming how to mean it; without the field (an older index, or an edit meant) it is read
+// as it stands. Its whitespace and the trainer's floating-point settings do not disturb it.
+TEST(CheckpointIndexHostile, AnIndexChangedAfterItWasWrittenFailsItsChecksum) {
+  auto idx = sample_index();
+  idx.state.extra["x"] = 0.30000000000000004;
+  idx.state.extra["tiny"] = 1e-300;
+  idx.state.extra["neg"] = -0.0;
+  const std::string text = ck::index_to_json(idx);
+  const auto base = nlohmann::json::parse(text);
+  ASSERT_TRUE(base.contains("index_xxh64"));
+  EXPECT_EQ(ck::parse_index(text, "idx.json").state.extra["x"].get<double>(), 0.30000000000000004);
+  EXPECT_EQ(ck::parse_index(base.dump(), "compact").state.step, 7);
+  EXPECT_EQ(ck::parse_index(base.dump(4), "wide").state.step, 7);
+  const std::vector<std::function<void(nlohmann::json&)>> edits = {
+      [](auto& j) { j["data_position"] = 1235; },
+      [](auto& j) { j["rng_state_hex"] = "00"; },
+      [](auto& j) { j["extra"]["lr"] = 0.2; },
+      [](auto& j) { j["tensors"].erase("w::step"); },
+      [](auto& j) { j["files"][1]["xxh64"] = "0000000000000000"; },
+  };
+  for (size_t k = 0; k < edits.size(); ++k) {
+    auto j = base;
+    edits[k](j);
+    expect_error([&] { ck::parse_index(j.dump(1), "idx.json"); },
+                 {"checkpoint index 'idx.json'", "does not match its checksum",
+                  "changed after it was written", "remove the field 'index_xxh64'"});
+    j.erase("index_xxh64");
+    EXPECT_NO_THROW(ck::parse_index(j.dump(1), "idx.json")) << "edit " << k;
+  }
+  auto j = base;
+  j["index_xxh64"] = "xyz";
+  expect_error([&] { ck::parse_index(j.dump(), "idx.json"); }, {"index_xxh64 is not 16 hex"});
+}
+
 TEST(CheckpointIndexHostile, RejectsBadIndexes) {
   auto base = nlohmann::json::parse(ck::index_to_json(sample_index()));
   auto bad = [&](auto mutate, std::initializer_list<std::string> parts) {

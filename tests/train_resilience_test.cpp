@@ -236,8 +236,10 @@ TEST(TrainResilience, AsyncSaveKilledAtRandomMomentsResumesExactly) {
 // ---- checkpoints that must not be loaded as they stand ----
 
 // The reproduction: --steps 3 --save-every 1, then "step": 3 edited to 2 in
-// step_00000003/index.json. Named, it is refused; as the run directory's newest, it is reported
-// and skipped, and the run continues from step 2 with the uninterrupted run's losses.
+// step_00000003/index.json. Named, it is refused (by the index's own checksum; with that field
+// removed too, as an edit meant, by the step its directory is named for); as the run directory's
+// newest, it is reported and skipped, and the run continues from step 2 with the uninterrupted
+// run's losses.
 TEST(TrainResilience, AnIndexWhoseStepDisagreesWithItsDirectoryIsRefused) {
   const auto dir = scratch_dir("index_step");
   auto r = run(with(small(dir, 3), {"--nproc", "2", "--save-every", "1"}));
@@ -248,6 +250,13 @@ TEST(TrainResilience, AnIndexWhoseStepDisagreesWithItsDirectoryIsRefused) {
   const auto at = text.find("\"step\": 3");
   ASSERT_NE(at, std::string::npos) << text;
   text.replace(at, 9, "\"step\": 2");
+  std::ofstream(index, std::ios::trunc) << text;
+  r = run({fsdp::testing::bin_dir() + "/fsdp-train", "--resume", dir + "/step_00000003"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("does not match its checksum"), std::string::npos) << r.output;
+  const auto line = text.find("\"index_xxh64\"");
+  ASSERT_NE(line, std::string::npos) << text;
+  text.erase(text.rfind('\n', line) + 1, text.find('\n', line) - text.rfind('\n', line));
   std::ofstream(index, std::ios::trunc) << text;
   r = run({fsdp::testing::bin_dir() + "/fsdp-train", "--resume", dir + "/step_00000003"});
   EXPECT_NE(r.exit_code, 0);

@@ -65,6 +65,34 @@ uint64_t get_hex64(const json& v, const std::string& source, const std::string& 
 
 constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
 
+// The index's own checksum: XXH64 of the index's compact JSON without this field. Parsing and
+// dumping again gives the same text (keys sorted, numbers in their shortest round-trip form), so a
+// reader recomputes it from what it parsed, whatever the file's whitespace.
+constexpr const char* kIndexChecksum = "index_xxh64";
+uint64_t content_checksum(const json& without_checksum) {
+  const std::string text = without_checksum.dump();
+  return safetensors::xxh64(text.data(), text.size());
+}
+
+// An index that records its checksum must still match it: the fields it validates can be edited
+// into other valid values (the data position, the RNG state, the trainer's settings, a tensor's
+// entry removed) that nothing else would catch. One without the field (written before indexes
+// carried it, or edited on purpose and the field removed) is read as it stands.
+void check_content(json j, const std::string& source) {
+  const auto it = j.find(kIndexChecksum);
+  if (it == j.end()) return;
+  const uint64_t recorded = get_hex64(*it, source, kIndexChecksum);
+  j.erase(it);
+  const uint64_t got = content_checksum(j);
+  if (got != recorded)
+    fail(source, cat("its content does not match its checksum (", kIndexChecksum, " ",
+                     hex::encode_u64(recorded), ", the content's ", hex::encode_u64(got),
+                     "): the index was changed after it was written, by an edit or on the disk. "
+                     "Restore it from a copy, or use an older checkpoint; for an edit you intend, "
+                     "remove the field '",
+                     kIndexChecksum, "' and the index is read as it stands"));
+}
+
 // The top-level fields: format, version, world size, sharding, optimizer and the TrainState.
 void parse_header_fields(const json& j, const std::string& source, Index& idx) {
   if (get_str(field(j, "format", source, ""), source, "format") != kFormatName) {
@@ -248,6 +276,7 @@ Index parse_index(const std::string& text, const std::string& source) {
     idx.tensors.push_back(parse_tensor_entry(it.key(), *it, idx.world_size, source));
   std::sort(idx.tensors.begin(), idx.tensors.end(),
             [](const IndexEntry& a, const IndexEntry& b) { return a.name < b.name; });
+  check_content(std::move(j), source);  // last: a malformed index says what is malformed
   return idx;
 }
 
@@ -291,6 +320,7 @@ std::string index_to_json(const Index& idx) {
                             {"pieces", pieces}};
     if (e.dim) j["tensors"][e.name]["dim"] = e.dim;
   }
+  j[kIndexChecksum] = hex::encode_u64(content_checksum(j));
   return j.dump(1) + "\n";
 }
 
