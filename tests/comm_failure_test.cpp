@@ -12,9 +12,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/address.h"
@@ -159,7 +161,7 @@ TEST(CommFailureText, RealTimeoutSaysSoAndWhatToCheck) {
 TEST(CommFailureText, TimeoutNamesTheRanksThatDidNotArrive) {
   auto none = [](int64_t) { return std::string(); };
   auto alive = [](int64_t) { return true; };
-  detail::Census c{true, {2}};
+  detail::Census c{true, {2}, {}};
   auto m = detail::describe_failure("all_reduce of 16 bytes", "Operation timed out!", 20.1, 20s,
                                     three_peers("h"), 0, alive, &c, none);
   EXPECT_TRUE(contains(m,
@@ -167,13 +169,13 @@ TEST(CommFailureText, TimeoutNamesTheRanksThatDidNotArrive) {
                        "(pid 102 on h) did not arrive (every other rank reported waiting"))
       << m;
   EXPECT_FALSE(contains(m, "a peer rank is hung")) << m;
-  c = {true, {}};
+  c = {true, {}, {}};
   m = detail::describe_failure("x", "timed out", 20.1, 20s, three_peers("h"), 0, alive, &c, none);
   EXPECT_TRUE(contains(m,
                        "every rank reached a collective of this communicator, so they issued "
                        "different collectives"))
       << m;
-  c = {false, {}};
+  c = {false, {}, {}};
   m = detail::describe_failure(
       "x", "timed out", 20.1, 20s, three_peers("h"), 2, alive, &c, [](int64_t pid) {
         return pid == 100 ? std::string("its process is stopped (T)") : std::string();
@@ -184,6 +186,100 @@ TEST(CommFailureText, TimeoutNamesTheRanksThatDidNotArrive) {
   m = detail::describe_failure("x", "timed out", 20.1, 20s, three_peers("h"), 2, alive, &c, none);
   EXPECT_TRUE(contains(m, "the store did not answer either, so rank 0 (pid 100 on ")) << m;
   EXPECT_EQ(detail::process_state(::getpid()), "");
+}
+
+// A rank whose wait times out closes its connections, so a rank still waiting sees "closed by
+// peer" with every peer process alive. When the census has a peer's own timeout, the message is
+// that timeout's, naming the rank that did not arrive (before: "one of ranks 1, 2 has exited",
+// which no rank had); with no peer reporting a timeout it stays a closed connection.
+TEST(CommFailureText, AConnectionClosedByAPeersTimeoutIsThatTimeout) {
+  auto alive = [](int64_t) { return true; };
+  const std::function<std::string(int64_t)> stopped_2 = [](int64_t pid) {
+    return pid == 102 ? std::string("its process is stopped (T)") : std::string();
+  };
+  const std::function<std::string(int64_t)> nobody = [](int64_t) { return std::string(); };
+  const auto peers = three_peers(detail::this_host());
+  const std::string cause = "Connection closed by peer [10.1.0.1]:7";
+  // Peers of another host cannot be probed: a closed connection asks the census.
+  const auto remote = three_peers("h");
+  EXPECT_TRUE(detail::wants_census(cause, {remote[0], remote[2]}, 0));
+  EXPECT_TRUE(detail::wants_census("Operation timed out!", peers, 0));
+  EXPECT_FALSE(detail::wants_census("unknown failure", {remote[0], remote[2]}, 0));
+  EXPECT_FALSE(detail::wants_census(cause, {}, 0));  // an elastic lane knows no peers
+  // A dead peer of this host (pid 1 << 30 cannot exist) is the answer: no census.
+  EXPECT_FALSE(
+      detail::wants_census(cause, {peers[0], {2, detail::this_host(), "10.1.0.1", 1 << 30}}, 0));
+  detail::Census c{true, {2}, {1}};
+  auto m = detail::describe_failure("all_reduce of 16 bytes", cause, 2.9, 3s, peers, 0, alive, &c,
+                                    stopped_2);
+  EXPECT_TRUE(contains(m,
+                       "all_reduce of 16 bytes did not complete within 3 s: rank 1 timed out "
+                       "waiting for it and closed its connections (here after 2.9 s); no peer "
+                       "process of this host has exited, and rank 2 (pid 102 on " +
+                           detail::this_host() + ") did not arrive: its process is stopped (T)"))
+      << m;
+  EXPECT_FALSE(contains(m, "exited without")) << m;
+  EXPECT_FALSE(contains(m, "rank 1 (pid")) << m;
+  // A peer that reported is waiting, whatever its state at this instant: only the absent are named.
+  m = detail::describe_failure("x", "timed out", 3.0, 3s, peers, 0, alive, &c,
+                               [](int64_t) { return std::string("its process is in (D)"); });
+  EXPECT_TRUE(contains(m, "rank 2 (pid 102 on " + detail::this_host() +
+                              ") did not arrive: its process is in (D) (every other"))
+      << m;
+  EXPECT_FALSE(contains(m, "rank 1 (pid")) << m;
+  // Two peers timed out, and the census names nobody absent: the others' reports only.
+  c = {true, {}, {1, 2}};
+  m = detail::describe_failure("x", "Connection reset by peer", 1.0, 3s, peers, 0, alive, &c,
+                               nobody);
+  EXPECT_TRUE(contains(m, "ranks 1, 2 timed out waiting for it and closed their connections")) << m;
+  EXPECT_TRUE(contains(m, "every rank reached a collective of this communicator")) << m;
+  // The store did not answer (its server is stopped): a stopped peer of this host closes
+  // nothing, so a live peer's timeout closed it.
+  c = {false, {}, {}};
+  m = detail::describe_failure("x", cause, 1.5, 3s, peers, 0, alive, &c, stopped_2);
+  EXPECT_TRUE(contains(m,
+                       "x did not complete within 3 s: a peer closed its connections (here after "
+                       "1.5 s), as a rank does when its own wait times out; no peer process of "
+                       "this host has exited, and rank 2 (pid 102"))
+      << m;
+  // No peer reported a timeout, or nothing points at one: a peer closed it, as before.
+  for (const detail::Census& other : {detail::Census{true, {2}, {}}, detail::Census{}}) {
+    for (const detail::Census* census : {&other, static_cast<const detail::Census*>(nullptr)}) {
+      m = detail::describe_failure("x", cause, 0.4, 3s, peers, 0, alive, census,
+                                   other.complete ? stopped_2 : nobody);
+      EXPECT_TRUE(contains(m, "x failed after 0.4 s: the peer closed the connection")) << m;
+      EXPECT_FALSE(contains(m, "did not complete")) << m;
+    }
+  }
+  // A peer process of this host has exited: that is the cause, whatever the census says.
+  c = {true, {2}, {1}};
+  m = detail::describe_failure(
+      "x", cause, 0.4, 3s, peers, 0, [](int64_t pid) { return pid != 102; }, &c, stopped_2);
+  EXPECT_TRUE(contains(m, "rank 2 (pid 102 on " + detail::this_host() + ") has exited")) << m;
+}
+
+// The census on a real store: a rank whose connection closed waits for the others' reports only
+// while a peer's timeout may still be reported (a dead peer never reports); a rank that timed out,
+// or learns that a peer did, waits the grace for the absent.
+TEST(CommFailureText, TheCensusOfAClosedConnectionEndsSoonWithoutAPeersTimeout) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto t = Clock::now();
+  auto c = detail::census_of(store, "a", 0, 3, 4000ms, /*timed_out=*/false);
+  EXPECT_LT(seconds_since(t), 2.5);
+  EXPECT_TRUE(c.complete);
+  EXPECT_TRUE(c.timed_out.empty());
+  t = Clock::now();
+  c = detail::census_of(store, "b", 0, 3, 2000ms, /*timed_out=*/true);
+  EXPECT_GT(seconds_since(t), 1.9);
+  EXPECT_EQ(c.absent, (std::vector<int>{1, 2}));
+  // Rank 1 reported its timeout (as rank 0 of census "b" just did): rank 2's closed connection
+  // waits for the absent rank 0 to the grace, and names rank 1.
+  store->set("fsdp/census/c/1", std::vector<uint8_t>{1});
+  t = Clock::now();
+  c = detail::census_of(store, "c", 2, 3, 2000ms, /*timed_out=*/false);
+  EXPECT_GT(seconds_since(t), 1.9);
+  EXPECT_EQ(c.absent, (std::vector<int>{0}));
+  EXPECT_EQ(c.timed_out, (std::vector<int>{1}));
 }
 
 TEST(CommFailureText, UnconnectedRanksAreNamedWithTheirProcess) {
@@ -370,23 +466,37 @@ TEST(CommFailureTest, ALaneThatFailsToConnectLeavesItsCommunicatorWhole) {
 // A rank stopped by SIGSTOP keeps its connections open: the others' all-reduce times out, and
 // every waiting rank names it, its pid and its state (before: "a peer rank is hung ...", no
 // rank). Rank 0 serves the store: when it is the stopped one the store cannot answer the census,
-// and its state alone names it.
-class HungPeer : public ::testing::TestWithParam<int> {};
+// and its state alone names it. A rank whose wait times out closes its connections: a waiting
+// rank that arrived later (`late`, 1.5 s after the others) sees them close before its own limit,
+// and names the stopped rank all the same (before: "one of ranks 1, 2, 3 has exited").
+struct HungCase {
+  int hung;
+  int late;  // -1: every waiting rank issues the all-reduce at once
+};
+
+void PrintTo(const HungCase& c, std::ostream* os) {
+  *os << "rank " << c.hung << " hung, rank " << c.late << " late";
+}
+
+class HungPeer : public ::testing::TestWithParam<HungCase> {};
 
 TEST_P(HungPeer, IsNamedWhenTheOthersTimeOut) {
-  const int hung = GetParam();
+  const int hung = GetParam().hung;
+  const int late = GetParam().late;
   RunOptions opt;
   opt.collective_timeout_s = 3;
   opt.expect_failure = true;
   auto res = run_ranks(
       4,
-      [hung](Rank& r) {
+      [hung, late](Rank& r) {
         auto c = r.world();
         c->barrier().wait();
         if (c->rank() == hung) {
           ::raise(SIGSTOP);  // until another rank kills it
           return;
         }
+        const auto arrived = Clock::now();
+        if (c->rank() == late) std::this_thread::sleep_for(1500ms);
         const auto start = Clock::now();
         std::string m;
         try {
@@ -406,15 +516,17 @@ TEST_P(HungPeer, IsNamedWhenTheOthersTimeOut) {
             EXPECT_FALSE(contains(m, detail::cat("rank ", other, " (pid"))) << m;
           }
         }
+        EXPECT_FALSE(contains(m, "has exited.") || contains(m, "have exited") ||
+                     contains(m, "exited without"))
+            << m;
         EXPECT_LT(seconds_since(start), 3 + 5 + 2) << m;  // the limit, the census, slack
         std::printf("rank %d saw: %s\n", c->rank(), m.c_str());
-        // One rank ends the stopped one, once every waiting rank has written its message (they
-        // time out within milliseconds of each other; a rank still describing its failure would
-        // see a dead process instead).
-        if (c->rank() == (hung + 1) % 4) {
-          std::this_thread::sleep_for(3s);
-          ::kill(static_cast<pid_t>(p.pid), SIGKILL);
-        }
+        // One rank ends the stopped one, and every waiting rank exits, once every waiting rank
+        // has written its message (a rank still describing its failure would see a dead process
+        // instead): by the late one's start, the limit, the census and slack. The store may be
+        // the stopped rank's, so a fixed time after the barrier it is.
+        std::this_thread::sleep_until(arrived + 1500ms + 3s + 3s + 2s);
+        if (c->rank() == (hung + 1) % 4) ::kill(static_cast<pid_t>(p.pid), SIGKILL);
       },
       opt);
   if (in_rank_process()) return;
@@ -425,9 +537,18 @@ TEST_P(HungPeer, IsNamedWhenTheOthersTimeOut) {
       EXPECT_EQ(res.exit_codes[r], 0) << res.output[r];
     }
   }
+  if (late >= 0) {  // it saw a connection close, not its own timeout
+    EXPECT_TRUE(contains(res.output[late], "here after 1.")) << res.output[late];
+  }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, HungPeer, ::testing::Values(2, 0));
+INSTANTIATE_TEST_SUITE_P(
+    Ranks, HungPeer,
+    ::testing::Values(HungCase{2, -1}, HungCase{0, -1}, HungCase{2, 0}, HungCase{0, 1}),
+    [](const ::testing::TestParamInfo<HungCase>& i) {
+      return detail::cat("hung", i.param.hung,
+                         i.param.late < 0 ? std::string() : detail::cat("_late", i.param.late));
+    });
 
 // Two hand-launched jobs given the same MASTER_PORT: a second job's rank 1 reaches the first
 // job's store and stops at once, naming the address, the rank already held and the process holding

@@ -21,9 +21,10 @@ std::string seconds(double s) {
   return os.str();
 }
 
-// A timeout's suspects: the ranks that did not arrive (the census) and the peers of this host in
-// an abnormal state, as "rank 2 (pid 7 on h) did not arrive: its process is stopped (...)";
-// "" when the census is missing and no local peer is in such a state.
+// A timeout's suspects: the ranks that did not arrive (the census), with the state of those of
+// this host, or, without a census, the peers of this host in an abnormal state, as "rank 2 (pid 7
+// on h) did not arrive: its process is stopped (...)"; "" when the census is missing and no local
+// peer is in such a state.
 std::string hung_ranks(const std::vector<PeerInfo>& peers, int self, const Census* census,
                        const std::function<std::string(int64_t)>& state,
                        std::chrono::milliseconds timeout) {
@@ -33,9 +34,12 @@ std::string hung_ranks(const std::vector<PeerInfo>& peers, int self, const Censu
   for (size_t i = 0; i < peers.size(); ++i) {
     const PeerInfo& p = peers[i];
     if (static_cast<int>(i) == self) continue;
-    const bool absent = census && census->complete &&
-                        std::find(census->absent.begin(), census->absent.end(),
-                                  static_cast<int>(i)) != census->absent.end();
+    const bool counted = census && census->complete;
+    const bool absent = counted && std::find(census->absent.begin(), census->absent.end(),
+                                             static_cast<int>(i)) != census->absent.end();
+    // A rank that reported is waiting in a collective: its state at this instant (a moment in
+    // uninterruptible sleep, say) says nothing about the hang.
+    if (counted && !absent) continue;
     const std::string st = p.host == host ? state_of(p.pid) : std::string();
     if (!absent && st.empty()) continue;
     named.push_back(cat("rank ", p.rank, " (pid ", p.pid, " on ", p.host, ") did not arrive",
@@ -57,6 +61,17 @@ std::string hung_ranks(const std::vector<PeerInfo>& peers, int self, const Censu
                " on ", peers[0].host,
                "), which serves it unless a launcher's agent does, is likely hung");
   return {};
+}
+
+// Whether a peer process of this host is stopped, traced or in uninterruptible sleep.
+bool local_peer_stuck(const std::vector<PeerInfo>& peers, int self,
+                      const std::function<std::string(int64_t)>& state) {
+  const auto state_of = state ? state : process_state;
+  const std::string host = this_host();
+  for (size_t i = 0; i < peers.size(); ++i)
+    if (static_cast<int>(i) != self && peers[i].host == host && !state_of(peers[i].pid).empty())
+      return true;
+  return false;
 }
 
 }  // namespace
@@ -113,14 +128,39 @@ Suspects suspect_ranks(const std::string& cause, const std::vector<PeerInfo>& pe
   return {by_address, false};
 }
 
+bool wants_census(const std::string& cause, const std::vector<PeerInfo>& peers, int self) {
+  switch (classify_failure(cause)) {
+    case FailureKind::kTimeout:
+      return true;
+    case FailureKind::kPeerClosed:
+    case FailureKind::kReset:  // a communicator without peers (an elastic lane) names nobody
+      return !peers.empty() && !suspect_ranks(cause, peers, self, nullptr).exited;
+    case FailureKind::kOther:
+      return false;
+  }
+  return false;
+}
+
 std::string describe_failure(const std::string& what, const std::string& cause, double elapsed_s,
                              std::chrono::milliseconds timeout, const std::vector<PeerInfo>& peers,
                              int self, const std::function<bool(int64_t pid)>& alive,
                              const Census* census,
                              const std::function<std::string(int64_t pid)>& state) {
-  const FailureKind kind = classify_failure(cause);
+  FailureKind kind = classify_failure(cause);
   const Suspects suspects = suspect_ranks(cause, peers, self, alive);
-  const auto& ranks = suspects.ranks;
+  // A peer whose own wait timed out closes its connections. With no peer process of this host
+  // exited, this rank's "closed by peer" is that timeout when a peer reported its timeout in the
+  // census, or, where the store did not answer, when a peer of this host is stopped or stuck (a
+  // stopped process closes nothing).
+  bool by_timeout = false;
+  std::vector<int> timed_out;  // the peers that reported it; empty when unknown
+  if ((kind == FailureKind::kPeerClosed || kind == FailureKind::kReset) && !suspects.exited &&
+      census) {
+    timed_out = census->timed_out;
+    by_timeout = census->complete ? !timed_out.empty() : local_peer_stuck(peers, self, state);
+  }
+  if (by_timeout) kind = FailureKind::kTimeout;
+  const auto& ranks = by_timeout ? std::vector<int>{} : suspects.ranks;
   const bool one = ranks.size() == 1;
   std::string who;  // "rank 1 (pid 7 on h)", "ranks 1, 2", "one of ranks 0, 1"
   if (one) {
@@ -150,7 +190,17 @@ std::string describe_failure(const std::string& what, const std::string& cause, 
     case FailureKind::kTimeout: {
       const std::string hung =
           ranks.empty() && census ? hung_ranks(peers, self, census, state, timeout) : std::string();
-      out = cat(what, " did not complete within ", limit, ": no peer connection failed, ",
+      const std::string here = cat(" (here after ", seconds(elapsed_s), " s)");
+      const std::string how =
+          !by_timeout ? std::string("no peer connection failed")
+          : timed_out.empty()
+              ? cat("a peer closed its connections", here,
+                    ", as a rank does when its own wait times out; no peer process of this host "
+                    "has exited")
+              : cat(rank_list(timed_out), " timed out waiting for it and closed ",
+                    timed_out.size() == 1 ? "its" : "their", " connections", here,
+                    "; no peer process of this host has exited");
+      out = cat(what, " did not complete within ", limit, ": ", how, ", ",
                 !ranks.empty()  ? cat(who, verb, " exited without closing its connections")
                 : !hung.empty() ? "and " + hung
                                 : std::string("so a peer rank is hung, slower than the limit, "

@@ -35,10 +35,18 @@ struct Suspects {
 Suspects suspect_ranks(const std::string& cause, const std::vector<PeerInfo>& peers, int self,
                        const std::function<bool(int64_t pid)>& alive);
 
+// Whether a failure with this cause asks the other ranks (census_of) before it is described: a
+// timeout, and a closed or reset connection while every peer process of this host is alive (a
+// peer's own timeout closes its connections; a remote peer may have exited or timed out), unless
+// the communicator knows no peers (an elastic lane: a loss there is absorbed, not described).
+bool wants_census(const std::string& cause, const std::vector<PeerInfo>& peers, int self);
+
 // The whole message for a failed wait of `what` ("all_gather of 8192 bytes on communicator
 // 'world' (rank 0 of ranks 0..1)") after `elapsed_s`, with limit `timeout`. For a timeout,
 // `census` (when given) says which ranks did not arrive, and `state` (process_state by default)
-// what a peer process of this host is doing: they are named as a dead peer is.
+// what a peer process of this host is doing: they are named as a dead peer is. A closed
+// connection while some peer reported its own timeout in the census, and no peer process of this
+// host has exited, is described as that timeout.
 std::string describe_failure(const std::string& what, const std::string& cause, double elapsed_s,
                              std::chrono::milliseconds timeout, const std::vector<PeerInfo>& peers,
                              int self, const std::function<bool(int64_t pid)>& alive = nullptr,

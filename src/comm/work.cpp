@@ -115,12 +115,14 @@ void Work::wait(std::chrono::milliseconds timeout) {
       // The collective is lost: waiting again must neither hang nor pass as a success.
       impl_->done = true;
       const double elapsed_s = (trace::now_us() - impl_->issued_us) * 1e-6;
-      // A timeout names nobody by itself: ask which ranks are waiting too (timeout_census.h).
-      // Only the first failure of a group does (later waits fail at once, above).
+      // A timeout names nobody by itself, and a connection a live peer closed may be that peer's
+      // timeout: ask which ranks are waiting too (timeout_census.h). Only the first failure of a
+      // group does (later waits fail at once, above).
       std::optional<detail::Census> census;
-      if (detail::classify_failure(cause) == detail::FailureKind::kTimeout)
-        census = detail::census_of(impl_->store, impl_->lane, impl_->rank, impl_->size,
-                                   detail::census_grace(timeout));
+      if (detail::wants_census(cause, *impl_->peers, impl_->rank))
+        census = detail::census_of(
+            impl_->store, impl_->lane, impl_->rank, impl_->size, detail::census_grace(timeout),
+            detail::classify_failure(cause) == detail::FailureKind::kTimeout);
       impl_->error = detail::describe_failure(impl_->what, cause, elapsed_s, timeout, *impl_->peers,
                                               impl_->rank, nullptr, census ? &*census : nullptr);
       mark_broken(impl_->group, impl_->error);
