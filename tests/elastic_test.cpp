@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <future>
 #include <regex>
@@ -39,9 +40,12 @@ ReplicaProcesses dead() {
   return {detail::this_host(), {pid}};
 }
 
+// The replica ids of a decision's members, ascending. Members are ordered by ticket, which
+// depends on which of the test's threads took its ticket first.
 std::vector<int> ids(const Decision& d) {
   std::vector<int> out;
   for (const auto& m : d.members) out.push_back(m.id);
+  std::sort(out.begin(), out.end());
   return out;
 }
 
